@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshplan-installed
 # machines to the CUDA build of the same version. Never leave torch open-ended.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup plan test lint bench clean
+.PHONY: setup plan test test-fast test-slow lint bench clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,16 @@ $(STAMP): pyproject.toml
 plan: setup
 	$(BIN)/meshplan plan --model 13B --gpus 16
 
-test: setup
-	$(BIN)/python -m pytest -q
+# Tiers run fastest first, so a break shows within a couple of minutes:
+# unit + cli (pure Python and CLI subprocesses), then multiproc (torchrun on
+# gloo) and gpu (skipped without CUDA).
+test: test-fast test-slow
+
+test-fast: setup
+	$(BIN)/python -m pytest -q --durations=10 tests/unit tests/cli
+
+test-slow: setup
+	$(BIN)/python -m pytest -q --durations=10 tests/multiproc tests/gpu
 
 lint: setup
 	$(BIN)/ruff check .

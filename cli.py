@@ -9,7 +9,6 @@ layout); anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 
 import click
@@ -18,34 +17,29 @@ __version__ = "0.1.0"
 
 # verb -> "module:attribute" of its click command. Each module owns one area.
 VERBS: dict[str, str] = {
-    "models": "planner.cli_models:models",
-    "topo": "topologies.cli_topo:topo",
-    "plan": "planner.cli_plan:plan",
-    "compare": "planner.cli_plan:compare",
-    "simulate": "planner.cli_simulate:simulate",
-    "export": "planner.cli_export:export",
-    "execute": "executor.cli_execute:execute",
-    "checkpoint": "executor.cli_checkpoint:checkpoint",
-    "calibrate": "executor.cli_loop:calibrate",
-    "report": "executor.cli_loop:report",
-    "validate-memory": "executor.cli_loop:validate_memory",
+    "models": "planner.cli.models:models",
+    "topo": "topologies.cli.topo:topo",
+    "plan": "planner.cli.plan:plan",
+    "compare": "planner.cli.plan:compare",
+    "simulate": "planner.cli.simulate:simulate",
+    "export": "planner.cli.export:export",
+    "execute": "executor.cli.execute:execute",
+    "checkpoint": "executor.cli.checkpoint:checkpoint",
+    "calibrate": "executor.cli.loop:calibrate",
+    "report": "executor.cli.loop:report",
+    "validate-memory": "executor.cli.loop:validate_memory",
 }
-
-
-def _available(target: str) -> bool:
-    module = target.split(":")[0]
-    return importlib.util.find_spec(module) is not None
 
 
 class LazyGroup(click.Group):
     """A click group that imports a verb's module only when that verb runs."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(name for name, target in VERBS.items() if _available(target))
+        return sorted(VERBS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = VERBS.get(name)
-        if target is None or not _available(target):
+        if target is None:
             return None
         module_name, attr = target.split(":")
         return getattr(importlib.import_module(module_name), attr)

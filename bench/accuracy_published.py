@@ -16,7 +16,7 @@ torchtitan's FSDP2 rows are listed but kept out of the MAPE: they ran on
 one calibration profile; nothing is fitted per row.
 
     python bench/accuracy_published.py        # per-row error, MAPE per source and split
-    python bench/accuracy_published.py --fit  # refit topologies/calibrations/h100.json
+    python bench/accuracy_published.py --fit  # refit planner/simulate/calibrations/h100.json
 
 Hold-out: `--fit` uses only the rows of FIT_MODELS and writes that fit; the
 other models (whole model families, not alternate rows) are never seen by it.
@@ -36,18 +36,20 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.calibration import CalibrationProfile, load_calibration  # noqa: E402
+from planner.engines import TimeTraits, get_engine  # noqa: E402
 from planner.layout import Layout  # noqa: E402
-from planner.model import ModelSpec  # noqa: E402
-from planner.simulate import ENGINE_TRAITS, EngineTraits, simulate_step  # noqa: E402
+from planner.model.spec import ModelSpec  # noqa: E402
+from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
+from planner.simulate.step import simulate_step  # noqa: E402
 from planner.training import TrainingSpec  # noqa: E402
-from topologies.cluster import Cluster, load_cluster  # noqa: E402
+from topologies.cluster import Cluster  # noqa: E402
+from topologies.cluster_load import load_cluster  # noqa: E402
 
 DATA = REPO / "bench" / "data" / "h100_published.json"
 GPU = "h100-sxm"
 # NeMo 24.09 runs Megatron-Core with Transformer Engine, which is what the
-# "megatron" engine models (planner.simulate.ENGINE_TRAITS).
-TRAITS = {"meshplan": ENGINE_TRAITS["meshplan"], "megatron-core": ENGINE_TRAITS["megatron"]}
+# "megatron" engine models (planner.engines.ENGINES).
+TRAITS = {"meshplan": get_engine("meshplan").time, "megatron-core": get_engine("megatron").time}
 # Validation models are never seen by the fit: whole model families held out.
 FIT_MODELS = ("mpt-760m", "mpt-3b", "mpt-13b", "mpt-70b", "llama3.1-8b", "llama3.1-405b-nemo", "nemotron4-15b")
 # Per source and split. The A100 multi-node target of issue 5 (10%), tighter than
@@ -68,7 +70,7 @@ class Published:
     gpus: int
     layout: Layout
     engine: str
-    traits: EngineTraits
+    traits: TimeTraits
     measured_s: float  # step time
     in_mape: bool
     num_params: int | None  # as published, when the source prints it
@@ -208,7 +210,7 @@ def fit_and_save() -> CalibrationProfile:
     """Fit on the FIT_MODELS rows only and write the profile: the validation rows stay unseen."""
     import datetime
 
-    from planner.calibration import CALIBRATION_DIR
+    from planner.simulate.calibration import CALIBRATION_DIR
 
     rows = [r for r in load_rows() if r.in_mape and r.split == "fit"]
     profile = fit(rows, CalibrationProfile(gpu=GPU)).replace(

@@ -12,7 +12,7 @@ simulated with the same calibration profile; nothing is fitted per row.
 The cluster is what the publishers state: 8 A100 SXM per node on NVSwitch,
 800 Gbit/s per node between nodes (4 x 200 Gbit/s HDR). The engine is the
 2022 Megatron-DeepSpeed the data was measured with
-(planner.simulate.MEGATRON_DEEPSPEED_2022): eager softmax attention, DP
+(planner.engines.MEGATRON_DEEPSPEED_2022): eager softmax attention, DP
 all-reduce after the backward, not overlapped.
 """
 
@@ -27,12 +27,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.calibration import CalibrationProfile, load_calibration  # noqa: E402
+from planner.engines import MEGATRON_DEEPSPEED_2022  # noqa: E402
 from planner.layout import Layout  # noqa: E402
-from planner.model import ModelSpec  # noqa: E402
-from planner.simulate import MEGATRON_DEEPSPEED_2022, simulate_step  # noqa: E402
+from planner.model.spec import ModelSpec  # noqa: E402
+from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
+from planner.simulate.step import simulate_step  # noqa: E402
 from planner.training import TrainingSpec  # noqa: E402
-from topologies.cluster import Cluster, load_cluster  # noqa: E402
+from topologies.cluster import Cluster  # noqa: E402
+from topologies.cluster_load import load_cluster  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "vtrain"
 FILES = ("single", "multi")
@@ -174,7 +176,7 @@ def fit_and_save(base: CalibrationProfile) -> CalibrationProfile:
     """Fit on even rows, report odd rows (hold-out), then fit on all rows and write the profile."""
     import datetime
 
-    from planner.calibration import CALIBRATION_DIR
+    from planner.simulate.calibration import CALIBRATION_DIR
 
     rows = {kind: load_rows(kind) for kind in FILES}
     half = fit({k: v[0::2] for k, v in rows.items()}, base)

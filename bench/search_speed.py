@@ -12,7 +12,7 @@ collective prices cached yet.
    second one (warm), each split into time inside `simulate_step` and the
    search's own work (enumeration, bounds, memory). Two engines: megatron
    searches the whole space (every schedule, CP, ZeRO-1 with TP/PP); meshplan
-   only what its executor runs (planner.executor_support: gpt-1t ties its
+   only what its executor runs (planner.engines: gpt-1t ties its
    embeddings, so pp is 1), a much smaller space.
 2. `meshplan plan --model gpt-1t --gpus 16384 --engine megatron` and
    `meshplan plan --model 13B --gpus 16`, from process start to output, as a
@@ -47,9 +47,9 @@ def _one_core() -> None:
 
 def search_1t(engine: str) -> None:
     """Two searches in this (fresh) process: the first is the cold one a user waits for."""
-    from planner.model import load_model
-    from planner.search import search
-    from topologies.cluster import load_cluster
+    from planner.model.load import load_model
+    from planner.search.search import search
+    from topologies.cluster_load import load_cluster
 
     model, cluster = load_model("gpt-1t"), load_cluster("dgx-h100", 16384)
     for label in ("cold", "warm"):

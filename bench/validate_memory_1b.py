@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from executor.validate_memory import TOLERANCE, validate_plan  # noqa: E402
+from executor.validate.memory import TOLERANCE, validate_plan  # noqa: E402
 from planner.layout import Layout  # noqa: E402
-from planner.model import load_model  # noqa: E402
+from planner.model.spec import load_model  # noqa: E402
 from planner.plan import Plan, with_stage_layers  # noqa: E402
 from planner.training import TrainingSpec  # noqa: E402
-from topologies.cluster import load_cluster  # noqa: E402
+from topologies.cluster_load import load_cluster  # noqa: E402
 
 GPUS = 64
 LAYOUTS = {

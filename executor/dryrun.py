@@ -17,10 +17,10 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from executor.mesh import build_mesh, dp_flat
 from executor.model import build_model
-from executor.parallelize import compute_dtype, shard
-from executor.pipeline import stage_ids, stage_layers
+from executor.parallel.mesh import build_mesh, dp_flat
+from executor.parallel.parallelize import compute_dtype, shard
+from executor.parallel.pipeline import stage_ids, stage_layers
 from planner.layout import MESH_AXES
 from planner.plan import Plan
 from topologies.terminal import console

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.model import ModelSpec
+from planner.model.spec import ModelSpec
 from topologies.errors import ModelError
 
 INIT_STD = 0.02  # GPT-2 / nanoGPT: N(0, 0.02) for weights and embeddings

@@ -93,7 +93,7 @@ def predicted_peak_bytes(plan: Plan) -> int:
     Re-estimated rather than read from plan.json's prediction: a plan edited
     by hand (a bigger model, another batch) keeps a stale prediction.
     """
-    from planner.memory import estimate_memory
+    from planner.memory.estimate import estimate_memory
 
     return estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine).peak_bytes
 
@@ -120,7 +120,7 @@ def check_data(plan: Plan, data: str | None, seed: int) -> str:
     Two sequences prove the source opens and yields in-vocabulary tokens at both
     ends of a batch; reading the whole batch could cost gigabytes before launch.
     """
-    from executor.data import open_source
+    from executor.components.data import open_source
 
     source = open_source(data, plan.model.vocab, plan.training.seq_len, seed)
     source.sequences(np.array(sorted({0, plan.training.global_batch_size - 1})))

@@ -1,13 +1,13 @@
 """The training loop of one rank: build, (resume,) step, report, checkpoint.
 
-One optimizer step consumes one global batch (executor/data.py):
+One optimizer step consumes one global batch (executor/components/data.py):
   * without PP, grad_accum_steps micro-steps of micro_batch_size sequences;
     each adds grad(loss_i / n); gradient sync (DDP all-reduce, FSDP2
     reduce-scatter) is skipped on all but the last micro-step (DDP no_sync,
     FSDP2/replicate set_requires_gradient_sync(False));
   * with PP, the schedule runs the same micro-batches through the stages and
     scales gradients by 1/n itself;
-then gradients are clipped to a global norm of 1 (executor/optim.py), AdamW
+then gradients are clipped to a global norm of 1 (executor/components/optim.py), AdamW
 steps and the LR schedule advances. Because every micro-batch has the same
 number of tokens, the update is the gradient of the global-batch mean loss
 whatever the layout - the determinism contract.
@@ -16,7 +16,7 @@ The reported loss is that global-batch mean: every rank holding the last
 pipeline stage has its local mean; one all-reduce of loss / (world / pp)
 over the world averages them (TP ranks of a replica hold equal copies).
 
-Checkpoints (executor/checkpoint.py, CKPT's): on --resume or after a
+Checkpoints (executor/components/checkpoint.py, CKPT's): on --resume or after a
 torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the latest checkpoint is
 loaded; every --checkpoint-every steps one is saved. `app_state` is
 {"model": [parts], "optim": [one optimizer per part], "train": TrainState}.
@@ -42,9 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
-from executor.data import local_batch, open_source
-from executor.mesh import dp_rank
-from executor.metrics import (
+from executor.components.data import local_batch, open_source
+from executor.components.metrics import (
     MetricsLog,
     ProgressLine,
     mfu,
@@ -53,10 +52,17 @@ from executor.metrics import (
     summarize,
     write_summary,
 )
+from executor.components.optim import (
+    build_optimizers,
+    build_scheduler,
+    clip_grad_norm,
+    default_lr,
+    unique_params,
+)
 from executor.model import build_model
-from executor.optim import build_optimizers, build_scheduler, clip_grad_norm, default_lr, unique_params
-from executor.parallelize import ParallelModel, parallelize
-from executor.pipeline import build_schedule, make_stages
+from executor.parallel.mesh import dp_rank
+from executor.parallel.parallelize import ParallelModel, parallelize
+from executor.parallel.pipeline import build_schedule, make_stages
 from planner.plan import Plan
 
 KILL_ENV = "MESHPLAN_TEST_KILL_AFTER_STEP"
@@ -70,7 +76,7 @@ class RunOptions:
     steps: int
     seed: int = 0
     data: str | None = None
-    lr: float | None = None  # None: executor.optim.default_lr(hidden)
+    lr: float | None = None  # None: executor.components.optim.default_lr(hidden)
     log_every: int = 10
     checkpoint_every: int = 0  # 0: never
     keep_checkpoints: int | None = None
@@ -161,7 +167,7 @@ def _checkpoint_manager(opts: RunOptions, restarted: bool):
     """CKPT's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
     if not (opts.checkpoint_every or opts.resume or restarted):
         return None
-    from executor.checkpoint import CheckpointManager
+    from executor.components.checkpoint import CheckpointManager
 
     return CheckpointManager(opts.out_dir, keep=opts.keep_checkpoints)
 

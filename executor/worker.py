@@ -75,7 +75,7 @@ def _rendezvous(timeout: timedelta) -> dict:
 def run(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
-    from executor.mesh import backend_for, build_mesh, device_type_for, local_device
+    from executor.parallel.mesh import backend_for, build_mesh, device_type_for, local_device
     from executor.train import train
     from planner.plan import load_plan
 

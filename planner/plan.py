@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.engines import get_engine
 from planner.layout import Layout, balanced_layers, divisors
-from planner.model import ModelSpec
+from planner.model.spec import ModelSpec
 from planner.training import TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import MeshplanError, PlanError
 
 SCHEMA_VERSION = 1
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
-ENGINES = ("meshplan", "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
-        if self.engine not in ENGINES:
-            raise PlanError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        get_engine(self.engine)  # a PlanError naming the engines when unknown
 
     @property
     def world_size(self) -> int:

@@ -86,12 +86,25 @@ def cli():
     return run_cli
 
 
+TIERS = ("unit", "cli", "multiproc", "gpu")  # tests/<tier>/...: the folder is the marker
+
+
 def pytest_collection_modifyitems(config, items):
+    """Mark every test by its folder, and skip the gpu tier when CUDA is absent.
+
+    A test outside the four tier folders is an error: its tier would be unknown,
+    so `make test-fast` could silently leave it out or run a slow test early.
+    """
+    for item in items:
+        tier = Path(str(item.path)).relative_to(REPO / "tests").parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}/, not {tier!r}")
+        item.add_marker(getattr(pytest.mark, tier))
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
-    except Exception:  # torch missing or broken: GPU tests cannot run either
+    except ImportError:  # torch missing: GPU tests cannot run either
         has_cuda = False
     if has_cuda:
         return

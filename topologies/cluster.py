@@ -144,8 +144,3 @@ class Cluster:
             )
         return dataclasses.replace(self, n_nodes=n_gpus // per)
 
-
-# Re-exported here because callers think of them as "how a Cluster is made".
-from topologies.presets_io import load_cluster, parse_overrides, preset_names  # noqa: E402
-
-__all__ = ["Cluster", "INTRA_NODE_KINDS", "load_cluster", "parse_overrides", "preset_names"]

@@ -1,0 +1,242 @@
+"""Fitting: measured microbenchmarks -> the planner's CalibrationProfile.
+
+Every parameter is fitted by asking the simulator's OWN time model
+(`planner.simulate.compute`, `topologies.collectives`) to reproduce the measurements,
+so a fitted profile predicts the benchmarks it came from by construction and
+no formula is duplicated here. Residuals are relative (log of predicted over
+measured time), so a 100 us GEMM weighs as much as a 100 ms one.
+
+  gemm_efficiency, gemm_knee   least squares over the GEMM grid of the training
+                               dtype: t = 2mnk / (peak * eff) * (1 + knee (1/m + 1/n + 1/k))
+  attention_efficiency         geometric mean of t_model(eff=1) / t_measured over
+                               the causal SDPA forward+backward samples
+  memory_efficiency            the same over device copies (bytes = read + write)
+  optimizer_bytes_per_param    t_adamw * HBM bandwidth * memory_efficiency / params
+  layer_overhead_s             forward time of a tiny block (host-bound: the GPU work is nil)
+  link_efficiency,             the topology model's collective times reproduce the
+  latency_scale                measured ones (log least squares, see fit_comm); only
+                               the link classes of this one node are measured
+  other_bytes                  device memory in use beyond PyTorch's allocator on a
+                               rank that ran NCCL collectives (CUDA context, NCCL
+                               buffers); CUDA only, None on CPU
+
+`update_profile_from_run` folds a real training run into a profile (the rule
+is in its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from executor.calibrate.bench import AttentionSample, GemmSample, MemorySample
+from executor.calibrate.comm import CommSample
+from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.compute import attention_core_times, gemm_time_s, memory_time_s
+from planner.training import DTYPE_BYTES
+from topologies.cluster import Cluster
+from topologies.errors import ExecutionError
+from topologies.hardware import GPUSpec
+
+EFF_BOUNDS = (1e-4, 1.5)  # what CalibrationProfile accepts for a fraction (a floor keeps logs finite)
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(max(value, low), high)
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def fit_gemm(samples: Sequence[GemmSample], peak_flops: float, base: CalibrationProfile) -> tuple[float, float]:
+    """(gemm_efficiency, gemm_knee) minimizing sum(log(t_model / t_measured)^2)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    if not samples:
+        raise ExecutionError("no GEMM samples to fit: the benchmark grid was empty")
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        cal = base.replace(gemm_efficiency=float(x[0]), gemm_knee=float(x[1]))
+        return np.array([math.log(gemm_time_s(s.m, s.n, s.k, peak_flops, cal) / s.time_s) for s in samples])
+
+    start = [_clamp(base.gemm_efficiency, *EFF_BOUNDS), max(base.gemm_knee, 1.0)]
+    fit = least_squares(residuals, start, bounds=([EFF_BOUNDS[0], 0.0], [EFF_BOUNDS[1], 1e5]))
+    return float(fit.x[0]), float(fit.x[1])
+
+
+def fit_attention(samples: Sequence[AttentionSample], gpu: GPUSpec, peak_flops: float,
+                  base: CalibrationProfile) -> float:
+    """attention_efficiency: the model's time at efficiency 1 over the measured time, geometric mean."""
+    unit = base.replace(attention_efficiency=1.0)
+    ratios = []
+    for s in samples:
+        fwd, bwd = attention_core_times(s.batch * s.heads, s.seq_len, s.seq_len, s.head_dim, DTYPE_BYTES[s.dtype], 0.0, True,
+                                        gpu, peak_flops, unit)
+        ratios.append((fwd + bwd) / s.time_s)
+    return _clamp(_geomean(ratios), *EFF_BOUNDS)
+
+
+def fit_memory(samples: Sequence[MemorySample], gpu: GPUSpec, base: CalibrationProfile) -> float:
+    """memory_efficiency: copy time at efficiency 1 over the measured time, geometric mean."""
+    unit = base.replace(memory_efficiency=1.0)
+    return _clamp(_geomean([memory_time_s(2 * s.size_bytes, gpu, unit) / s.time_s for s in samples]), *EFF_BOUNDS)
+
+
+def optimizer_bytes_per_param(time_s: float, n_params: int, gpu: GPUSpec, memory_efficiency: float) -> float:
+    """Bytes per parameter an AdamW step streams, given its measured time (inverse of optimizer_time_s)."""
+    return time_s * gpu.memory_gbytes_per_s * 1e9 * memory_efficiency / n_params
+
+
+def local_link_classes(cluster: Cluster) -> tuple[str, ...]:
+    """Efficiency classes of the links inside this node (NVLink SHARP too when the switch has it)."""
+    from topologies.links import derive_labels, link_class
+
+    classes = {link_class(lab) for row in derive_labels(cluster) for lab in row if lab != "X"}
+    if cluster.intra_node == "nvswitch" and cluster.gpu.nvlink_gen >= 4:
+        classes.add("nvls")
+    return tuple(sorted(classes))
+
+
+def fit_comm(samples: Sequence[CommSample], cluster: Cluster) -> tuple[dict[str, float], float] | None:
+    """(link_efficiency of this node's classes, latency_scale), or None without samples.
+
+    One factor f scales the default efficiency of every class the node uses
+    (eff_c = f * EFFICIENCY[c], at most 1) and latency_scale scales every hop
+    and launch latency; both minimize sum(log(t_model / t_measured)^2) with
+    t_model = CollectiveModel(cluster, eff, latency_scale).time_s - the
+    simulator's own collective model. collective_overhead_s (framework
+    dispatch) is not separable from latency on one node and keeps its value.
+    """
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from topologies.collectives import CollectiveModel
+    from topologies.links import EFFICIENCY
+
+    if not samples:
+        return None
+    classes = local_link_classes(cluster)
+
+    def efficiencies(f: float) -> dict[str, float]:
+        return {c: min(1.0, f * EFFICIENCY[c]) for c in classes}
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        model = CollectiveModel(cluster, efficiency=efficiencies(float(x[0])), latency_scale=float(x[1]))
+        return np.array([math.log(model.time_s(s.op, s.size_bytes, tuple(range(s.n_ranks))) / s.time_s)
+                         for s in samples])
+
+    top = 1.0 / min(EFFICIENCY[c] for c in classes)
+    fit = least_squares(residuals, [min(1.0, top), 1.0], bounds=([1e-3, 1e-3], [top, 1e4]))
+    return efficiencies(float(fit.x[0])), float(fit.x[1])
+
+
+def fit_profile(*, gpu: GPUSpec, dtype: str, base: CalibrationProfile, gemm: Sequence[GemmSample],
+                attention: Sequence[AttentionSample], memory: Sequence[MemorySample],
+                adamw: tuple[float, int] | None, layer_overhead_s: float | None, comm: Sequence[CommSample],
+                cluster: Cluster, other_bytes: int | None, source: str, date: str) -> CalibrationProfile:
+    """Every fit above, combined into one profile (fields without measurements keep `base`)."""
+    peak = gpu.peak_flops(dtype)
+    eff, knee = fit_gemm([s for s in gemm if s.dtype == dtype], peak, base)
+    changes: dict[str, Any] = dict(gpu=gpu.name, gemm_efficiency=eff, gemm_knee=knee, source=source, date=date)
+    if attention:
+        # The benchmark times SDPA, the meshplan engine's own kernel; the profile stores the
+        # base rate that `for_engine("meshplan")` scales down again, so divide the factor out.
+        meshplan_factor = base.engine_factors.get("meshplan", {}).get("attention_efficiency", 1.0)
+        changes["attention_efficiency"] = min(1.5, fit_attention(attention, gpu, peak, base) / meshplan_factor)
+    if memory:
+        changes["memory_efficiency"] = fit_memory(memory, gpu, base)
+    if adamw:
+        mem_eff = changes.get("memory_efficiency", base.memory_efficiency)
+        changes["optimizer_bytes_per_param"] = optimizer_bytes_per_param(adamw[0], adamw[1], gpu, mem_eff)
+    if layer_overhead_s is not None:
+        changes["layer_overhead_s"] = layer_overhead_s
+    fitted_comm = fit_comm(comm, cluster)
+    if fitted_comm:
+        changes["link_efficiency"] = {**base.link_efficiency, **fitted_comm[0]}
+        changes["latency_scale"] = fitted_comm[1]
+    if other_bytes is not None:
+        changes["other_bytes"] = other_bytes
+    return base.replace(**changes)
+
+
+def prediction_errors(profile: CalibrationProfile, gpu: GPUSpec, dtype: str,
+                      gemm: Sequence[GemmSample]) -> list[float]:
+    """Relative error of the fitted GEMM model on each sample of the training dtype (for the summary)."""
+    peak = gpu.peak_flops(dtype)
+    return [gemm_time_s(s.m, s.n, s.k, peak, profile) / s.time_s - 1.0 for s in gemm if s.dtype == dtype]
+
+
+COMPUTE_FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")
+
+
+def scale_compute(profile: CalibrationProfile, factor: float) -> CalibrationProfile:
+    """The profile of a machine `factor` times faster at its local work.
+
+    Every compute efficiency is multiplied by factor (capped at 1.5) and the
+    host overhead per layer divided by it; communication is left alone.
+    """
+    changes: dict[str, Any] = {k: min(EFF_BOUNDS[1], getattr(profile, k) * factor) for k in COMPUTE_FIELDS}
+    return profile.replace(layer_overhead_s=profile.layer_overhead_s / factor, **changes)
+
+
+def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa: ANN001
+             measured_peak_bytes: int | None) -> tuple[CalibrationProfile, dict[str, Any]]:
+    """Fold one measured training step into a profile. The rule:
+
+    1. time: find the factor f such that simulate_step(plan, scale_compute(
+       profile, f)) equals the measured step time: gemm_, attention_ and
+       memory_efficiency multiplied by f, layer_overhead_s divided by it
+       (bisection on log f; the step time falls monotonically as f grows).
+       Communication and the pipeline stay as the profile has them: one run
+       of one layout pins down one number best, "how fast is this machine at
+       its own work", and small models are host-bound, large ones GPU-bound,
+       so both local terms move together. When no f reaches the measurement
+       (a step made of communication), f stops at its bound, `reached` False.
+    2. memory: other_bytes = measured peak - the memory model's tensor bytes
+       (its peak without `other`), at least 0: what the run's allocator peak
+       holds beyond the modelled tensors (the executor records
+       torch.cuda.max_memory_allocated, so this is the allocator-visible
+       remainder, not the CUDA context). Unchanged when the run recorded no
+       peak, and for CPU runs, whose peak is the process's resident set.
+    """
+    from planner.memory.estimate import estimate_memory
+    from planner.simulate.step import simulate_step
+
+    def step_s(f: float) -> float:
+        return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, scale_compute(profile, f),
+                             engine=plan.engine).step_time_s
+
+    low, high = 1e-3, 1e3
+    reached = step_s(low) >= measured_step_s >= step_s(high)
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if step_s(mid) > measured_step_s else (low, mid)
+    factor = math.sqrt(low * high)
+    new = scale_compute(profile, factor)
+    info: dict[str, Any] = {"compute_factor": factor, "reached": reached, "step_time_s_before": step_s(1.0),
+                            "step_time_s_after": step_s(factor), "measured_step_time_s": measured_step_s}
+    if measured_peak_bytes and plan.cluster.gpu.kind != "cpu":
+        est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
+        new = new.replace(other_bytes=max(0, int(measured_peak_bytes) - est.peak_bytes))
+        info["other_bytes"] = new.other_bytes
+    return new, info
+
+
+def update_profile_from_run(plan_path: Path, measured: dict[str, Any], profile_path: Path) -> dict[str, Any]:
+    """`report --update-calibration`: load (or start from the GPU's defaults), fold, save."""
+    import datetime
+
+    from planner.plan import load_plan
+    from planner.simulate.calibration import load_calibration
+
+    plan = load_plan(plan_path)
+    profile = load_calibration(profile_path if profile_path.exists() else None, plan.cluster.gpu)
+    new, info = fold_run(plan, profile, measured["step_time_s"], measured.get("peak_memory_bytes"))
+    run = plan_path.parent.name
+    source = profile.source if run in profile.source else f"{profile.source}; folded run {run}"
+    new.replace(gpu=plan.cluster.gpu.name, source=source, date=datetime.date.today().isoformat()).save(profile_path)
+    return {**info, "profile": str(profile_path)}

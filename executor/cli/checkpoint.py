@@ -1,0 +1,92 @@
+"""`meshplan checkpoint export`: a sharded DCP checkpoint as one plain torch state dict.
+
+The export holds the single-process model's parameter names and full tensors,
+so `model.load_state_dict(torch.load("model.pt", weights_only=True))` works on
+`executor.model.build_model(spec)` whatever layout wrote the checkpoint.
+torch is imported inside the verb, never at `meshplan --help`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import click
+
+from topologies.errors import UsageError
+from topologies.terminal import emit_json
+
+
+@click.group()
+def checkpoint() -> None:
+    """Work with the checkpoints `execute --checkpoint-every K` writes under OUT/checkpoints/."""
+
+
+@checkpoint.command("export")
+@click.argument("path", type=click.Path())
+@click.option("--to", "to", type=click.Path(dir_okay=False), required=True,
+              help="File to write: a torch state dict (FQN -> full tensor).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only: source, file, tensors, elements, bytes, dtypes.")
+def export(path: str, to: str, as_json: bool) -> None:
+    """Consolidate checkpoint PATH into one state dict for the single-process model.
+
+    PATH is OUT/checkpoints/step-K, or a run directory OUT (or OUT/checkpoints),
+    which means the checkpoint its `latest` pointer names.
+    """
+    from executor.components.checkpoint import consolidate
+
+    step_dir = resolve_checkpoint(Path(path))
+    state = consolidate(step_dir)
+    n_bytes = write_state_dict(state, Path(to))
+    summary = {
+        "source": str(step_dir),
+        "file": str(to),
+        "tensors": len(state),
+        "elements": sum(t.numel() for t in state.values()),  # tied weights count under each name
+        "bytes": n_bytes,
+        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}),
+    }
+    if as_json:
+        emit_json(summary)
+        return
+    click.echo(
+        f"exported {step_dir} -> {to}: {summary['tensors']} tensors, {summary['elements']:,} elements "
+        f"({', '.join(summary['dtypes'])}), {n_bytes / 2**20:.1f} MiB\n"
+        f"load it with: model.load_state_dict(torch.load({str(to)!r}, weights_only=True))"
+    )
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory as given, or the one `latest` names under a run or checkpoints directory."""
+    from executor.components.checkpoint import CHECKPOINTS, latest_step
+
+    if (path / ".metadata").is_file():
+        return path
+    if not path.exists():
+        raise UsageError(f"checkpoint {str(path)!r} does not exist: pass OUT/checkpoints/step-K or a run directory")
+    run_dir = path.parent if path.name == CHECKPOINTS else path
+    if not (run_dir / CHECKPOINTS).is_dir():
+        raise UsageError(
+            f"{str(path)!r} is neither a checkpoint (no .metadata) nor a run directory with {CHECKPOINTS}/"
+        )
+    root = run_dir / CHECKPOINTS
+    step = latest_step(root)
+    if step is None:
+        raise UsageError(f"{str(root)!r} holds no complete checkpoint")
+    return root / f"step-{step}"
+
+
+def write_state_dict(state: dict, to: Path) -> int:
+    """torch.save to a temporary file, then rename: a failed export never leaves half a file."""
+    import torch
+
+    tmp = to.with_name(f".{to.name}.tmp")
+    try:
+        torch.save(state, tmp)
+        tmp.replace(to)
+    except (OSError, RuntimeError) as exc:  # torch.save reports some failed writes as RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise UsageError(f"cannot write {str(to)!r}: {reason}") from None
+    return to.stat().st_size

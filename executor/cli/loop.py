@@ -1,0 +1,94 @@
+"""`meshplan calibrate | report | validate-memory`: checking the planner against reality.
+
+Thin click layers over `executor.calibrate.run`, `executor.validate.report` and
+`executor.validate.memory`. torch is imported inside the verbs that need it
+(calibrate, validate-memory), never by `report`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from topologies.terminal import emit_json, log
+
+
+@click.command()
+@click.option("--out", "out", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
+              help="Where to write the calibration profile (JSON).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Device to measure; default cuda when a GPU is visible, else cpu.")
+@click.option("--quick", is_flag=True, help="A small grid: under 2 minutes on a 2-core CPU.")
+@click.option("--max-ranks", type=int, default=None,
+              help="Largest collective group to measure (default: all local GPUs; on CPU min(cores, 4)).")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON only.")
+@click.option("--grid", "grid_name", type=click.Choice(["tiny", "quick", "full"]), default=None, hidden=True,
+              help="Benchmark grid (tests use tiny); overrides --quick.")
+def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, as_json: bool,
+              grid_name: str | None) -> None:
+    """Measure this machine (GEMM, attention, memory bandwidth, collectives) and fit a calibration profile.
+
+    The profile is what `plan`, `compare` and `simulate` accept with --calibration.
+    """
+    from executor.calibrate.run import run_calibration
+
+    profile, summary = run_calibration(device=device, quick=quick, max_ranks=max_ranks, out=Path(out),
+                                       grid_name=grid_name)
+    if as_json:
+        emit_json(profile.to_json())
+        return
+    from executor.calibrate.run import render_summary
+
+    render_summary(summary, out)
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only: predicted, measured, error.")
+@click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
+              help="Write a chart: step time per step and peak memory, measured against predicted.")
+@click.option("--update-calibration", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="Fold this run into a calibration profile (created from the GPU's defaults if absent).")
+@click.option("--warmup-steps", type=int, default=None,
+              help="Leading steps to skip (default 2 when at least 3 remain).")
+def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | None,
+           warmup_steps: int | None) -> None:
+    """A run's measured step time, tokens/s, MFU and peak memory next to its plan's prediction."""
+    from executor.validate.report import build_report, plot_report, render_report
+
+    doc, rows = build_report(run_dir, warmup_steps)
+    if profile_path:
+        from executor.calibrate.fit import update_profile_from_run
+
+        update = update_profile_from_run(Path(run_dir) / "plan.json", doc["measured"], Path(profile_path))
+        doc["calibration_update"] = update
+        log(f"updated {profile_path}: local speed (compute efficiencies, 1 / layer overhead) x{update['compute_factor']:.3f} "
+            f"(simulated step {update['step_time_s_before']:.4g} s -> {update['step_time_s_after']:.4g} s, "
+            f"measured {update['measured_step_time_s']:.4g} s)"
+            + ("" if update["reached"] else "; the measurement is out of the compute model's reach")
+            + (f"; other_bytes {update['other_bytes']:,}" if "other_bytes" in update else ""))
+    if png:
+        plot_report(doc, rows, png)
+        log(f"wrote {png}")
+    if as_json:
+        emit_json(doc)
+    else:
+        render_report(doc)
+
+
+@click.command("validate-memory")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+@click.option("--rank", "ranks", type=int, multiple=True,
+              help="Rank(s) to check (default: rank 0 and the first rank of the worst pipeline stage).")
+def validate_memory(plan_path: str, as_json: bool, ranks: tuple[int, ...]) -> None:
+    """Run one training step of the plan's real model for one rank of its full world, on CPU under a
+    fake process group and FakeTensorMode, and compare PyTorch's memory tracker with the prediction."""
+    from executor.validate.memory import render_validation, validate_plan_file
+
+    doc = validate_plan_file(plan_path, ranks or None)
+    if as_json:
+        emit_json(doc)
+    else:
+        render_validation(doc)

@@ -1,0 +1,228 @@
+"""`meshplan report`: a run's measured step next to its plan's prediction, with the error of each.
+
+Pure Python (no torch): it reads RUN_DIR/metrics.jsonl and RUN_DIR/plan.json,
+the run directory format `meshplan execute` writes (ARCHITECTURE.md).
+
+Measured figures, from the optimizer steps left after the warm-up:
+  rows            the LAST entry for each step counts (a resumed run appends, so
+                  a re-run step appears twice; the later one is what happened)
+  step_time_s     median of step_time_s (robust to one slow step on a shared host)
+  tokens_per_s    tokens_per_step / step_time_s   (tokens_per_step from the plan)
+  model_tflops_per_gpu  model_flops_per_token * tokens_per_s / world_size / 1e12
+  mfu             model_tflops_per_gpu * 1e12 / gpu.peak_flops(dtype)
+  peak_memory_bytes  max over the counted steps (a peak is a peak, not an average);
+                  null when the run recorded none
+The throughput figures are derived from the step time with the same formulas
+the simulator uses for its prediction, so the errors compare like with like.
+
+Memory: the executor records torch.cuda.max_memory_allocated, i.e. tensor
+bytes, without the CUDA context, NCCL buffers and allocator slack that the
+memory model's `other` category stands for. So the peak-memory error compares
+the measurement with predicted.tensor_peak_bytes (the prediction without
+`other`). CPU runs record the process's resident set (the interpreter and
+libraries included): not comparable, so their memory error is null.
+The warm-up default skips the first 2 steps (allocator, autotuning, lazy init)
+when at least 3 remain, otherwise as many as leave one step.
+
+error[k] = (predicted[k] - measured[k]) / measured[k]: +0.10 means the plan
+promised 10% more than the run gave (for step time: predicted 10% too slow).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from planner.plan import Plan, Prediction, load_plan
+from topologies.errors import UsageError
+
+DEFAULT_WARMUP_STEPS = 2
+COMPARED = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes")
+THROUGHPUT = COMPARED[:-1]
+METRIC_KEYS = ("step", "step_time_s")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows, the last entry per step, ordered by step.
+
+    A line cut short by a crash (the last one, not valid JSON) is skipped;
+    any other malformed line is a UsageError naming the line.
+    """
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{str(path)!r} does not exist: is this a run directory written by "
+                         "`meshplan execute ... --out DIR`?") from None
+    by_step: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue
+            raise UsageError(f"{path}: line {number} is not valid JSON") from None
+        missing = [k for k in METRIC_KEYS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise UsageError(f"{path}: line {number} lacks the keys {', '.join(missing)}")
+        by_step[int(row["step"])] = row
+    if not by_step:
+        raise UsageError(f"{path} holds no optimizer steps: run `meshplan execute` with --steps >= 1")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def warmup_steps(n_steps: int, requested: int | None) -> int:
+    """How many leading steps to skip: the request, else the default, always leaving one."""
+    if requested is not None:
+        if requested < 0:
+            raise UsageError(f"--warmup-steps must be >= 0, got {requested}")
+        if requested >= n_steps:
+            raise UsageError(f"--warmup-steps {requested} leaves none of the run's {n_steps} steps")
+        return requested
+    return DEFAULT_WARMUP_STEPS if n_steps > DEFAULT_WARMUP_STEPS else max(0, n_steps - 1)
+
+
+def measure(plan: Plan, rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """The measured figures of the counted steps (see the module docstring)."""
+    counted = rows[skip:]
+    step_time_s = statistics.median(float(r["step_time_s"]) for r in counted)
+    tokens_per_s = plan.training.tokens_per_step / step_time_s
+    tflops = plan.model.model_flops_per_token(plan.training.seq_len) * tokens_per_s / plan.world_size / 1e12
+    peaks = [int(r["peak_memory_bytes"]) for r in counted if r.get("peak_memory_bytes")]
+    losses = [float(r["loss"]) for r in counted if isinstance(r.get("loss"), (int, float))]
+    return {
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_s,
+        "model_tflops_per_gpu": tflops,
+        "mfu": tflops * 1e12 / plan.cluster.gpu.peak_flops(plan.training.dtype),
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "step_time_min_s": min(float(r["step_time_s"]) for r in counted),
+        "step_time_max_s": max(float(r["step_time_s"]) for r in counted),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    }
+
+
+def predicted(plan: Plan) -> Prediction:
+    """The plan's own prediction; re-simulated when the plan was saved without one."""
+    if plan.prediction is not None:
+        return plan.prediction
+    from planner.simulate.step import simulate_step
+
+    return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, engine=plan.engine).prediction()
+
+
+def _relative(p: float | None, m: float | None) -> float | None:
+    return (p - m) / m if p is not None and m else None
+
+
+def relative_errors(plan: Plan, pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, float | None]:
+    """(predicted - measured) / measured for each compared figure; None when either is missing.
+
+    Peak memory: tensor bytes against tensor bytes on GPUs, nothing on CPU (module docstring).
+    """
+    out: dict[str, float | None] = {k: _relative(pred.get(k), meas.get(k)) for k in THROUGHPUT}
+    gpu_run = plan.cluster.gpu.kind != "cpu"
+    out["peak_memory_bytes"] = _relative(pred["tensor_peak_bytes"], meas["peak_memory_bytes"]) if gpu_run else None
+    return out
+
+
+def build_report(run_dir: str | Path, warmup: int | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """The report document (the `--json` output) and the metric rows it was built from."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"run directory {str(run_dir)!r} does not exist")
+    plan = load_plan(run_dir / "plan.json")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    skip = warmup_steps(len(rows), warmup)
+    pred = predicted(plan).to_json()
+    pred_figures = {k: pred.get(k) for k in COMPARED}
+    breakdown = pred.get("memory_breakdown_bytes") or {}
+    pred_figures["tensor_peak_bytes"] = pred["peak_memory_bytes"] - int(breakdown.get("other", 0))
+    pred_figures["memory_breakdown_bytes"] = breakdown
+    pred_figures["time_breakdown_s"] = pred.get("time_breakdown_s")
+    meas = measure(plan, rows, skip)
+    layout = plan.layout
+    return {
+        "run_dir": str(run_dir),
+        "model": plan.model.name,
+        "cluster": f"{plan.cluster.name} ({plan.cluster.n_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.gpu.name})",
+        "layout": {k: getattr(layout, k) for k in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "zero_stage",
+                                                   "micro_batch_size", "grad_accum_steps", "recompute")},
+        "steps_total": len(rows),
+        "warmup_steps": skip,
+        "steps_counted": len(rows) - skip,
+        "predicted": pred_figures,
+        "measured": meas,
+        "error": relative_errors(plan, pred_figures, meas),
+    }, rows
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "peak_memory_bytes":
+        return f"{value / 2**30:.2f} GiB"
+    if key == "step_time_s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def render_report(report: dict[str, Any]) -> None:
+    """The human view: one table, predicted | measured | error for each figure."""
+    from rich.table import Table
+
+    from topologies.terminal import console
+
+    table = Table(title=f"{report['model']} on {report['cluster']}: {report['steps_counted']} steps counted "
+                        f"(first {report['warmup_steps']} skipped as warm-up)")
+    for col in ("figure", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for key in COMPARED:
+        err = report["error"][key]
+        predicted = report["predicted"]["tensor_peak_bytes" if key == "peak_memory_bytes" else key]
+        label = "peak_memory_bytes (tensors)" if key == "peak_memory_bytes" else key
+        table.add_row(label, _fmt(key, predicted), _fmt(key, report["measured"][key]),
+                      "-" if err is None else f"{100 * err:+.1f}%")
+    meas = report["measured"]
+    out = console()
+    out.print(table)
+    if meas.get("loss_first") is not None:
+        out.print(f"loss {meas['loss_first']:.4f} -> {meas['loss_last']:.4f} over the counted steps; "
+                  f"step time {_fmt('step_time_s', meas['step_time_min_s'])} .. "
+                  f"{_fmt('step_time_s', meas['step_time_max_s'])}")
+
+
+def plot_report(report: dict[str, Any], rows: list[dict[str, Any]], path: str | Path) -> None:
+    """PNG: step time per step against the prediction, and peak memory measured vs predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    steps = [r["step"] for r in rows]
+    ax_t.plot(steps, [r["step_time_s"] for r in rows], "o-", label="measured")
+    ax_t.axhline(report["predicted"]["step_time_s"], color="C1", ls="--", label="predicted")
+    ax_t.axvspan(steps[0] - 0.5, steps[0] + report["warmup_steps"] - 0.5, color="0.9", label="warm-up")
+    ax_t.set(xlabel="step", ylabel="step time (s)", title="step time")
+    ax_t.legend()
+    breakdown = report["predicted"].get("memory_breakdown_bytes") or {}
+    bottom = 0.0
+    for i, (category, value) in enumerate(breakdown.items()):
+        ax_m.bar("predicted", value / 2**30, bottom=bottom, color=f"C{i}", label=category)
+        bottom += value / 2**30
+    measured = report["measured"]["peak_memory_bytes"]
+    ax_m.bar("measured", (measured or 0) / 2**30, color="0.4")
+    ax_m.set(ylabel="GiB", title="peak memory (worst rank)")
+    ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,177 @@
+"""`meshplan plan` and `meshplan compare`: thin click layers over planner.search.search and planner.search.compare.
+
+Nothing here imports torch; rich and matplotlib are imported only when a
+table or a chart is drawn, so `plan` answers in well under two seconds.
+"""
+
+from __future__ import annotations
+
+import click
+
+from planner.engines import ENGINE_NAMES
+from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
+from planner.search.candidates import Pins
+from topologies.terminal import console, emit_json
+
+POSITIVE = click.IntRange(min=1)
+SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "zb-v": "zb-v"}
+
+
+def _common(f):
+    """Options shared by plan and compare (model, batch, engine, calibration)."""
+    for decorator in reversed([
+        click.option("--model", required=True, help="Preset name, size alias (13B) or config.json path."),
+        click.option("--gpus", type=POSITIVE, required=True, help="Number of GPUs (whole nodes beyond the first)."),
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override a cluster field, e.g. --set nic_gbit_per_s=200 (repeatable)."),
+        click.option("--seq-len", type=POSITIVE, default=None,
+                     help="Tokens per sequence. Default: the model's native context, at most 4096."),
+        click.option("--global-batch", type=POSITIVE, default=None,
+                     help="Sequences per optimizer step. Default: about 1M tokens (2^20 / seq-len), rounded to a "
+                          "multiple of each layout's data-parallel degree (within 25%)."),
+        click.option("--engine", type=click.Choice(ENGINE_NAMES), default="meshplan", show_default=True,
+                     help="Whose precision recipe and overlap the prediction assumes."),
+        click.option("--calibration", type=click.Path(dir_okay=False), default=None,
+                     help="Calibration profile JSON (default: the shipped profile of the cluster's GPU)."),
+        click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+@click.command()
+@click.option("--cluster", default="dgx-h100", show_default=True, help="Cluster preset name or TOML path.")
+@_common
+@click.option("--tp", type=POSITIVE, default=None, help="Pin the tensor-parallel degree.")
+@click.option("--pp", type=POSITIVE, default=None, help="Pin the number of pipeline stages.")
+@click.option("--dp", type=POSITIVE, default=None, help="Pin the total data-parallel degree (dp_replicate x dp_shard).")
+@click.option("--dp-shard", type=POSITIVE, default=None, help="Pin the ZeRO/FSDP sharding degree.")
+@click.option("--cp", type=POSITIVE, default=None, help="Pin the context-parallel degree.")
+@click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0: DDP, dp_shard 1).")
+@click.option("--micro-batch", type=POSITIVE, default=None, help="Pin the micro-batch size (sequences).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None, help="Pin activation recomputation.")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
+              help="Pin sequence parallelism (default: both are searched when tp > 1).")
+@click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
+@click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
+@click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None,
+              help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
+def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
+         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, top, output, png):
+    """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
+
+    Any layout flag pins that option; the search fills in the rest. Exit code
+    3 when no layout fits, with the smallest shortfall and what would fix it.
+    """
+    pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
+                recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
+                virtual_stages=virtual_stages)
+    the_plan, result = search_plan(model, cluster, gpus, overrides, seq_len, global_batch, pins, engine,
+                                   calibration, top)
+    if output:
+        the_plan.save(output)
+    if png:
+        from planner.memory.chart import plot_memory
+        from planner.search.explain import short
+
+        plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
+                     for i, s in enumerate(result.ranked)], png, capacity_bytes=the_plan.cluster.gpu.memory_bytes)
+    if as_json:
+        emit_json(the_plan.to_json())
+        return
+    _print_plan(the_plan, result, output, png)
+
+
+@click.command()
+@click.option("--cluster", "clusters", default="dgx-h100", show_default=True,
+              help="Comma-separated cluster presets or TOML paths, compared side by side.")
+@_common
+@click.option("--what-if", "what_if", multiple=True, metavar="KEY=V1,V2,...",
+              help="Vary a cluster field (any --set key) or seq_len / global_batch / gpus (repeatable).")
+@click.option("--price-per-gpu-hour", default=None, metavar="P[,P2,...]",
+              help="Price of one GPU-hour, for the cost per million tokens: one for all variants, or one per variant.")
+@click.option("--png", type=click.Path(dir_okay=False), default=None,
+              help="Write a bar chart of tokens/s (and cost) per variant.")
+def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, what_if,
+            price_per_gpu_hour, png):
+    """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
+    from planner.search.compare import compare_variants, plot_compare, print_compare
+
+    rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
+                            price_per_gpu_hour)
+    if png:
+        plot_compare(rows, png)
+    if as_json:
+        emit_json({"model": model, "gpus": gpus, "variants": [r.to_json() for r in rows]})
+        return
+    print_compare(rows, console(), png)
+
+
+def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
+                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
+    """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
+    from planner.model.load import load_model
+    from planner.search.candidates import check_pins
+    from planner.search.explain import build_plan, no_layout_error
+    from planner.search.search import search
+    from planner.simulate.calibration import load_calibration
+    from planner.training import default_seq_len
+    from topologies.cluster_load import load_cluster, parse_overrides
+
+    model = load_model(model_name)
+    cluster = load_cluster(cluster_name, gpus, parse_overrides(overrides))
+    seq = seq_len or default_seq_len(model.max_seq_len)
+    profile = load_calibration(calibration, cluster.gpu)
+    check_pins(cluster.world_size, model, seq, global_batch, pins)
+    result = search(model, cluster, seq, global_batch, pins, engine, profile, top)
+    if not result.ranked:
+        raise no_layout_error(result, pins, cluster.world_size)
+    return build_plan(model, cluster, result, engine), result
+
+
+def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
+    """The human view: a table of the best layouts and the explanation."""
+    from rich import box
+    from rich.table import Table
+
+    out = console()
+    if not out.is_terminal:  # a pipe or file has no width to respect: do not squeeze the table
+        out.width = max(out.width, 120)
+    m, c, t = the_plan.model, the_plan.cluster, the_plan.training
+    out.print(f"[bold]{m.name}[/] ({_si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
+              f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
+              f"global batch {t.global_batch_size} ({_si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
+    table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    with_cp = any(x.layout.cp > 1 for x in result.ranked)
+    for col in ("tp", "pp", "dp", *(("cp",) if with_cp else ()), "ZeRO", "mb x acc", "recomp", "sched",
+                "step s", "tok/s", "MFU", "GiB"):
+        table.add_column(col, justify="left" if col in ("recomp", "sched") else "right", no_wrap=True)
+    for s in result.ranked:
+        lay, r = s.layout, s.result
+        dp = str(lay.dp) if not lay.hsdp else f"{lay.dp_replicate}x{lay.dp_shard}"
+        sched = "-" if lay.pp == 1 else SCHEDULE_SHORT[lay.pp_schedule] + (
+            f"v{lay.virtual_stages}" if lay.pp_schedule == "interleaved-1f1b" else "")
+        table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
+                      *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
+                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
+                      f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
+    out.print(table)
+    for sentence in the_plan.explanation:
+        out.print(sentence)
+    s = result.stats
+    out.print(f"[dim]search: {s.shapes} shapes, {s.candidates} candidates, {s.memory_checks} memory checks, "
+              f"{s.simulated} simulated in {s.elapsed_s:.2f} s[/]")
+    for path, what in ((output, "plan"), (png, "memory chart")):
+        if path:
+            out.print(f"wrote {what} to {path}")
+
+
+def _si(value: float) -> str:
+    """1234567 -> '1.23M': short numbers for narrow tables."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= div:
+            return f"{value / div:.3g}{unit}"
+    return f"{value:.3g}"

@@ -1,0 +1,202 @@
+"""Engines: everything engine-specific, one object per engine, asked by search, memory and simulation.
+
+An engine is the software that runs the step: meshplan's own executor
+(PyTorch FSDP2/DDP/DTensor), Megatron-Core (Megatron-LM, NeMo) or DeepSpeed.
+What differs between them and changes a prediction lives here and nowhere
+else, as torchtitan keeps parallel degrees in one ParallelDims:
+- `TimeTraits`: the attention kernel and what overlaps (planner.simulate);
+- `MemoryTraits`: how tensors are laid out and kept (planner.memory);
+- the precision recipe: bytes per parameter of weights, gradients, optimizer;
+- for meshplan, the data-parallel path its executor takes (`dp_path`) and the
+  layouts it refuses (`executor_refusal`): the executor imports both, so a plan
+  for `--engine meshplan` is one `meshplan execute` runs.
+
+Why the executor refuses what it refuses, rule by rule:
+- context parallelism (cp > 1) and MoE expert parallelism are not implemented;
+- ZeroRedundancyOptimizer cannot shard the DTensor parameters that TP and
+  pipelined DDP use, so ZeRO-1 with tp or pp > 1 is refused;
+- zb-v splits the weight-gradient pass, which bypasses the DDP/FSDP gradient
+  hooks in torch.distributed.pipelining, so replicas would not be averaged;
+- tied embeddings across pipeline stages would need a gradient sync between
+  the first and last stage, which the executor does not do;
+- offload is only FSDP2's CPUOffloadPolicy (optimizer+params under ZeRO-3);
+- fp16 on GPUs needs loss scaling, which the executor does not implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.layout import Layout
+from planner.model.spec import ModelSpec
+from planner.training import DTYPE_BYTES
+from topologies.errors import PlanError
+
+FP32_BYTES = DTYPE_BYTES["fp32"]
+# torch DDP's bucket_cap_mb default (25 MiB): gradients are reduced bucket by
+# bucket, and the last bucket cannot overlap any backward compute.
+DDP_BUCKET_BYTES = 25 << 20
+
+
+@dataclass(frozen=True)
+class TimeTraits:
+    """How an engine runs a step, where that changes the time."""
+
+    fused_attention: bool  # FlashAttention-style kernel; else softmax over materialized scores
+    overlap_dp: bool  # gradient reduction overlapped with the last micro-batch's backward
+    overlap_tp_backward: bool = False  # backward TP all-reduces overlap the weight-gradient GEMMs
+
+
+@dataclass(frozen=True)
+class MemoryTraits:
+    """How an engine lays tensors out, where that changes memory (not time: see TimeTraits)."""
+
+    vocab_parallel_loss: bool  # logits stay split by t into the loss; else gathered to V per rank
+    tied_vocab_parallel: bool  # a tied embedding/output matrix is split by t like an untied one
+    ddp_bucket_copy: bool  # DDP buckets duplicate the gradients (gradient_as_bucket_view=False)
+    fsdp_root_unit: bool  # embedding, final norm and output form one FSDP unit with the stage root
+    step_phases: bool  # gradients freed between steps: the peak is the largest phase of a step
+    rope_buffers: bool  # fp32 RoPE tables of the full context as buffers; blocks keep compute-dtype copies
+    zero1_whole_tensors: bool  # ZeRO-1 hands whole tensors, largest first, to the least-loaded rank
+    sp_saves_gathered: bool  # sequence parallel saves the all-gathered projection inputs (PyTorch DTensor)
+    fp32_params: bool  # parameters stored in fp32 and cast for compute (autocast / FSDP2 mixed precision)
+    fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
+    zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of one engine's precision recipe, before sharding."""
+
+    param: int  # stored parameters (the master weights when fp32_params)
+    grad: int
+    optimizer: int  # master copy (when separate) + moments
+    shard_params: bool  # parameter storage sharded over dp_shard
+    shard_grads: bool
+    shard_optimizer: bool
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's traits, precision recipe and (for meshplan) executor rules."""
+
+    name: str
+    time: TimeTraits
+    memory: MemoryTraits
+    executes: bool  # `meshplan execute` runs its plans; others are exported
+
+    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
+        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage)
+
+    def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool) -> str | None:
+        """Why this engine's plans cannot hold `layout` (only meshplan's executor refuses layouts)."""
+        return executor_refusal(model, layout, dtype, on_gpu) if self.executes else None
+
+
+@lru_cache(maxsize=256)
+def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
+    moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
+    shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
+                  shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
+    grad = FP32_BYTES if traits.fp32_grads else dtype_bytes
+    if traits.fp32_params:  # the fp32 parameters are the master weights
+        return Recipe(FP32_BYTES, grad, moments, **shards)
+    master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0
+    return Recipe(dtype_bytes, grad, master + moments, **shards)
+
+
+# meshplan: what executor/parallel/parallelize.py, executor/model.py and
+# executor/components/optim.py do: SDPA (fused) attention; DDP/FSDP2 overlap the
+# gradient reduction with the backward; DTensor TP runs its collectives in line.
+# The output layer is ColwiseParallel(output_layouts=Replicate()) (logits
+# gathered), a tied embedding is not TP-sharded, DDP keeps its default
+# gradient_as_bucket_view=False, fully_shard(part) makes the embedding, final
+# norm and output one root unit, gradients are set to None after every step
+# (phases measured with PyTorch's tracker: validate-memory), the model keeps
+# rope_cos/rope_sin buffers of max_seq_len rows, ZeRO-1 is torch's
+# ZeroRedundancyOptimizer, sequence parallel is DTensor's PrepareModuleInput
+# (saves the gathered inputs), and parameters are fp32 under autocast or FSDP2
+# MixedPrecisionPolicy.
+#
+# megatron: Megatron-Core as people run it today (Megatron-LM, NeMo): Transformer
+# Engine's fused attention, the distributed optimizer's gradient reduction
+# overlapped with the backward, the TP all-reduce of the input gradient under the
+# weight-gradient GEMM; vocabulary-parallel embedding, output and cross-entropy;
+# gradients accumulate in a persistent fp32 contiguous buffer, so every state and
+# buffer is counted at once (the papers' accounting); flat, evenly sharded
+# optimizer; sequence parallel saves shards and gathers again in the backward.
+# It reproduces published NeMo H100 runs within 1-4% MAPE
+# (bench/accuracy_published.py).
+#
+# deepspeed: eager attention, gradients reduced after the backward, otherwise
+# Megatron's layout with gradients in the compute dtype.
+_PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
+                         fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
+                         sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
+ENGINES: dict[str, Engine] = {
+    "meshplan": Engine(
+        "meshplan", TimeTraits(fused_attention=True, overlap_dp=True),
+        MemoryTraits(vocab_parallel_loss=False, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=True,
+                     step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True),
+        executes=True),
+    "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
+                       MemoryTraits(fp32_grads=True, **_PUBLISHED_MEMORY), executes=False),
+    "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
+                        MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
+}
+ENGINE_NAMES = tuple(ENGINES)
+
+# The 2022 Megatron-DeepSpeed behind the vTrain A100 measurements: eager softmax
+# attention, gradients all-reduced after the backward ("no DDP gradient
+# bucketing"), asynchronous TP all-reduce under the weight-gradient GEMM (the fit
+# prefers it: 7.6% vs 7.7% multi-node MAPE). bench/accuracy_vtrain.py uses it.
+MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
+
+
+def get_engine(name: str) -> Engine:
+    """The engine called `name`; a PlanError naming the choices otherwise."""
+    try:
+        return ENGINES[name]
+    except (KeyError, TypeError):
+        raise PlanError(f"engine must be one of {ENGINE_NAMES}, got {name!r}") from None
+
+
+def dp_path(layout: Layout) -> str:
+    """How meshplan's executor syncs gradients: none, ddp, replicate (DTensor params, FSDP2 replicate) or fsdp.
+
+    executor.parallel.parallelize applies exactly this path; planner.memory
+    prices its buffers.
+    """
+    if layout.dp == 1:
+        return "none"
+    if layout.zero_stage >= 2:
+        return "fsdp"
+    return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
+
+
+def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True) -> str | None:
+    """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
+    if layout.cp > 1:
+        return f"cp ({layout.cp}) > 1: the executor does not run context parallelism; plan with --cp 1"
+    if layout.ep > 1 or model.moe is not None:
+        return f"model {model.name!r}: the executor runs dense models only (ep {layout.ep})"
+    if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
+        return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
+                "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")
+    if layout.zero_stage == 1 and layout.dp > 1 and (layout.tp > 1 or layout.pp > 1):
+        return (f"ZeRO-1 with tp ({layout.tp}) or pp ({layout.pp}) > 1: ZeroRedundancyOptimizer cannot shard "
+                "the DTensor parameters that TP and pipelined DDP use; plan with --zero 2 (also shards "
+                "gradients) or 0")
+    if layout.pp > 1 and model.tie_embeddings:
+        return (f"pp ({layout.pp}) > 1 with tied embeddings: the first and last stages would share the "
+                "embedding weight, which the executor does not synchronize; use pp 1 or an untied model")
+    if layout.pp_schedule == "zb-v" and layout.pp > 1 and layout.dp > 1:
+        return (f"zb-v with dp ({layout.dp}) > 1: its split weight-gradient pass bypasses the DDP/FSDP "
+                "gradient hooks in torch.distributed.pipelining, so replicas would not be averaged; use "
+                "interleaved-1f1b, or zb-v with dp 1")
+    if dtype == "fp16" and on_gpu:
+        return ("training dtype fp16 needs loss scaling, which the executor does not implement; plan with "
+                "bf16 (same memory, no scaling needed) or fp32")
+    return None

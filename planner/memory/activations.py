@@ -1,0 +1,275 @@
+"""Activation memory of one transformer layer and of one pipeline rank.
+
+Per layer, for one micro-batch, the bytes autograd keeps for the backward
+pass, following Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4) term by term. Symbols: s sequence,
+b micro-batch, h hidden, a query heads, t tensor-parallel degree, D bytes of
+the compute dtype (2 for bf16), and one byte per dropout-mask element.
+
+With a GPT block (LayerNorm, GELU, f = 4h, MHA, dropout > 0, eager
+attention, D = 2) the terms below add up to the paper's
+    sbh(34 + 5as/h)                    no parallelism
+    sbh(10 + 24/t + 5as/(ht))          tensor parallel
+    sbh(34/t + 5as/(ht))               tensor + sequence parallel
+    sbh(34/t)                          + selective recomputation
+because (bytes per token, "sp" = split by t only with sequence parallel,
+"tp" = always split by t):
+    attention  norm1 input     D*h       sp   (2)
+               QKV input       D*h       sp   (2)
+               Q, K            D*(a*d + k*d)  tp  (4: GQA makes K smaller)
+               V               D*k*d     tp   (2)
+               softmax output  D*a*s     tp   (2as/h)  eager only
+               dropout mask    1*a*s     tp   (as/h)   eager, dropout > 0
+               dropout output  D*a*s     tp   (2as/h)  eager, dropout > 0
+               output-proj in  D*a*d     tp   (2)
+               dropout mask    1*h       sp   (1)      dropout > 0
+    MLP        norm2 input     D*h       sp   (2)
+               fc1 input       D*h       sp   (2)
+               GELU in, out    2*D*f     tp   (16 when f = 4h)
+               SwiGLU          4*D*f     tp   (w1 out, w3 out, silu out, product)
+               dropout mask    1*h       sp   (1)      dropout > 0
+Fused (flash) attention, the meshplan engine's default because our executor
+calls SDPA, keeps no s^2 term: it saves Q, K, V, its output (which is also the
+output projection's input, counted once) and an fp32 log-sum-exp per head and
+token (4*a bytes). Selective recomputation (the attention core under
+torch.utils.checkpoint, as the executor does) drops the eager s^2 terms, or
+with fused attention only the log-sum-exp, and pays them back once per rank,
+for the one layer whose attention is being recomputed. Full
+recomputation keeps only each layer's input (D*h, split by t with sequence
+parallel) plus, once per rank, the rest of the one layer being recomputed.
+That transient, and the gradients a layer's backward holds beyond its saved
+tensors (`layer_backward_transient`), exist while a block runs its backward,
+not at the loss (planner.memory.phases: block_backward).
+
+Sequence parallel in PyTorch (meshplan's executor: DTensor PrepareModuleInput
+before attention, MLP and output layer) all-gathers the sequence and autograd
+saves the gathered tensor, so the q/k/v, w1/w3 and output-layer inputs stay
+D*h per token (not /t as in Megatron, which saves its shard and gathers again
+in the backward): `sp_saves_gathered`.
+
+Context parallel divides the tokens of every term by cp; eager attention with
+cp keeps its local queries against all s keys (an upper bound: PyTorch's
+context parallel needs a fused kernel anyway).
+
+MoE layers replace the MLP terms: the router input (D*h, sp), fp32 router
+probabilities (4*E per token), and for each of top_k routed copies of a token
+the expert input (D*h), the expert MLP (2 or 4 * D*f_e) and the expert output
+kept for the weighted combine (D*h), all split by t; shared experts as a dense
+MLP. EP moves tokens between ranks but keeps the per-rank average.
+
+torch.autocast (meshplan's DDP and single-GPU paths run fp32 parameters under
+autocast): the embedding output and every residual add stay fp32, so the two
+norm inputs cost 4 bytes per element instead of D, and the norms return fp32,
+which every projection casts to D on its own: the executor's separate q, k, v
+projections save three D-byte copies of the attention input (3*D*h) and w1, w3
+two of the MLP input (2*D*h; GELU's w1 one).
+
+Rotary tables (`rope_table_bytes`, meshplan's executor): the model keeps fp32
+cos/sin buffers of max_seq_len rows and hands them to every block. FSDP2's
+mixed precision casts a block's floating-point inputs, so each block gets D-byte
+copies of both whole tables, kept alive by the slices RoPE saves: 2*S*d*D per
+layer and micro-batch with S = max_seq_len (d = head_dim), under any
+recomputation (they are the checkpointed block's inputs). Under autocast the
+block slices to s rows and casts for q and for k: 4*s*d*D, recomputed under
+full recomputation. In fp32 the slices are views of the buffers: nothing.
+
+Norms are assumed fused (they save their input only, plus an fp32 statistic per
+token that is ignored). The logits of the output layer are counted by the
+caller (`output_activation_bytes`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from planner.model.spec import ModelSpec
+from planner.training import DTYPE_BYTES
+
+FP32_BYTES = DTYPE_BYTES["fp32"]
+
+MASK_BYTES = 1  # torch.nn.functional.dropout keeps a bool mask
+# Cross-entropy on fp32 logits with PyTorch's log_softmax + nll_loss: the
+# forward saves the fp32 log-probabilities (4 B/element, Korthikanti's "4sbv");
+# at the start of the backward, LogSoftmaxBackward holds them together with
+# the incoming fp32 gradient and its fp32 output gradient: 12 B/element at the
+# moment that matters for the peak (the last stage's first backward).
+LOGIT_SAVED_BYTES = 4
+LOGIT_TRANSIENT_BYTES = 8
+
+
+@lru_cache(maxsize=8192)
+def layer_activation_terms(
+    model: ModelSpec,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 2,
+    fused_attention: bool = True,
+    autocast: bool = False,
+    sp_saves_gathered: bool = False,
+) -> dict[str, float]:
+    """Bytes of each saved tensor of one layer for one micro-batch (no recomputation).
+
+    Keys name the tensors of the module docstring; what the attention core
+    keeps (eager scores, or the fused kernel's log-sum-exp) starts with
+    "core_" so selective recomputation can drop it. sp_saves_gathered: see
+    the module docstring (PyTorch's sequence parallel).
+    """
+    d = dtype_bytes
+    r = FP32_BYTES if autocast else d  # residual stream (norm inputs)
+    qkv_casts, mlp_casts = (3, 2 if model.mlp == "swiglu" else 1) if autocast else (1, 1)
+    tokens = seq_len * micro_batch / cp  # tokens on this rank
+    sp_div = tp if sequence_parallel else 1
+    in_div = 1 if sp_saves_gathered else sp_div  # the projections' saved inputs
+    h, a = model.hidden, model.n_heads
+    drop = model.dropout > 0
+    terms: dict[str, float] = {
+        "norm1_input": r * h / sp_div,
+        "qkv_input": qkv_casts * d * h / in_div,
+        "q_k": d * (model.q_dim + model.kv_dim) / tp,
+        "v": d * model.kv_dim / tp,
+        "proj_input": d * model.q_dim / tp,
+    }
+    if fused_attention:
+        terms["core_logsumexp"] = FP32_BYTES * a / tp
+    else:
+        keys = seq_len  # eager: local queries against every key (cp: upper bound)
+        terms["core_softmax"] = d * a * keys / tp
+        if drop:
+            terms["core_dropout_mask"] = MASK_BYTES * a * keys / tp
+            terms["core_dropout_output"] = d * a * keys / tp
+    if drop:
+        terms["attn_dropout_mask"] = MASK_BYTES * h / sp_div
+        terms["mlp_dropout_mask"] = MASK_BYTES * h / sp_div
+    terms["norm2_input"] = r * h / sp_div
+    terms["mlp_input"] = mlp_casts * d * h / in_div
+    terms.update(_mlp_terms(model, d, tp))
+    return {k: v * tokens for k, v in terms.items()}
+
+
+def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
+    """Per-token bytes of the MLP's inner tensors (dense, or MoE experts + router)."""
+    per_f = 4 if model.mlp == "swiglu" else 2  # saved tensors of width f per token
+    if model.moe is None:
+        return {"mlp_inner": per_f * d * model.ffn_hidden / tp}
+    moe = model.moe
+    shared_ffn = moe.shared_ffn_hidden or moe.expert_ffn_hidden
+    routed = moe.top_k * (2 * model.hidden + per_f * moe.expert_ffn_hidden)
+    return {
+        "router_probs": FP32_BYTES * moe.n_experts,
+        "experts": d * routed / tp,
+        "shared_experts": per_f * d * moe.n_shared_experts * shared_ffn / tp,
+    }
+
+
+def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[float, float]:
+    """(bytes one layer keeps per micro-batch, transient bytes of recomputing one layer).
+
+    none: every term, nothing recomputed. selective: every term but the
+    attention core's ("core_": eager scores, or the fused kernel's log-sum-exp),
+    which comes back for one layer at a time in the backward.
+    full: only the layer input (the norm1 input); the backward rebuilds the
+    rest of one layer (the input itself is not copied again). Counting the
+    transient once per rank keeps none >= selective >= full for any number of
+    layers: with X = in-flight micro-batches * layers, selective - full =
+    (X - 1) * (selective per layer - input) >= 0.
+    """
+    total = sum(terms.values())
+    if recompute == "none":
+        return total, 0.0
+    if recompute == "selective":
+        core = sum(v for k, v in terms.items() if k.startswith("core_"))
+        return total - core, core
+    return terms["norm1_input"], total - terms["norm1_input"]
+
+
+def output_activation_bytes(
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, sequence_parallel: bool,
+    dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
+) -> tuple[float, float, float]:
+    """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
+
+    Final norm input (residual dtype) and output-layer input (D): (R + D)*h
+    per token, split by t with sequence parallel (the output-layer input not
+    when sp_saves_gathered); Korthikanti's 4sbh/t when R = D = 2. Logits:
+    V/t per token with a vocabulary-parallel loss, V when the engine gathers
+    them; fp32 log-probabilities saved (4 B) plus the loss backward's
+    transient (8 B).
+    """
+    tokens = seq_len * micro_batch / cp
+    sp_div = tp if sequence_parallel else 1
+    residual = FP32_BYTES if autocast else dtype_bytes
+    saved = (residual / sp_div + dtype_bytes / (1 if sp_saves_gathered else sp_div)) * model.hidden * tokens
+    logits = tokens * model.vocab / (tp if vocab_parallel_loss else 1)
+    return saved, LOGIT_SAVED_BYTES * logits, LOGIT_TRANSIENT_BYTES * logits
+
+
+def layer_backward_transient(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int,
+                             dtype_bytes: int) -> float:
+    """Gradients one layer's backward holds beyond its saved tensors (once per rank, at its MLP).
+
+    SwiGLU w2(s * u): w2's backward frees its input s*u and makes its
+    gradient; the product's backward then makes the gradients of s and u while
+    both are still saved: 3 - 1 = 2 tensors of width f per token. GELU: 1.
+    MoE: the top_k routed expert widths. Measured with PyTorch's tracker at
+    the block backward phase (tests/test_memory_phases.py).
+    """
+    width = model.ffn_hidden if model.moe is None else model.moe.top_k * model.moe.expert_ffn_hidden
+    tensors = 2 if model.mlp == "swiglu" else 1
+    return tensors * width * dtype_bytes * seq_len * micro_batch / (cp * tp)
+
+
+def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_block_inputs: bool,
+                     recompute: str) -> float:
+    """Rotary tables one layer keeps per micro-batch (module docstring; meshplan's executor only).
+
+    cast_block_inputs: FSDP2 (or its replicate) with a low-precision
+    param_dtype casts the whole tables for every block; else autocast casts
+    s-row slices.
+    """
+    if model.position != "rope" or dtype_bytes >= FP32_BYTES:
+        return 0.0
+    if cast_block_inputs:
+        return 2.0 * model.max_seq_len * model.head_dim * dtype_bytes
+    return 0.0 if recompute == "full" else 4.0 * seq_len * model.head_dim * dtype_bytes
+
+
+def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int,
+                            sequence_parallel: bool) -> float:
+    """The embedding dropout mask (first stage), 1 byte per element when dropout > 0."""
+    if model.dropout <= 0:
+        return 0.0
+    sp_div = tp if sequence_parallel else 1
+    return MASK_BYTES * model.hidden * seq_len * micro_batch / cp / sp_div
+
+
+def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: int, virtual_stages: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of its layers.
+
+    pp = 1: micro-batches run one after another (gradient accumulation): 1.
+    gpipe: every forward runs before any backward: all m micro-batches.
+    1f1b: rank r warms up with pp - r forwards before its first backward: min(pp - r, m).
+    interleaved-1f1b (Megatron's schedule): rank r runs 2(pp - r - 1) + (v - 1)pp
+      warm-up chunk forwards, so 2(pp-r-1) + (v-1)pp + 1 chunks (of 1/v of its
+      layers) are alive, capped by the m*v chunks of the step. On rank 0 that
+      is pp*(1 + (pp-1)/(pp*v)) micro-batches' worth, Korthikanti's factor.
+    zb-v: assumed to hold pp micro-batches' worth on every rank (Qi et al.
+      2024 design the V shape so each rank's peak equals 1F1B's first stage;
+      deferred weight-gradient passes are taken to fit inside that budget).
+    """
+    m = grad_accum_steps
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(pp - rank, m))
+    if schedule == "interleaved-1f1b":
+        v = virtual_stages
+        chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    if schedule == "zb-v":
+        return float(min(pp, m))
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")

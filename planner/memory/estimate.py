@@ -1,0 +1,278 @@
+"""Memory model: bytes per GPU for any layout, by category, with an engine's precision recipe.
+
+`estimate_memory` returns, for every pipeline stage, the bytes one rank of
+that stage holds at its peak, split into the plan.json categories
+(params, grads, optimizer, activations, comm_buffers, other), and picks the
+worst stage. The peak is the largest of the phases of a training step
+(planner.memory.phases: what coexists at the loss backward, the output
+layer's backward, a block's backward, the end of the backward and the
+optimizer step), not the sum of each category's own maximum; the breakdown
+is the one at that phase (`peak_phase`). Ranks of one stage are symmetric
+(TP, CP and DP peers hold the same amounts; under meshplan's ZeRO-1 the most
+loaded rank is taken), so the worst stage is the worst rank. Pure
+arithmetic: the search calls it for thousands of candidates.
+
+Model states (P = parameters a rank holds, N = dp_shard, the ZeRO group;
+dp_replicate replicas hold full copies of what dp_shard shards, i.e. HSDP):
+
+  engine     dtype   params         grads    optimizer
+  meshplan   any     4/N' + bufs    4/N2     M/N1          (the fp32 parameters are the master)
+  megatron   bf16    2/N3           4/N2     (4 + M)/N1    (fp32 master + moments)
+  deepspeed  bf16    2/N3           2/N2     (4 + M)/N1    (K = 12 with AdamW)
+  megatron, deepspeed  fp32  4/N3   4/N2     M/N1          (no master copy)
+
+M = 8 for AdamW (two fp32 moments), 4 for SGD with momentum. N1 = N when
+zero_stage >= 1, N2 when >= 2, N3 when == 3, else 1; N' = N when >= 2.
+meshplan's ZeRO-1 is torch's ZeroRedundancyOptimizer, which gives whole
+tensors to ranks (largest first, to the least loaded): the worst rank's
+optimizer state is M x `memory_params.zero1_rank_params`, e.g. a tied 128k x
+2048 embedding alone (2.0 GiB) rather than M P / N. bufs: the executor's
+fp32 RoPE tables, cos and sin of max_seq_len x head_dim (2 * S * d * 4 B,
+module buffers, counted in params on every stage).
+
+Compute copy (meshplan, `ModelStates.compute_copy`, in params, alive from the
+forward to the backward), by how the executor syncs gradients (`dp_path`,
+executor.parallel.parallelize._dp_kind) with D the compute-dtype bytes:
+  none, ddp   (dp = 1, or ZeRO-0/1 without TP and PP: torch DDP) fp32
+              parameters under torch.autocast, whose D-byte weight copies are
+              saved for the backward: D x (P - uncast), the embedding table
+              (unless it is the tied head) and norms are never cast; under
+              full recomputation only the output layer's copy (D x head) is
+              kept, the blocks cast again when recomputed; 0 in fp32
+  replicate   (ZeRO-0/1 with TP or PP: FSDP2's replicate with
+              MixedPrecisionPolicy(param_dtype=bf16)): D x P; 0 in fp32
+  fsdp        ZeRO-2 (reshard_after_forward=False): every unit's unsharded
+              copy, D x P (4 B in fp32); ZeRO-3: none, the gathered units are
+              transient comm_buffers, except under PP, where
+              torch.distributed.pipelining turns off resharding after the
+              backward between micro-batches (D x P)
+The seed notes' mixed-precision table (model 4+2, optimizer 8, grads 2+,
+total 16+ bytes per parameter) is meshplan's single-GPU row: 4 + ~2 + 8 + 4.
+
+megatron: bf16 parameters, fp32 main gradients, fp32 master weights in the
+optimizer with the two Adam moments: 2 + 4 + 12 = 18 bytes per parameter; its
+distributed optimizer is ZeRO-1 (shards the 12). deepspeed: the ZeRO paper's
+2 + 2 + K, K = 12 (Rajbhandari et al. 2020, fig. 1): stage 1 shards K, 2 also
+the gradients, 3 also the parameters.
+
+Which parameters a rank holds (`stage_params`): TP splits every attention and
+MLP matrix, the column-parallel biases and the vocabulary of the embedding
+and output layers by t (a tied matrix only where the engine splits it:
+MemoryTraits in planner.memory.params); norms, row-parallel biases, learned positions and the
+MoE router are replicated on every TP rank (sequence parallel shards norm
+activations, not norm weights). PP gives rank r its chunks (chunk r; with
+interleaving r, r + pp, ...; with zb-v r and 2pp - 1 - r) and their layers,
+the embedding to the holder of chunk 0, the final norm and output layer to the
+holder of the last chunk; with tied embeddings and those on different ranks,
+both hold a copy. EP splits the routed experts by ep (and by t); their ZeRO
+group is min(dp_shard, dp_shard * cp / ep), the ranks that hold the same experts.
+
+Offload: "optimizer" moves the optimizer states to host memory (and with them
+AdamW's step temporaries); "optimizer+params" also the parameter storage and,
+when sharded (ZeRO >= 2), the gradients; the GPU then still needs the
+compute-dtype parameters it multiplies with (ZeRO < 3: the whole stage, in
+params; ZeRO-3: the gathered units, in comm_buffers). `host_bytes` reports
+what moved.
+
+comm_buffers (D compute-dtype bytes, G grad_dtype bytes, P the stage's
+parameters; when each exists: planner.memory.phases):
+  classic DDP    meshplan's ddp path: torch DDP with its default
+                 gradient_as_bucket_view=False keeps bucket copies of every
+                 gradient for its lifetime: G * P (MemoryTraits.ddp_bucket_copy)
+  FSDP2          a block's D-byte unsharded gradient and its G-byte
+                 reduce-scatter input; the root unit (embedding + final norm +
+                 output, fully_shard(part)) holds the output layer's D-byte
+                 gradient until its own reduction at the very end; ZeRO-3
+                 gathers D * (root + in-use block + prefetched block)
+  other engines  ZeRO-0/1: one 25 MiB bucket; ZeRO-2/3: (D + G) * block, and
+                 ZeRO-3 D * (max(root, block) + 2 blocks)
+  TP + SP        all-gather output and reduce-scatter input: 2*s*b*h*D / cp
+                 (megatron, deepspeed; PyTorch's SP saves the gathered tensors,
+                 counted as activations: MemoryTraits.sp_saves_gathered)
+  PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
+  CP             ring attention K/V in flight: 2 * 2*s*b*k*d*D / (cp*t)
+  EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp
+other: CUDA context, NCCL communicator buffers and allocator fragmentation:
+DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
+passes other_bytes; the same in every phase.
+
+Activations: see planner.memory.activations (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from planner.engines import dp_path, get_engine
+from planner.layout import Layout
+from planner.memory.activations import (
+    FP32_BYTES,
+    embedding_dropout_bytes,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    layer_activation_terms,
+    layer_backward_transient,
+    output_activation_bytes,
+    rope_table_bytes,
+)
+from planner.memory.params import StageParams, pipeline_params
+from planner.memory.phases import (
+    Activations,
+    Phase,
+    StageBytes,
+    meshplan_stage_bytes,
+    peak_phase,
+    published_phase,
+    published_stage_bytes,
+    step_phases,
+)
+from planner.memory.states import stage_states
+from planner.model.spec import ModelSpec
+from planner.plan import MEMORY_CATEGORIES
+from planner.training import TrainingSpec
+from topologies.hardware import GIB, GPUSpec
+
+# CUDA context with lazy module loading (~0.5 GiB), NCCL communicator buffers
+# (~0.5 GiB over a handful of groups) and allocator fragmentation (~0.5 GiB):
+# what nvidia-smi shows beyond torch.cuda.max_memory_allocated on a training
+# job. The CPU stand-in has none of these. Calibration replaces the number.
+DEFAULT_OTHER_BYTES = {"gpu": 3 * GIB // 2, "cpu": 0}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by category at the peak phase: the worst rank's breakdown and every stage's.
+
+    The category dictionaries are made on first access from the stored
+    per-stage inputs, so the search, which reads only peak_bytes, does not
+    pay for them.
+    """
+
+    peak_bytes: int  # the worst rank at its peak phase, `other` included
+    worst_stage: int  # pipeline stage (0-based) of the worst rank
+    host_bytes: int  # CPU memory per rank for offloaded state (the most of any stage)
+    worst_rank: int  # first global rank of the worst stage (pp is the outermost mesh axis)
+    peak_phase: str  # planner.memory.phases.PHASES: when the worst rank peaks
+    worst_phases: dict[str, Phase]  # the worst stage: phase -> (params, grads, optimizer, activations, comm)
+    other_bytes: int  # the fixed overhead, in every phase
+    stages: tuple[tuple[StageBytes, StageParams, float], ...]  # every stage: its bytes, parameters, in-flight
+    activations: Activations
+    published: bool  # megatron / deepspeed: one phase with everything at once
+
+    def _breakdown(self, phase: Phase) -> dict[str, int]:
+        return dict(zip(MEMORY_CATEGORIES, (*phase, self.other_bytes), strict=True))
+
+    @cached_property
+    def per_stage(self) -> tuple[dict[str, int], ...]:
+        """Breakdown (MEMORY_CATEGORIES) of every pipeline stage, each at its own peak phase."""
+        phases_of = published_phase if self.published else step_phases
+        return tuple(self._breakdown(peak_phase(phases_of(sb, sp, self.activations, in_flight))[1])
+                     for sb, sp, in_flight in self.stages)
+
+    @property
+    def breakdown_bytes(self) -> dict[str, int]:
+        """The worst rank's breakdown at its peak phase; sums to peak_bytes."""
+        return self._breakdown(self.worst_phases[self.peak_phase])
+
+    @cached_property
+    def phases(self) -> dict[str, dict[str, int]]:
+        """The worst stage's breakdown at every phase of its step."""
+        return {name: self._breakdown(p) for name, p in self.worst_phases.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peak_memory_bytes": self.peak_bytes,
+            "memory_breakdown_bytes": self.breakdown_bytes,
+            "peak_phase": self.peak_phase,
+            "phase_peak_bytes": {name: sum(b.values()) for name, b in self.phases.items()},
+            "worst_stage": self.worst_stage,
+            "worst_rank": self.worst_rank,
+            "host_memory_bytes": self.host_bytes,
+            "per_stage_memory_bytes": [dict(s) for s in self.per_stage],
+        }
+
+
+def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str) -> int:
+    """X: TP/SP, PP, CP and EP buffers of one micro-batch (module docstring table)."""
+    d = training.dtype_bytes
+    tokens = training.seq_len * layout.micro_batch_size / layout.cp
+    act = tokens * model.hidden * d  # one micro-batch's hidden states on this rank
+    total = 0.0
+    if layout.tp > 1 and layout.sequence_parallel and not get_engine(engine).memory.sp_saves_gathered:
+        total += 2 * act
+    if layout.pp > 1:
+        total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
+    if layout.cp > 1:
+        total += 2 * 2 * tokens * model.kv_dim * d / layout.tp
+    if layout.ep > 1 and model.moe is not None:
+        total += 2 * model.moe.top_k * act
+    return int(total)
+
+
+def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str,
+                 fused: bool) -> Activations:
+    """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
+    s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
+    seq_par, d = layout.sequence_parallel, training.dtype_bytes
+    traits = get_engine(engine).memory
+    path = dp_path(layout) if traits.step_phases else "published"
+    autocast = path in ("none", "ddp") and d < FP32_BYTES
+    terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered)
+    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute)
+    if traits.rope_buffers:
+        per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
+    saved, logits_saved, logits_transient = output_activation_bytes(
+        model, s, b, t, cp, seq_par, d, autocast, traits.vocab_parallel_loss, traits.sp_saves_gathered)
+    return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
+                       embedding_dropout_bytes(model, s, b, t, cp, seq_par), saved, logits_saved, logits_transient,
+                       logits_saved / FP32_BYTES * d)
+
+
+def default_other_bytes(gpu: GPUSpec) -> int:
+    """The fixed per-GPU overhead (CUDA context, NCCL, fragmentation) before calibration."""
+    return DEFAULT_OTHER_BYTES.get(gpu.kind, DEFAULT_OTHER_BYTES["gpu"])
+
+
+def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gpu: GPUSpec,
+                    engine: str = "meshplan", other_bytes: int | None = None, *,
+                    fused_attention: bool | None = None) -> MemoryEstimate:
+    """Bytes per rank by category at the peak phase of every pipeline stage; the worst stage is the answer.
+
+    fused_attention: None means the engine's kernel (`planner.engines`), the
+    same one the simulator times; False is the papers' eager attention
+    (Korthikanti's accounting).
+    """
+    eng = get_engine(engine)
+    fused = eng.time.fused_attention if fused_attention is None else fused_attention
+    other = default_other_bytes(gpu) if other_bytes is None else other_bytes
+    acts = _activations(model, training, layout, engine, fused)
+    comm = _activation_comm(model, training, layout, engine)
+    phased = eng.memory.step_phases
+    build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
+    params = pipeline_params(model, layout, engine)
+    in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
+                                        layout.virtual_stages) for rank in range(layout.pp)]
+    # every phase grows with the in-flight micro-batches: of the ranks holding equal parameters
+    # (middle stages, one shared object: memory_params) only the one with the most can be the worst
+    busiest: dict[int, int] = {}
+    for rank, sp in enumerate(params):
+        first = busiest.setdefault(id(sp), rank)
+        if in_flight[rank] > in_flight[first]:
+            busiest[id(sp)] = rank
+    built: dict[int, StageBytes] = {}
+    worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
+    for key, rank in busiest.items():
+        sp = params[rank]
+        states = stage_states(model, training, layout, sp, engine)
+        built[key] = sb = build(model, training, layout, sp, states, comm)
+        host_bytes = max(host_bytes, states.host)
+        phases = phases_of(sb, sp, acts, in_flight[rank])
+        name, phase = peak_phase(phases)
+        peak = sum(phase)
+        if peak > worst_peak or (peak == worst_peak and rank < worst):
+            worst, worst_peak, worst_name, worst_phases = rank, peak, name, phases
+    return MemoryEstimate(
+        worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
+        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased)

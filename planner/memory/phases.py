@@ -1,0 +1,259 @@
+"""The phases of one training step on one rank: what coexists at each; the largest is the peak.
+
+Summing every category's own maximum counts tensors that never meet: the
+gradients are freed between steps (zero_grad(set_to_none=True)), the
+activations are gone before the optimizer steps, and FSDP's gathered units
+and reduce-scatter buffers come and go during the backward. PyTorch's
+memory tracker (`meshplan validate-memory`) sees the meshplan executor's
+peak at one of the moments below. Symbols, for one rank of a pipeline stage:
+W parameter storage (+ RoPE buffers), C compute copy kept from forward to
+backward, O optimizer state, Gs the step's gradients, Ga gradients of earlier
+micro-batches (grad_accum_steps > 1: the executor's no-sync accumulation keeps
+every gradient unsharded in fp32, 4 B per parameter of the stage, under DDP
+and FSDP2 alike), K DDP's gradient buckets (persistent), X activation-time
+communication (PP, CP, EP, Megatron-style SP; planner.memory.estimate), A the kept
+activations of every in-flight micro-batch, A1 one layer's, R the recompute
+transient of one layer (planner.memory.activations) plus its backward
+gradients (`layer_backward_transient`), L4 / L8 4 and 8 B per logit (saved
+log-probabilities; the loss backward's extra fp32 gradients), D / G compute /
+reduction dtype bytes, root, block, head the stage's FSDP root unit, one block
+and the output matrix (planner.memory.params); "ZeRO-3" gathers exist only
+under FSDP2 with reshard_after_forward=True and no pipeline:
+
+  backward_start   W + C + Ga + O + A + L8 + K + X: the loss backward of the last
+                   micro-batch, every activation alive. With the loss the root
+                   unit resharded after its forward; without it (PP), ZeRO-3
+                   gathers D(root + 2 block) as the stage's backward starts.
+  output_backward  W + C + Ga + O + A - L4 + D*logits + K + X + head gradient:
+                   log-probabilities freed, the D-byte logits gradient alive;
+                   the head's gradient (D, in the FSDP2 root unit until its
+                   reduction: comm_buffers; 4 (+ D under autocast) into .grad:
+                   grads); ZeRO-3 + D(root + block).
+  block_backward   the largest of four moments of the blocks' backward (A' = A
+                   without the output tensors; P = the first weight gradient,
+                   the MLP's down projection, D*h*f/t under FSDP2, else 4 (+D)):
+                   first block      A' + R + P + head gradient + ZeRO-3 gathers
+                   second block     A' - A1 + R + P + G block (the previous
+                                    reduce-scatter input, kept until the next)
+                   FSDP2 copy-in    A' - A1 + (D + G) block (its unsharded
+                                    gradient into a new reduce-scatter input)
+                   last block       the stage's first layer: A' - (layers - 1)
+                                    A1 + R + P, gradients nearly all there
+                                    (Gs but the block's and embedding's)
+                   with autocast and full recomputation, the recomputed
+                   block's D-byte weight copies (D x block) too; a block's
+                   share of C (D x block) is gone once its backward is done.
+  backward_end     W + Gs + O + K + the root's reduction, activations freed:
+                   FSDP2 max( D root gathered + D root gradients (+ 2 D matrix
+                   for a tied one: its second gradient and their sum) + G block
+                   (the previous reduce-scatter input), (D + G) root gradients
+                   at the copy-in (replicate: G + max(D, G), the all-reduce
+                   output too) ); the root's own gradient shard not there yet.
+  optimizer_step   W + Gs + O + K + max( 16 B x the largest local gradient
+                   (executor.components.optim.clip_grad_norm: .double().pow(2) of each),
+                   4 B x the parameters this rank updates (foreach AdamW's
+                   sqrt(exp_avg_sq) list: O / 2), or with TP, where the
+                   executor's parameters mix meshes and AdamW runs tensor by
+                   tensor (executor.components.optim._foreach_ok), 8 B x the largest ).
+
+Against the tracker (tests/test_memory_phases.py, bench/validate_memory_1b.py):
+backward_start is the peak of every FSDP, HSDP, TP x FSDP and ZeRO-1 layout of
+the ~100M test model and Llama 3.2 1B, within 0.1%; short sequences, a small
+vocabulary, full recomputation or one GPU move the peak to the other phases.
+`breakdown_bytes` is the breakdown AT the peak phase; temporaries go to the
+category of what they are made from (clipping's to grads, AdamW's to
+optimizer, unsharded gradients and reduction buffers to comm_buffers).
+
+megatron and deepspeed keep the published accounting, one phase with every
+model state, buffer and activation at once (`backward_start`): their
+gradients live in persistent contiguous buffers and their executors are not
+ours to measure.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from planner.engines import DDP_BUCKET_BYTES, dp_path
+from planner.layout import Layout
+from planner.memory.activations import FP32_BYTES
+from planner.memory.params import StageParams, ceil_div
+from planner.memory.states import ModelStates
+from planner.model.spec import ModelSpec
+from planner.training import DTYPE_BYTES, TrainingSpec
+
+PHASES = ("backward_start", "output_backward", "block_backward", "backward_end", "optimizer_step")
+CLIP_BYTES = 16  # fp64 copy of a gradient and its square, alive together
+ADAMW_TEMP_PER_MOMENT_BYTE = 0.5  # foreach: 4 B of sqrt(exp_avg_sq) per parameter, 8 B of moments
+ADAMW_SINGLE_TENSOR_BYTES = 8  # per-tensor AdamW: sqrt(exp_avg_sq) and its quotient, alive together
+
+Phase = tuple[int, int, int, int, int]  # params, grads, optimizer, activations, comm_buffers
+
+
+class Activations(NamedTuple):
+    """One micro-batch's activation bytes on one rank, by where they sit (planner.memory.activations).
+
+    NamedTuples rather than frozen dataclasses here: built on every call of
+    estimate_memory, they must be cheap.
+    """
+
+    per_layer: float  # A1: kept per layer (with the rotary table copies)
+    recomputed: float  # one layer's recompute transient (once per rank)
+    backward_temp: float  # one layer's backward gradients beyond its saved tensors (once per rank)
+    embedding: float  # embedding dropout mask (first stage)
+    output: float  # final norm + output-layer inputs (last stage)
+    logits_saved: float  # saved fp32 log-probabilities (last stage)
+    loss_transient: float  # the loss backward's extra fp32 gradients, once (last stage)
+    logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
+
+
+class StageBytes(NamedTuple):
+    """A stage's per-rank amounts that do not depend on its pipeline position (computed once per placement)."""
+
+    params: int  # W (+ buffers)
+    copy: int  # C
+    grads: int  # Gs
+    optimizer: int  # O
+    buckets: int  # K (published engines: every data-parallel buffer)
+    comm: int  # X
+    accumulated: int = 0  # Ga
+    fsdp2: bool = False  # unsharded gradients wait in FSDP2 units (comm_buffers), not in .grad (grads)
+    head_grad: int = 0  # the output matrix's gradient from the output layer's backward on
+    partial_grad: int = 0  # P: a block's first weight gradient
+    gathered_start: int = 0  # ZeRO-3: root + block in use + prefetched block
+    gathered_output: int = 0  # ZeRO-3: root + prefetched block
+    block_rs: int = 0  # G block: one reduce-scatter input
+    block_grad: int = 0  # D block: a block's unsharded gradient at its copy-in
+    last_grads: int = 0  # gradients present at the stage's last block backward
+    recompute_copy: int = 0  # autocast's weight copies of the block being recomputed
+    block_copy: int = 0  # a block's share of C, released once its backward is done
+    end_transient: int = 0  # FSDP2 root reduction (backward_end)
+    root_grads: int = 0  # the root unit's share of Gs, not there yet during its reduction
+    clip: int = 0  # gradient clipping temporaries
+    adamw: int = 0  # foreach AdamW temporaries
+
+
+def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
+    """Bytes by category (no `other`) at each phase of the step this stage goes through (module docstring)."""
+    kept = in_flight * sp.layers * acts.per_layer + (in_flight * acts.embedding if sp.has_embedding else 0.0)
+    out = in_flight * (acts.output + acts.logits_saved) if sp.has_output else 0.0
+    fwd = sb.params + sb.copy
+    base = sb.buckets + sb.comm
+    start_act = kept + out + (acts.loss_transient if sp.has_output else 0.0)
+    phases = {"backward_start": (fwd, sb.accumulated, sb.optimizer, int(start_act),
+                                 base + (0 if sp.has_output else sb.gathered_start))}
+    head = sb.head_grad if sp.has_output else 0
+    head_comm, head_grads = (head, 0) if sb.fsdp2 else (0, head)
+    if sp.has_output:
+        act = kept + out - acts.logits_saved + acts.logits_grad
+        phases["output_backward"] = (fwd, sb.accumulated + head_grads, sb.optimizer, int(act),
+                                     base + head_comm + sb.gathered_output)
+    if sp.layers:
+        phases["block_backward"] = _block_backward(sb, sp, acts, kept, head_comm, head_grads)
+    phases["backward_end"] = (sb.params, sb.grads - sb.root_grads, sb.optimizer, 0, sb.buckets + sb.end_transient)
+    clip, adamw = (sb.clip, 0) if sb.clip >= sb.adamw else (0, sb.adamw)
+    phases["optimizer_step"] = (sb.params, sb.grads + clip, sb.optimizer + adamw, 0, sb.buckets)
+    return phases
+
+
+def _block_backward(sb: StageBytes, sp: StageParams, acts: Activations, kept: float, head_comm: int,
+                    head_grads: int) -> Phase:
+    """The largest of the four block-backward moments of the module docstring."""
+    fwd, base = sb.params + sb.copy, sb.buckets + sb.comm + head_comm + sb.gathered_start
+    partial_comm, partial_grads = (sb.partial_grad, 0) if sb.fsdp2 else (0, sb.partial_grad)
+    grads = sb.accumulated + head_grads + partial_grads
+    rebuilt = kept + acts.recomputed + acts.backward_temp  # the block in backward: rebuilt, its gradients
+    rebuilt_params = fwd + sb.recompute_copy
+    moments = [(rebuilt_params, grads, sb.optimizer, int(rebuilt), base + partial_comm)]
+    if sp.layers > 1:
+        moments.append((rebuilt_params - sb.block_copy, grads, sb.optimizer, int(rebuilt - acts.per_layer),
+                        base + partial_comm + sb.block_rs))
+        done = sp.layers - 1  # blocks whose backward is over when the stage's first layer runs its own
+        moments.append((rebuilt_params - done * sb.block_copy, sb.last_grads + partial_grads, sb.optimizer,
+                        int(rebuilt - done * acts.per_layer), base + partial_comm + sb.block_rs))
+    if sb.fsdp2:
+        moments.append((fwd - sb.block_copy, sb.accumulated + head_grads, sb.optimizer, int(kept - acts.per_layer),
+                        base + sb.block_grad + sb.block_rs))
+    return max(moments, key=sum)
+
+
+def peak_phase(phases: dict[str, Phase]) -> tuple[str, Phase]:
+    """The phase with the most bytes (the first of equal ones) and its bytes."""
+    name, peak = "", -1
+    for phase_name, phase in phases.items():
+        total = sum(phase)
+        if total > peak:
+            name, peak = phase_name, total
+    return name, phases[name]
+
+
+def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
+    """megatron / deepspeed: every state, buffer and activation at once (the papers' accounting)."""
+    act = in_flight * sp.layers * acts.per_layer + (acts.recomputed if sp.layers else 0.0)
+    if sp.has_embedding:
+        act += in_flight * acts.embedding
+    if sp.has_output:
+        act += in_flight * (acts.output + acts.logits_saved) + acts.loss_transient
+    return {"backward_start": (sb.params + sb.copy, sb.grads, sb.optimizer, int(act), sb.buckets + sb.comm)}
+
+
+def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
+                         states: ModelStates, comm: int) -> StageBytes:
+    """The executor's buffers and temporaries (module docstring formulas)."""
+    d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
+    path = dp_path(layout)
+    fsdp2 = path in ("fsdp", "replicate")
+    autocast = path in ("none", "ddp") and d < FP32_BYTES
+    grad_bytes = d if fsdp2 else FP32_BYTES + (d if autocast else 0)  # a fresh weight gradient, per parameter
+    zero3 = path == "fsdp" and layout.zero_stage == 3 and states.compute_copy == 0
+    gathered = d * (sp.root + 2 * sp.block) if zero3 else 0
+    sharded = layout.zero_stage >= 2
+    grad_share = (lambda n: ceil_div(FP32_BYTES * n, layout.dp_shard)) if sharded else (lambda n: FP32_BYTES * n)
+    pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
+    accumulated = FP32_BYTES * sp.total if layout.grad_accum_steps > 1 else 0
+    if sharded:
+        last_grads = states.grads - min(states.grads, grad_share(pending)) + \
+            (FP32_BYTES * pending if accumulated else 0)
+    else:
+        last_grads = max(accumulated, states.grads - min(states.grads, grad_share(pending)))
+    end_transient = root_grads = 0
+    if fsdp2:
+        root_grads = min(states.grads, grad_share(sp.root))
+        root_copy = d * sp.root if path == "fsdp" or d < FP32_BYTES else 0
+        tied = 2 * d * sp.head if model.tie_embeddings and sp.has_embedding and sp.has_output else 0
+        last = sp.root or sp.block  # the unit reduced last: the root, or the first block of a middle stage
+        copy_in = (g + (max(d, g) if path == "replicate" else d)) * last
+        previous_rs = g * sp.block if sp.root and sp.layers else 0
+        end_transient = max(copy_in, root_copy + d * sp.root + tied + previous_rs)
+    largest_grad = ceil_div(sp.largest, layout.dp_shard) if sharded else sp.largest  # largest local tensor
+    return StageBytes(
+        params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
+        buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
+        head_grad=grad_bytes * sp.head,
+        partial_grad=grad_bytes * ceil_div(model.hidden * model.ffn_hidden, layout.tp),
+        gathered_start=gathered, gathered_output=gathered - d * sp.block if zero3 else 0,
+        block_rs=g * sp.block if fsdp2 else 0, block_grad=d * sp.block if fsdp2 else 0, last_grads=last_grads,
+        recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
+        block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
+        end_transient=end_transient, root_grads=root_grads, clip=CLIP_BYTES * largest_grad if states.grads else 0,
+        adamw=_adamw_temp(training, layout, states, largest_grad))
+
+
+def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:
+    """AdamW's step temporaries on the GPU (module docstring); none for SGD or an offloaded optimizer."""
+    if training.optimizer != "adamw" or not states.optimizer:
+        return 0
+    if layout.tp > 1:
+        return ADAMW_SINGLE_TENSOR_BYTES * largest
+    return int(states.optimizer * ADAMW_TEMP_PER_MOMENT_BYTE)
+
+
+def published_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
+                          states: ModelStates, comm: int) -> StageBytes:
+    """megatron / deepspeed: their data-parallel buffers (planner.memory.estimate docstring), all counted at once."""
+    d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
+    if layout.zero_stage <= 1:
+        dp = DDP_BUCKET_BYTES if layout.dp > 1 else 0
+    else:
+        dp = (d + g) * sp.block + (d * (max(sp.root, sp.block) + 2 * sp.block) if layout.zero_stage == 3 else 0)
+    return StageBytes(states.params, states.compute_copy, states.grads, states.optimizer, dp, comm)

@@ -1,0 +1,93 @@
+"""Model states of one rank: parameters, gradients and optimizer states after ZeRO and offload.
+
+The bytes per parameter come from the engine's precision recipe
+(`planner.engines.Engine.recipe`); the sharding follows the ZeRO stage over
+dp_shard for dense parameters and over the expert data-parallel group for
+routed experts (`StageParams.expert_shard`). The table of what each engine
+keeps is in the docstring of planner.memory.estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.engines import FP32_BYTES, dp_path, get_engine
+from planner.layout import Layout
+from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
+from planner.model.spec import ModelSpec
+from planner.training import TrainingSpec
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Model-state bytes on the GPU of one rank of a stage, and what offload moved to the host."""
+
+    params: int  # parameter storage (+ buffers)
+    compute_copy: int  # compute-dtype weights kept from forward to backward (module docstring)
+    grads: int  # the step's gradients once the backward is done
+    optimizer: int
+    host: int
+
+    @property
+    def total(self) -> int:
+        """params + grads + optimizer: together at the optimizer step, so never above the peak."""
+        return self.params + self.grads + self.optimizer
+
+
+def _compute_copy(engine: str, layout: Layout, sp: StageParams, d: int) -> int:
+    """Compute-dtype weights kept from forward to backward by meshplan's executor (module docstring of estimate)."""
+    if not get_engine(engine).memory.fp32_params:
+        return 0
+    path = dp_path(layout)
+    if path == "fsdp":
+        return d * sp.total if layout.zero_stage == 2 or layout.pp > 1 else 0
+    if d >= FP32_BYTES:
+        return 0
+    if path == "replicate":
+        return d * sp.total
+    # autocast: full recomputation casts the blocks' weights again in the backward; the head's copy stays
+    return d * sp.head if layout.recompute == "full" else d * (sp.total - sp.uncast)
+
+
+def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
+                 engine: str) -> ModelStates:
+    """The model states of one rank of the stage holding `sp` (module docstring table)."""
+    eng = get_engine(engine)
+    recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage)
+    d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
+
+    def shard(bytes_per_param: int) -> int:
+        return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, sp.expert_shard)
+
+    traits = eng.memory
+    params = shard(recipe.param) if recipe.shard_params else recipe.param * total
+    grads = shard(recipe.grad) if recipe.shard_grads else recipe.grad * total
+    if layout.zero_stage == 1 and traits.zero1_whole_tensors:
+        optimizer = recipe.optimizer * zero1_rank_params(model, layout.tp, sp, n, traits.tied_vocab_parallel)
+    else:
+        optimizer = shard(recipe.optimizer) if recipe.shard_optimizer else recipe.optimizer * total
+    copy = _compute_copy(engine, layout, sp, d)
+    host = 0
+    if layout.offload != "none":
+        host, optimizer = optimizer, 0
+        if layout.offload == "optimizer+params":
+            host += params
+            # what the GPU still multiplies with: the stage's compute-dtype weights below ZeRO-3
+            params, copy = 0, (0 if layout.zero_stage == 3 else d * total)
+            if recipe.shard_grads:
+                host, grads = host + grads, 0
+    if traits.rope_buffers and model.position == "rope":
+        params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
+    return ModelStates(params, copy, grads, optimizer, host)
+
+
+def model_states(model: ModelSpec, training: TrainingSpec, layout: Layout,
+                 engine: str = "meshplan") -> ModelStates:
+    """The model states of the pipeline stage with the most (params + grads + optimizer)."""
+    states = [stage_states(model, training, layout, sp, engine) for sp in pipeline_params(model, layout, engine)]
+    return max(states, key=lambda s: s.total)
+
+
+def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str = "meshplan") -> int:
+    """params + grads + optimizer on the GPU of the worst stage: a lower bound of the peak to prune with."""
+    return model_states(model, training, layout, engine).total

@@ -1,0 +1,52 @@
+"""Resolving --model: a preset name, a size alias (13B) or a path to a config file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.model.hf_config import is_hf_config, model_from_hf_config
+from planner.model.presets import PRESETS, SIZE_ALIASES, preset_names
+from planner.model.spec import ModelSpec
+from topologies.errors import ModelError, nearest
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """Resolve --model: a preset name, a size alias (13B) or a path to a JSON file.
+
+    A JSON file may be a Hugging Face config.json or meshplan's own ModelSpec JSON.
+    """
+    key = name_or_path.strip()
+    if key in PRESETS:
+        return PRESETS[key]
+    upper = key.upper()
+    if upper in SIZE_ALIASES:
+        return PRESETS[SIZE_ALIASES[upper]]
+    if key.lower() in PRESETS:
+        return PRESETS[key.lower()]
+    path = Path(key)
+    if path.suffix == ".json" or path.exists():
+        return _load_model_file(path)
+    raise ModelError(
+        f"unknown model {key!r}{nearest(key, preset_names())}: use a preset "
+        f"({', '.join(preset_names())}), a size alias ({', '.join(SIZE_ALIASES)}) or a path to a config.json"
+    )
+
+
+def _load_model_file(path: Path) -> ModelSpec:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ModelError(f"model file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ModelError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"model file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"model file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    if is_hf_config(data):
+        return model_from_hf_config(data, default_name=path.parent.name or path.stem)
+    data.setdefault("name", path.stem)
+    return ModelSpec.from_json(data)

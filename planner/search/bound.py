@@ -1,0 +1,261 @@
+"""A tight, cheap lower bound of `planner.simulate.step.simulate_step`'s step time, for branch-and-bound.
+
+SIM's `compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
+same for almost every layout of a search, so it cannot order or prune them.
+This bound keeps what separates layouts and is still never above the
+simulated time: it follows the simulator's recipe (planner/simulate/step.py) term
+by term, taking every piece at or below what the simulator charges.
+
+Per layer and micro-batch, with f, b the GPU compute of
+`planner.simulate.compute.layer_times` (x + max(0, c - x) = max(x, c)):
+    F >= max( max(f, all-gather) + 2 TP points,                  host time of the forward )
+    B >= max( max(b, all-gather + reduce-scatter) + TP exposed,   host time of the backward )
+    TP exposed = max(0, 2 TP points - weight-gradient GEMMs if the engine overlaps them, else 0)
+                 + 2 TP points of the recomputed forward under full recomputation
+since the simulator combines GPU and host time with a p-norm, which is at
+least their max. The FSDP collectives count only under ZeRO-2/3 (the
+all-gather only under ZeRO-3), and host time is the layer overhead (1 forward, 2 backward,
+3 with full recomputation), without any per-collective dispatch cost. Collectives are priced
+on the first group of their axes (the simulator takes the worst group, which
+includes it) with the same collective model, leaving out any per-call
+overhead the simulator may add.
+
+Per pipeline rank r, holding chunks whose lowest is chunk r, n micro-batches:
+    start_r  >= F of every layer below chunk r (micro-batch 0 must get there)
+    end_r    >= start_r + n (F_r + B_r)            (all its operations)
+    finish_r >= max(end_r + last DDP bucket, start_r + n F_r + (n-1) B_r + reduce)
+                + parameter all-gather (ZeRO-1/2) + optimizer step
+where the max is the simulator's overlap of the gradient reduction with the
+last micro-batch's backward (without overlap, end_r + reduce). Under GPipe,
+1F1B and interleaved 1F1B (whose Megatron order ends every rank on its lowest
+chunk, the last group's backwards running chunk by chunk downwards) the last
+operation of rank r is the backward of chunk r for the last micro-batch,
+which must still travel back through every chunk below it to rank 0. Ranks
+with the same work differ only in start_r, so one rank per kind is enough.
+
+Left out, so the bound stays one whatever they cost: p2p transfers, CP and EP
+exchanges, the embedding sync, and every idle wait beyond the chains above.
+`tests/test_search.py` checks bound <= simulated step on sampled layouts of
+every schedule, ZeRO stage and engine, and that branch-and-bound finds what
+exhaustive simulation finds. Change this file with planner/simulate/step.py.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from planner.engines import DDP_BUCKET_BYTES, get_engine
+from planner.layout import Layout, balanced_layers
+from planner.memory.params import StageParams, layer_params_split, pipeline_params, rank_chunks
+from planner.model.spec import ModelSpec
+from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.comm import DP_AXES, StepComm, group_offsets
+from planner.simulate.compute import (
+    embedding_times,
+    layer_times,
+    optimizer_time_s,
+    output_times,
+    tokens_per_micro_batch,
+)
+from planner.training import DTYPE_BYTES, TrainingSpec
+from topologies.cluster import Cluster
+
+
+@lru_cache(maxsize=4096)
+def rank_structure(n_layers: int, pp: int, v: int, schedule: str, layers_per_stage: tuple[int, ...]
+                   ) -> tuple[tuple[int, int, bool, bool, bool, int], ...]:
+    """One entry per kind of pipeline rank: (layers held, layers below its lowest chunk, holds the embedding,
+    holds the output, lowest chunk > 0, a rank of that kind); of ranks with the same work, the one furthest down.
+
+    Ranks with the same layers and ends hold the same parameters (`planner.memory.params`), so they differ
+    only in how far down the pipeline they start.
+    """
+    layers = layers_per_stage or balanced_layers(n_layers, pp * v)
+    below = [0]
+    for count in layers:
+        below.append(below[-1] + count)
+    kinds: dict[tuple, tuple] = {}
+    for r in range(pp):
+        chunks = rank_chunks(schedule, pp, v, r)
+        low = min(chunks)
+        work = (sum(layers[c] for c in chunks), 0 in chunks, pp * v - 1 in chunks, low > 0)
+        if work not in kinds or below[low] > kinds[work][1]:
+            kinds[work] = (work[0], below[low], *work[1:], r)
+    return tuple(kinds.values())
+
+
+def rank_kinds(model: ModelSpec, layout: Layout) -> tuple[tuple[int, int, bool, bool, bool, StageParams], ...]:
+    """`rank_structure` with each kind's parameters instead of its representative rank.
+
+    A dense model's parameters per rank do not depend on dp_shard or cp (they only
+    shard experts), so those are priced on one canonical layout per pipeline and tp.
+    """
+    if model.moe is None:
+        layout = Layout(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+                        virtual_stages=layout.virtual_stages, layers_per_stage=layout.layers_per_stage)
+    params = pipeline_params(model, layout)
+    return tuple((*kind[:5], params[kind[5]]) for kind in rank_structure(
+        model.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage))
+
+
+class StepBound:
+    """Lower bounds of the step time for the layouts of one search (one model, cluster, profile, engine).
+
+    `for_shape` does the work that does not depend on the micro-batch or the
+    recomputation once per shape; `ShapeBound.seconds` then costs a few
+    dictionary look-ups per candidate.
+    """
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str) -> None:
+        # Price the bound at the engine's speed, as simulate_step does; a faster
+        # base profile would stay a valid bound but prune far less.
+        self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
+        self.traits = get_engine(engine).time
+        self.collectives = StepComm(cluster, Layout(), self.cal).model
+        self._units: dict[tuple, tuple[float, float, float, float]] = {}
+        self._ends: dict[tuple, tuple[float, float, float, float]] = {}
+        self._kinds: dict[tuple, tuple] = {}
+        self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
+        self._times: dict[tuple, float] = {}
+
+    def seconds(self, layout: Layout, training: TrainingSpec) -> float:
+        """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
+        return self.for_shape(layout, training).seconds(layout.micro_batch_size, layout.recompute)
+
+    def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
+        """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
+        shape_key = shape.mesh_shape
+        key = (shape_key, shape.zero_stage, shape.ep, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
+               training.dtype, training.grad_dtype, training.optimizer)
+        kinds = self._tails.get(key)
+        if kinds is None:
+            kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
+                                             for held, below, emb, out, low, sp in self._rank_kinds(shape))
+        return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds)
+
+    # ---- cached pieces -------------------------------------------------------
+
+    def _rank_kinds(self, layout: Layout) -> tuple:
+        """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
+        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep,
+               *((layout.dp_shard, layout.cp) if self.model.moe is not None else ()))
+        hit = self._kinds.get(key)
+        if hit is None:
+            hit = self._kinds[key] = rank_kinds(self.model, layout)
+        return hit
+
+    def _time(self, op: str, size_bytes: float, shape_key: tuple[int, ...], axes: tuple[str, ...]) -> float:
+        """`op` on the group of rank 0 along `axes`, cached here: a DP group of thousands of ranks is slow to hash."""
+        key = (op, size_bytes, shape_key, axes)
+        hit = self._times.get(key)
+        if hit is None:
+            group = group_offsets(shape_key, axes)
+            hit = self._times[key] = 0.0 if size_bytes <= 0 or len(group) < 2 else \
+                self.collectives.time_s(op, size_bytes, group)
+        return hit
+
+    def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str
+             ) -> tuple[float, float, float, float]:
+        """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch."""
+        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel,
+               recompute, shape.ep)
+        hit = self._units.get(key)
+        if hit is None:
+            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=recompute)
+            gpu, cal = self.cluster.gpu, self.cal
+            peak = gpu.peak_flops(training.dtype)
+            lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
+                             self.traits.fused_attention)
+            point = 0.0
+            if layout.tp > 1:
+                act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
+                point = StepComm(self.cluster, Layout(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
+            hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
+            recomputed = 2 * point if recompute == "full" else 0.0
+            hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
+                                      recomputed + max(0.0, 2 * point - hidden))
+        return hit
+
+    def _fsdp(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> tuple[float, float]:
+        """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
+        if shape.zero_stage < 2 or shape.dp_shard == 1:
+            return 0.0, 0.0
+        dense, experts = layer_params_split(self.model, shape.tp, shape.ep)
+        unit = dense + experts
+        rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
+        ag = self._time("all_gather", unit * training.dtype_bytes, shape_key, ("dp_shard",)) \
+            if shape.zero_stage == 3 else 0.0
+        return ag, ag + rs
+
+    def _tail(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec, sp: StageParams
+              ) -> tuple[float, float, float]:
+        """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
+        g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
+        if shape.zero_stage <= 1:
+            reduce_bytes = sp.total * g
+            reduce_s = self._time("all_reduce", reduce_bytes, shape_key, DP_AXES)
+        else:
+            reduce_bytes = sp.total * g / shape.dp_shard
+            reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
+        last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes) if reduce_s > 0 else 0.0
+        gather = self._time("all_gather", sp.total * d, shape_key, ("dp_shard",)) if shape.zero_stage in (1, 2) else 0.0
+        shard = shape.dp_shard if shape.zero_stage >= 1 else 1
+        local = sp.dense / shard + sp.experts / (sp.expert_shard if shape.zero_stage >= 1 else 1)
+        return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)
+
+    def end_times(self, shape: Layout, training: TrainingSpec, micro_batch_size: int
+                  ) -> tuple[float, float, float, float]:
+        """(embedding F, B, output F, B) for one micro-batch, GPU vs host time."""
+        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp)
+        hit = self._ends.get(key)
+        if hit is None:
+            layout = shape.replace(micro_batch_size=micro_batch_size)
+            gpu, cal, s = self.cluster.gpu, self.cal, training.seq_len
+            peak = gpu.peak_flops(training.dtype)
+            emb = embedding_times(self.model, s, training.dtype_bytes, layout, gpu, cal)
+            out = output_times(self.model, s, layout, gpu, peak, cal)
+            host = cal.layer_overhead_s
+            hit = self._ends[key] = (max(emb.forward_s, host), max(emb.backward_s, host),
+                                     max(out.forward_s, host), max(out.backward_s, 2 * host))
+        return hit
+
+
+class ShapeBound:
+    """The bound of one shape for any micro-batch and recomputation (see StepBound.for_shape)."""
+
+    def __init__(self, parent: StepBound, shape: Layout, training: TrainingSpec, fsdp: tuple[float, float],
+                 kinds: tuple[tuple, ...]) -> None:
+        self.parent, self.shape, self.training = parent, shape, training
+        self.fsdp, self.kinds = fsdp, kinds
+        self.per_replica = training.global_batch_size // shape.dp
+        self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+
+    def seconds(self, micro_batch_size: int, recompute: str) -> float:
+        """Never above the simulated step time of the shape with this micro-batch and recomputation."""
+        p = self.parent
+        f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
+        ag, ag_rs = self.fsdp
+        host = p.cal.layer_overhead_s
+        f_layer = max(max(f, ag) + tp_f, host)
+        b_layer = max(max(b, ag_rs) + tp_b, host * (3.0 if recompute == "full" else 2.0))
+        ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
+        n = self.per_replica // micro_batch_size
+        overlap = p.traits.overlap_dp
+        best = chain_end = rank0_tail = 0.0
+        for held, below, emb, out, low, reduce_s, last_bucket_s, after_s in self.kinds:
+            fr = held * f_layer + (ef if emb else 0.0) + (of if out else 0.0)
+            br = held * b_layer + (eb if emb else 0.0) + (ob if out else 0.0)
+            start = below * f_layer + (ef if low else 0.0)
+            end = start + n * (fr + br)
+            if overlap:
+                finish = max(end + last_bucket_s, start + n * fr + (n - 1) * br + reduce_s)
+            else:
+                finish = end + reduce_s
+            best = max(best, finish + after_s)
+            if low:
+                chain_end = max(chain_end, end + below * b_layer + eb)
+            else:
+                rank0_tail = after_s + (last_bucket_s if overlap else reduce_s)
+        if self.chain_back:  # the backward chain ends on rank 0, then its tail
+            best = max(best, chain_end + rank0_tail)
+        return best

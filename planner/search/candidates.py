@@ -1,0 +1,265 @@
+"""Candidate layouts: what the search enumerates, and the rules that keep the space small.
+
+A candidate is a Layout. The search builds them in two levels:
+
+* a *shape* fixes the mesh (pp, dp_replicate, dp_shard, cp, tp, ep), the ZeRO
+  stage, sequence parallelism, the pipeline schedule and its virtual stages;
+* a *leaf* adds the micro-batch size (hence grad_accum_steps) and the
+  recomputation, which is where memory is decided.
+
+Rules that bound the space (each is a hard constraint, a dominance argument
+or a stated heuristic; a flag the user pins always overrides a heuristic):
+
+R1  tp divides both the attention and the KV head counts (hard).
+R2  pp * virtual_stages <= layers (hard); cp divides seq_len, and with
+    sequence parallel tp * cp does too (hard).
+R3  Heuristic: unpinned cp > 1 only while every CP rank keeps at least
+    MIN_CP_TOKENS tokens; below that attention is too small for CP's K/V
+    exchange to pay off.
+R4  ZeRO stage 0 <=> dp_shard == 1 (the Layout's own rule); ZeRO 1-3 for
+    every dp_shard > 1 dividing dp.
+R5  With tp > 1 both sequence parallel on and off are searched. SP shards
+    the norm/dropout activations tp ways (never more memory) and its
+    reduce-scatter + all-gather move the same bytes as the all-reduce it
+    replaces, yet it is not dominated in time: on NVSwitch with NVLS the
+    switch reduces an all-reduce in one pass, which the collective model
+    prices below RS + AG.
+R6  GPipe is searched next to 1F1B: it keeps every micro-batch's activations
+    alive, but its all-forward-then-all-backward order overlaps the gradient
+    reduction differently, and the event simulation can find it faster. It is
+    the only schedule that runs grad_accum_steps < pp.
+R7  Interleaved 1F1B uses virtual stages that split each rank's layers
+    evenly (v divides layers / pp) and needs grad_accum_steps % pp == 0,
+    as Megatron's and torch.distributed.pipelining's schedules do. ZB-V uses
+    exactly 2 chunks per rank.
+R8  Micro-batch sizes divide the per-replica batch. Memory never falls as
+    the micro-batch grows, so a recomputation level that failed at a smaller
+    micro-batch is not tried again at a larger one (see planner.search.search).
+R9  Dominance: for a fixed shape and micro-batch, the lightest recomputation
+    that fits wins (more recomputation only adds FLOPs). Offloading is never
+    searched, only honoured when pinned (`Pins.offload`): the simulator does
+    not price its host transfers and a Cluster does not know its host
+    memory, so an offloaded layout would look free and might not fit the host.
+R10 MoE: ep divides the expert count and dp_shard * cp; dense models use ep 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from math import gcd
+
+from planner.layout import OFFLOAD_KINDS, PP_SCHEDULES, RECOMPUTE_KINDS, Layout, divisors
+from planner.model.spec import ModelSpec
+from topologies.errors import UsageError
+
+MIN_CP_TOKENS = 1024  # R3: smallest sequence chunk per CP rank the search proposes on its own
+BATCH_TOLERANCE = 0.25  # a default global batch may move this far from ~1M tokens to suit dp
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What the user fixed on the command line; None leaves the option to the search."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None  # total data parallel degree, dp_replicate * dp_shard
+    dp_shard: int | None = None
+    cp: int | None = None
+    zero_stage: int | None = None
+    micro_batch_size: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    pp_schedule: str | None = None
+    virtual_stages: int | None = None
+    offload: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise UsageError(f"--zero must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for key, allowed in (("recompute", RECOMPUTE_KINDS), ("pp_schedule", PP_SCHEDULES),
+                             ("offload", OFFLOAD_KINDS)):
+            value = getattr(self, key)
+            if value is not None and value not in allowed:
+                raise UsageError(f"--{key.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        if self.zero_stage == 0 and self.dp_shard not in (None, 1):
+            raise UsageError(f"--zero 0 shards nothing, so --dp-shard must be 1, got {self.dp_shard}; "
+                             "use --zero 1-3 to shard")
+        if self.zero_stage in (1, 2, 3) and self.dp_shard == 1:
+            raise UsageError(f"--zero {self.zero_stage} shards over dp_shard, but --dp-shard is 1; "
+                             "use --zero 0 or a larger --dp-shard")
+        if self.dp is not None and self.dp_shard is not None and self.dp % self.dp_shard:
+            raise UsageError(f"--dp-shard ({self.dp_shard}) must divide --dp ({self.dp}), "
+                             "the total data-parallel degree dp_replicate * dp_shard")
+        if self.sequence_parallel and self.tp == 1:
+            raise UsageError("--sequence-parallel needs --tp > 1")
+        v, sched = self.virtual_stages, self.pp_schedule
+        if v is not None and sched is not None:
+            Layout(pp=2, pp_schedule=sched, virtual_stages=v)  # raises PlanError (exit 2) with the rule
+        if self.pp == 1 and ((v or 1) > 1 or sched in ("interleaved-1f1b", "zb-v")):
+            raise UsageError("--pp 1 has no pipeline: drop --pp-schedule/--virtual-stages or pin --pp > 1")
+
+    def pinned(self) -> dict[str, object]:
+        """The options the user fixed, by name, for messages and for checking a result."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+@lru_cache(maxsize=1024)
+
+def _choices(pinned: int | None, allowed: tuple[int, ...]) -> tuple[int, ...]:
+    if pinned is None:
+        return allowed
+    return (pinned,) if pinned in allowed else ()
+
+
+def global_batch_for(dp: int, unit: int, target: int, fixed: bool) -> int | None:
+    """The global batch (sequences) a layout with this dp runs, or None when it cannot.
+
+    `unit` is what one optimizer step must be a multiple of: dp, times the
+    micro-batch when that is pinned. A batch the user gave (`fixed`) must be a
+    multiple of it. The default batch (~1M tokens) is rounded to the nearest
+    multiple, at least one unit, and refused when that moves it more than
+    BATCH_TOLERANCE away: such a layout would win or lose on a different batch.
+    """
+    if fixed:
+        return target if target % unit == 0 else None
+    batch = unit * max(1, round(target / unit))
+    return batch if abs(batch - target) <= BATCH_TOLERANCE * target else None
+
+
+def mesh_degrees(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins) -> Iterator[tuple[int, int, int, int]]:
+    """(pp, dp, cp, tp) with pp * dp * cp * tp == n_gpus under R1-R3 and the pins."""
+    heads = gcd(model.n_heads, model.n_kv_heads)
+    for tp in _choices(pins.tp, tuple(d for d in divisors(n_gpus) if heads % d == 0)):
+        for pp in _choices(pins.pp, tuple(d for d in divisors(n_gpus // tp) if d <= model.n_layers)):
+            rest = n_gpus // (tp * pp)
+            cps = tuple(c for c in divisors(rest) if seq_len % c == 0
+                        and (pins.cp is not None or c == 1 or seq_len // c >= MIN_CP_TOKENS))
+            for cp in _choices(pins.cp, cps):
+                dp = rest // cp
+                if pins.dp is None or pins.dp == dp:
+                    yield pp, dp, cp, tp
+
+
+def data_parallel_splits(dp: int, pins: Pins) -> Iterator[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) for a data-parallel degree, under R4."""
+    shards = _choices(pins.dp_shard, divisors(dp))
+    for dp_shard in shards:
+        zeros = (0,) if dp_shard == 1 else (1, 2, 3)
+        for zero in zeros:
+            if pins.zero_stage is None or pins.zero_stage == zero:
+                yield dp // dp_shard, dp_shard, zero
+
+
+def expert_degrees(model: ModelSpec, dp_shard: int, cp: int) -> tuple[int, ...]:
+    """R10: expert-parallel degrees for a MoE model; (1,) for a dense one."""
+    if model.moe is None:
+        return (1,)
+    return tuple(e for e in divisors(model.moe.n_experts) if (dp_shard * cp) % e == 0)
+
+
+def sequence_parallel_options(tp: int, cp: int, seq_len: int, pins: Pins) -> tuple[bool, ...]:
+    """R5: SP on and off when tp > 1 and the sequence splits evenly over tp * cp; the pinned value only."""
+    can = tp > 1 and seq_len % (tp * cp) == 0
+    options = (True, False) if can else (False,)
+    if pins.sequence_parallel is not None:
+        return tuple(o for o in options if o == pins.sequence_parallel)
+    return options
+
+
+def schedules(pp: int, n_layers: int, pins: Pins) -> tuple[tuple[str, int], ...]:
+    """(pp_schedule, virtual_stages) pairs for a pipeline depth, under R2 and R7."""
+    if pp == 1:
+        if pins.pp_schedule not in (None, "gpipe", "1f1b") or pins.virtual_stages not in (None, 1):
+            return ()
+        return ((pins.pp_schedule or "1f1b", 1),)
+    options: list[tuple[str, int]] = [("1f1b", 1), ("gpipe", 1)]
+    if n_layers % pp == 0:
+        options += [("interleaved-1f1b", v) for v in divisors(n_layers // pp) if v >= 2]
+    elif 2 * pp <= n_layers:
+        options.append(("interleaved-1f1b", 2))
+    if 2 * pp <= n_layers:
+        options.append(("zb-v", 2))
+    if pins.pp_schedule is not None:
+        options = [o for o in options if o[0] == pins.pp_schedule]
+        if pins.pp_schedule == "interleaved-1f1b" and pins.virtual_stages is not None:
+            v = pins.virtual_stages
+            options = [("interleaved-1f1b", v)] if pp * v <= n_layers else []
+    if pins.virtual_stages is not None:
+        options = [o for o in options if o[1] == pins.virtual_stages]
+    return tuple(options)
+
+
+def pipeline_allows(layout: Layout, grad_accum_steps: int) -> bool:
+    """Whether a schedule can run this many micro-batches (plan.validate's rule, R6, R7)."""
+    if layout.pp == 1 or layout.pp_schedule == "gpipe":
+        return True
+    if grad_accum_steps < layout.pp:
+        return False
+    return layout.pp_schedule != "interleaved-1f1b" or grad_accum_steps % layout.pp == 0
+
+
+def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str,
+           dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[Layout]:
+    """Every shape (leaf-free Layout, micro_batch_size 1) the search considers, for the dp that `dp_ok` accepts."""
+    for pp, dp, cp, tp in mesh_degrees(n_gpus, model, seq_len, pins):
+        if not dp_ok(dp):
+            continue
+        scheds = schedules(pp, model.n_layers, pins)
+        for sp in sequence_parallel_options(tp, cp, seq_len, pins):
+            for dp_replicate, dp_shard, zero in data_parallel_splits(dp, pins):
+                for ep in expert_degrees(model, dp_shard, cp):
+                    for sched, v in scheds:
+                        yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep,
+                                     zero_stage=zero, sequence_parallel=sp, pp_schedule=sched,
+                                     virtual_stages=v, offload=offload)
+
+
+def offload_option(pins: Pins) -> str:
+    """R9: the offload level of every candidate: the pinned one, else none."""
+    return pins.offload or "none"
+
+
+def recompute_options(pins: Pins) -> tuple[str, ...]:
+    """R9: recomputation levels from lightest to heaviest."""
+    return (pins.recompute,) if pins.recompute is not None else RECOMPUTE_KINDS
+
+
+def check_pins(n_gpus: int, model: ModelSpec, seq_len: int, global_batch: int | None, pins: Pins) -> None:
+    """Reject pinned values no layout of this model on n_gpus can honour (UsageError, exit 2)."""
+    heads = gcd(model.n_heads, model.n_kv_heads)
+    if pins.tp is not None and heads % pins.tp:
+        raise UsageError(f"--tp {pins.tp} must divide the attention heads ({model.n_heads}) and KV heads "
+                         f"({model.n_kv_heads}) of {model.name}; try --tp in {list(divisors(heads))}")
+    stages = (pins.pp or 1) * (pins.virtual_stages or 1)
+    if stages > model.n_layers:
+        raise UsageError(f"--pp {pins.pp or 1} x --virtual-stages {pins.virtual_stages or 1} = {stages} exceeds the "
+                         f"{model.n_layers} layers of {model.name}")
+    if pins.cp is not None and seq_len % pins.cp:
+        raise UsageError(f"--cp {pins.cp} must divide the sequence length ({seq_len})")
+    named = {k: getattr(pins, k) for k in ("pp", "dp", "cp", "tp") if getattr(pins, k) is not None}
+    product = 1
+    for value in named.values():
+        product *= value
+    if n_gpus % product:
+        terms = " * ".join(f"{k}({v})" for k, v in named.items())
+        raise UsageError(f"{terms} = {product} does not divide the {n_gpus} GPUs: pick degrees whose product divides "
+                         f"{n_gpus} (the search fills in the rest)")
+    if pins.dp is None and pins.dp_shard is not None and (n_gpus // product) % pins.dp_shard:
+        raise UsageError(f"--dp-shard {pins.dp_shard} does not divide the {n_gpus // product} GPUs left for data "
+                         "parallelism")
+    if global_batch is not None and pins.dp is not None:
+        unit = pins.dp * (pins.micro_batch_size or 1)
+        if global_batch % unit:
+            raise UsageError(f"--global-batch {global_batch} must be a multiple of dp ({pins.dp})"
+                             + (f" * micro-batch ({pins.micro_batch_size})" if pins.micro_batch_size else "")
+                             + f" = {unit}")

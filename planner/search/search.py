@@ -1,0 +1,293 @@
+"""Layout search: enumerate candidates, prune what does not fit, branch-and-bound on step time.
+
+Order of work, cheapest test first (the rules themselves are in planner.search.candidates):
+
+1. shapes: mesh degrees, ZeRO, SP, schedule (planner.search.candidates.shapes),
+   each with the global batch its dp runs and its micro-batch sizes;
+2. model state (params + grads + optimizer on the worst stage, MEM's
+   `model_state_bytes`) plus the fixed overhead must fit: otherwise no
+   micro-batch or recomputation can save the shape;
+3. leaves: a micro-batch with the lightest recomputation that fits (memory
+   never falls as the micro-batch grows, so what failed at a smaller
+   micro-batch is not tried again at a larger one);
+4. branch-and-bound: every (shape, micro-batch) gets a lower bound of its
+   step time (`planner.search.bound.StepBound`: SIM's `compute_lower_bound_s`
+   is the same for almost every layout, this one prices shapes, TP, FSDP,
+   the pipeline bubble and the DP tail, typically within a few % of the
+   simulated time); they are expanded in order of that bound, so memory is checked
+   and the simulator run only for candidates that could still enter the top
+   k, and the search stops when the next bound cannot beat the k-th best.
+
+Ranking is by step time per token, which is step time whenever every layout
+runs the same global batch (always, when --global-batch is given; by default
+a layout whose dp does not divide ~1M tokens rounds the batch, see
+`candidates.global_batch_for`). Ties go to the layout with less memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from planner.engines import get_engine
+from planner.layout import Layout, divisors
+from planner.memory.estimate import default_other_bytes, estimate_memory
+from planner.memory.states import model_state_bytes
+from planner.model.spec import ModelSpec
+from planner.plan import with_stage_layers
+from planner.search.bound import ShapeBound, StepBound
+from planner.search.candidates import (
+    Pins,
+    global_batch_for,
+    offload_option,
+    pipeline_allows,
+    recompute_options,
+    shapes,
+)
+from planner.simulate.calibration import CalibrationProfile, load_calibration
+from planner.simulate.step import StepResult, simulate_step
+from planner.training import TrainingSpec, default_global_batch
+from topologies.cluster import Cluster
+
+# A plan keeps 5% of GPU memory free on top of the memory model's fixed
+# overhead (`other`): the model is an estimate, and running out of memory
+# costs a crashed job while 5% less memory costs at most a smaller
+# micro-batch or more recomputation. `meshplan validate-memory` measures it.
+USABLE_MEMORY_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One simulated layout."""
+
+    layout: Layout  # layers_per_stage filled in
+    training: TrainingSpec  # its global batch (may differ from the target, see module doc)
+    result: StepResult
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.result.step_time_s / self.training.tokens_per_step
+
+    @property
+    def key(self) -> tuple[float, int]:
+        """Rank key: time per token (9 significant digits, so equal times tie), then memory."""
+        return float(f"{self.seconds_per_token:.9g}"), self.result.memory.peak_bytes
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """The candidate that came closest to fitting, for the infeasibility message."""
+
+    layout: Layout
+    needed_bytes: int
+    capacity_bytes: int
+    what: str  # "model state" or "peak memory"
+
+
+@dataclass
+class SearchStats:
+    shapes: int = 0  # shapes whose dp can run the global batch
+    batch_rejected: int = 0  # data-parallel degrees that cannot run it
+    state_pruned: int = 0  # shapes whose model state alone does not fit
+    candidates: int = 0  # (shape, micro-batch) pairs given a bound
+    memory_checks: int = 0
+    simulated: int = 0
+    bound_pruned: int = 0  # candidates never looked at again thanks to the bound
+    unsupported: int = 0  # shapes meshplan's executor cannot run (engine meshplan only)
+    unsupported_reason: str = ""  # the first such refusal, for the error when nothing is left
+    simulate_s: float = 0.0  # time spent in simulate_step
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: tuple[Scored, ...]  # best first, at most top_k
+    target_batch: int  # the global batch asked for (or the ~1M-token default)
+    batch_fixed: bool  # True when the user gave --global-batch
+    stats: SearchStats
+    near_miss: NearMiss | None = None
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+
+@dataclass
+class _Context:
+    """Everything fixed during one search, with the per-batch TrainingSpec cache."""
+
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    target_batch: int
+    batch_fixed: bool
+    pins: Pins
+    engine: str
+    calibration: CalibrationProfile
+    bound: StepBound
+    stats: SearchStats = field(default_factory=SearchStats)
+    near_miss: NearMiss | None = None
+    _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What a plan may use: USABLE_MEMORY_FRACTION of the GPU's memory."""
+        return int(self.cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION)
+
+    @property
+    def other_bytes(self) -> int:
+        """Fixed overhead per GPU: the calibration's, else the memory model's default."""
+        measured = self.calibration.other_bytes
+        return default_other_bytes(self.cluster.gpu) if measured is None else measured
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.cluster.gpu.kind != "cpu"
+
+    @property
+    def dtype(self) -> str:
+        """bf16 on GPUs; fp32 on CPU ranks, which compute in fp32 whatever a plan says."""
+        return "bf16" if self.on_gpu else "fp32"
+
+    def training(self, batch: int) -> TrainingSpec:
+        if batch not in self._trainings:
+            self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype)
+        return self._trainings[batch]
+
+    def miss(self, layout: Layout, needed: int, what: str) -> None:
+        if self.near_miss is None or needed < self.near_miss.needed_bytes:
+            self.near_miss = NearMiss(layout, needed, self.capacity_bytes, what)
+
+
+def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
+           pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
+           top_k: int = 5) -> SearchResult:
+    """The top_k layouts for training `model` on `cluster`, best first.
+
+    Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
+    into an InfeasibleError) or when no layout satisfies the pins and batch
+    (`stats.shapes` is 0; `stats.batch_rejected` > 0 when the batch is why).
+    """
+    started = time.perf_counter()
+    calibration = calibration or load_calibration(None, cluster.gpu)
+    ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
+                   target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
+                   pins=pins or Pins(), engine=engine, calibration=calibration,
+                   bound=StepBound(model, cluster, calibration, engine))
+    ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
+    ctx.stats.elapsed_s = time.perf_counter() - started
+    return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
+
+
+@dataclass
+class _Shape:
+    """A shape with its batch, and what memory checks learned about it."""
+
+    layout: Layout
+    training: TrainingSpec
+    per_replica: int  # sequences per data-parallel replica per step
+    bound: ShapeBound  # its step-time bound for any micro-batch and recompute
+    state_fits: bool | None = None  # None until model_state_bytes is checked
+    levels: dict[int, int] = field(default_factory=dict)  # micro-batch -> lightest fitting recompute level
+
+
+def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
+    """Every shape whose dp can run the global batch (R1-R7 in planner.search.candidates)."""
+    batches: dict[int, int | None] = {}
+
+    def dp_ok(dp: int) -> bool:
+        if dp not in batches:
+            unit = dp * (ctx.pins.micro_batch_size or 1)
+            batches[dp] = global_batch_for(dp, unit, ctx.target_batch, ctx.batch_fixed)
+            ctx.stats.batch_rejected += batches[dp] is None
+        return batches[dp] is not None
+
+    out = []
+    for shape in shapes(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, offload, dp_ok):
+        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu)
+        if refusal:  # the plan must run on our executor (planner.engines)
+            ctx.stats.unsupported += 1
+            ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
+            continue
+        training = ctx.training(batches[shape.dp])
+        out.append(_Shape(shape, training, training.global_batch_size // shape.dp, ctx.bound.for_shape(shape, training)))
+    ctx.stats.shapes = len(out)
+    return out
+
+
+def _bound(sh: _Shape, mb: int, recompute: str) -> float:
+    """Lower bound of the step time per token."""
+    return sh.bound.seconds(mb, recompute) / sh.training.tokens_per_step
+
+
+def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> list[Scored]:
+    """Expand (shape, micro-batch) candidates in order of their bound until none can enter the top k.
+
+    A queue entry is (bound per token, counter, shape index, micro-batch,
+    recompute level, fits). An entry not yet known to fit is memory-checked
+    when popped; if it needs heavier recomputation than its bound assumed, it
+    goes back with the bound of that recomputation.
+    """
+    recomputes = recompute_options(ctx.pins)
+    queue = []
+    for i, sh in enumerate(shape_list):
+        mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
+        for mb in mbs:
+            accum = sh.per_replica // mb
+            if pipeline_allows(sh.layout, accum):
+                queue.append((_bound(sh, mb, recomputes[0]), len(queue), i, mb, 0, False))
+    ctx.stats.candidates += len(queue)
+    heapq.heapify(queue)
+    best: list[Scored] = []  # sorted by key, at most top_k
+    counter = len(queue)
+    while queue:
+        bound, _, i, mb, level, fits = heapq.heappop(queue)
+        if len(best) == top_k and bound > best[-1].seconds_per_token:
+            ctx.stats.bound_pruned += len(queue) + 1
+            break
+        sh = shape_list[i]
+        if not fits:
+            found = _lightest_fit(ctx, sh, mb, level, recomputes)
+            if found is None:
+                continue
+            if found != level:
+                counter += 1
+                heapq.heappush(queue, (_bound(sh, mb, recomputes[found]), counter, i, mb, found, True))
+                continue
+        layout = with_stage_layers(ctx.model, sh.layout.replace(
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=recomputes[level]))
+        tick = time.perf_counter()
+        result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
+        ctx.stats.simulate_s += time.perf_counter() - tick
+        ctx.stats.simulated += 1
+        best.append(Scored(layout, sh.training, result))
+        best.sort(key=lambda s: s.key)
+        del best[top_k:]
+    return best
+
+
+def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tuple[str, ...]) -> int | None:
+    """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
+    if sh.state_fits is None:
+        state = model_state_bytes(ctx.model, sh.training, sh.layout, ctx.engine) + ctx.other_bytes
+        sh.state_fits = state <= ctx.capacity_bytes
+        if not sh.state_fits:
+            ctx.stats.state_pruned += 1
+            ctx.miss(sh.layout, state, "model state")
+    if not sh.state_fits:
+        return None
+    smaller = [lv for m, lv in sh.levels.items() if m < mb]
+    level = max([level, *smaller])
+    while level < len(recomputes):
+        layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
+                                   recompute=recomputes[level])
+        memory = estimate_memory(ctx.model, sh.training, layout, ctx.cluster.gpu, ctx.engine, ctx.other_bytes)
+        ctx.stats.memory_checks += 1
+        if memory.peak_bytes <= ctx.capacity_bytes:
+            sh.levels[mb] = level
+            return level
+        ctx.miss(layout, memory.peak_bytes, "peak memory")
+        level += 1
+    sh.levels[mb] = level
+    return None

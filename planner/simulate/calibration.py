@@ -1,0 +1,232 @@
+"""CalibrationProfile: the few measured numbers that turn spec sheets into step times.
+
+The simulator prices work from the GPU's spec sheet (peak FLOP/s, HBM
+bandwidth) and the topology's link figures, scaled by the efficiencies below.
+Each parameter is interpretable on its own and can be measured directly
+(`meshplan calibrate`) or fitted once against published step times
+(`bench/accuracy_vtrain.py --fit` wrote the A100 profile shipped under
+`planner/simulate/calibrations/`, read as package data). No parameter is ever fitted per layout.
+
+How each field enters the time model (see `planner.simulate.compute`):
+  GEMM [m,k]x[k,n]:  t = 2mnk / (peak * gemm_efficiency) * (1 + gemm_knee/m + gemm_knee/n + gemm_knee/k)
+      A dimension equal to `gemm_knee` doubles the time a large GEMM of the same
+      FLOPs would take: tile quantization and pipeline fill of small dimensions
+      (TP shrinks n or k by the TP degree, a micro-batch of 1 shrinks m).
+  fused attention:   t = executed FLOPs / (peak * attention_efficiency)
+  memory-bound work: t = bytes / (HBM bandwidth * memory_efficiency)
+  host overhead:     every layer costs `layer_overhead_s` of host time per forward
+      pass (twice per backward pass, three times with full recomputation) plus
+      `collective_overhead_s` per collective it issues; GPU work (compute and
+      the exposed communication) and host work of one pass overlap, combined as
+      a p-norm: t = (t_gpu^p + t_host^p)^(1/p) with p = `overlap_exponent`
+      (p -> inf: perfect overlap, the max; p = 1: serial). Collectives outside
+      the layers (DP, p2p) pay `collective_overhead_s` in full.
+  collectives:       `topologies.collectives.CollectiveModel` with `link_efficiency`
+      overriding its share of raw bandwidth per link class (nvlink, nvls, pcie,
+      net, shm) and `latency_scale` scaling its hop and launch latencies.
+  engines:           `engine_factors[engine]` multiplies compute efficiencies
+      for one training engine (`for_engine`, which simulate_step applies). On
+      H100 the GEMMs are cuBLAS's in every stack, but eager PyTorch (meshplan's
+      FSDP2 executor, LLM Foundry's FSDP) runs its attention kernel at ~2/3 of
+      Transformer Engine's rate and its unfused norms and activations at ~2/5 of
+      the memory-bound rate. Factors are <= 1, so the base stays the fastest
+      stack and a bound priced on the base never exceeds a simulated step.
+
+The shipped A100 profile reproduces vTrain's 1,549 measured Megatron-DeepSpeed
+steps with 6.9% (one node) and 7.6% (up to 512 GPUs) mean absolute error; the
+H100 profile reproduces published NeMo and LLM Foundry runs (see
+`bench/accuracy_published.py` for the figures and the hold-out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from topologies.errors import UsageError
+from topologies.hardware import GPUSpec
+
+# Shipped profiles are package data beside this loader; a source checkout and an
+# installed wheel both expose them as a directory on disk.
+CALIBRATION_DIR = Path(str(resources.files(__package__) / "calibrations"))
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")  # also what engine_factors scale
+_NON_NEGATIVE = ("gemm_knee", "layer_overhead_s", "latency_scale", "collective_overhead_s",
+                 "optimizer_bytes_per_param")
+
+
+@dataclass(frozen=True)
+class CalibrationProfile:
+    """Efficiencies of one GPU kind and software stack (validated on construction)."""
+
+    gpu: str = ""  # GPU name the profile was measured on ("" = generic defaults)
+    gemm_efficiency: float = 0.80  # fraction of dense peak large GEMMs reach
+    gemm_knee: float = 64.0  # GEMM dimension at which that dimension doubles the time
+    attention_efficiency: float = 0.55  # fused (flash) attention, fraction of peak on executed FLOPs
+    memory_efficiency: float = 0.80  # fraction of HBM bandwidth memory-bound kernels reach
+    # Host overhead describes the software stack, not the silicon: ~50-100 eager PyTorch kernels per
+    # block at 5-10 us each (the vTrain fit of Megatron-DeepSpeed found 0.8 ms and p = 4).
+    layer_overhead_s: float = 5e-4  # host time per layer per forward pass (kernel launches, Python)
+    overlap_exponent: float = 4.0  # p of the p-norm combining GPU and host time of a pass
+    link_efficiency: dict[str, float] = field(default_factory=dict)  # overrides topologies.links.EFFICIENCY
+    latency_scale: float = 1.0  # scales the topology model's hop latencies (nccl-tests based)
+    collective_overhead_s: float = 0.0  # host cost of issuing one collective
+    optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
+    other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
+    # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
+    engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
+    source: str = "defaults"  # where the numbers come from
+    date: str = ""  # when they were measured or fitted (ISO date)
+
+    def __post_init__(self) -> None:
+        for key in _FRACTIONS:
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.5:
+                raise UsageError(f"calibration: {key} must be a fraction in (0, 1.5], got {value!r}")
+        for key in _NON_NEGATIVE:
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise UsageError(f"calibration: {key} must be a non-negative number, got {value!r}")
+        if not isinstance(self.overlap_exponent, (int, float)) or self.overlap_exponent < 1.0:
+            raise UsageError(f"calibration: overlap_exponent must be >= 1, got {self.overlap_exponent!r}")
+        from topologies.links import EFFICIENCY
+
+        for key, value in self.link_efficiency.items():
+            if key not in EFFICIENCY or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise UsageError(
+                    f"calibration: link_efficiency[{key!r}] = {value!r}; keys are {sorted(EFFICIENCY)}, "
+                    "values fractions in (0, 1]"
+                )
+        if self.other_bytes is not None and (not isinstance(self.other_bytes, int) or self.other_bytes < 0):
+            raise UsageError(f"calibration: other_bytes must be a non-negative integer or null, got {self.other_bytes!r}")
+        self._check_engine_factors()
+        object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
+
+    def _check_engine_factors(self) -> None:
+        from planner.engines import ENGINE_NAMES as ENGINES
+
+        for engine, factors in self.engine_factors.items():
+            if engine not in ENGINES or not isinstance(factors, dict):
+                raise UsageError(f"calibration: engine_factors keys are engines {ENGINES} mapping to objects, "
+                                 f"got {engine!r}: {factors!r}")
+            for key, value in factors.items():
+                if key not in _FRACTIONS or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                    raise UsageError(f"calibration: engine_factors[{engine!r}][{key!r}] = {value!r}; keys are "
+                                     f"{list(_FRACTIONS)}, values factors in (0, 1] (an engine is never faster "
+                                     "than the base: search bounds are priced on the base)")
+
+    def for_engine(self, engine: str) -> CalibrationProfile:
+        """The profile `engine` runs at: its factors applied to the base, no factors left (idempotent)."""
+        if not self.engine_factors:
+            return self
+        if engine not in self._by_engine:
+            factors = self.engine_factors.get(engine, {})
+            self._by_engine[engine] = self.replace(engine_factors={}, **{k: getattr(self, k) * f
+                                                                        for k, f in factors.items()})
+        return self._by_engine[engine]
+
+    def replace(self, **changes: Any) -> CalibrationProfile:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> CalibrationProfile:
+        if not isinstance(data, dict):
+            raise UsageError(f"a calibration profile must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UsageError(f"calibration profile has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise UsageError(f"malformed calibration profile: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        from topologies.terminal import dumps_json
+
+        Path(path).write_text(dumps_json(self.to_json()) + "\n")
+
+
+# Defaults for GPU kinds without a measured profile file (literature, not fitted
+# here: `meshplan calibrate` replaces them). Large dense bf16 GEMMs reach ~75-80%
+# of peak on A100 (the vTrain fit: 82% in fp16) but only ~65-70% on Hopper (the
+# H100 fit: 71%; power-capped clocks), which B200 is assumed to share;
+# FlashAttention reaches 50-73% of peak on A100 and ~35-40% on H100 (Dao 2023;
+# Shah et al. 2024); STREAM-like kernels ~80-90% of HBM.
+_GENERIC = {
+    "a100": dict(gemm_efficiency=0.80, attention_efficiency=0.55),
+    "b200": dict(gemm_efficiency=0.65, attention_efficiency=0.35),
+    "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0),
+}
+# Families that share another's profile. H200 is the H100's GH100 die at the same
+# clocks (989 TFLOP/s dense bf16 on both datasheets) with 141 GB of HBM3e at
+# 4.8 TB/s instead of 80 GB at 3.35: the efficiencies carry over, and the faster
+# memory enters through the GPU spec (memory-bound work, the optimizer step).
+# No published bf16 H200 training table was found to check it against.
+_DERIVED = {"h200": "h100"}
+
+
+def _family(gpu_name: str) -> str:
+    """Calibration family of a GPU name: its first word, derived families mapped to their source."""
+    family = gpu_name.lower().split("-")[0]
+    return _DERIVED.get(family, family)
+
+
+@lru_cache(maxsize=64)
+def default_calibration(gpu: GPUSpec) -> CalibrationProfile:
+    """The shipped profile for this GPU family, else generic defaults (see `_GENERIC`); read once."""
+    family = _family(gpu.name)
+    path = CALIBRATION_DIR / f"{family}.json"
+    if path.exists():
+        profile = _read(path)
+        if profile.gpu and profile.gpu != gpu.name:
+            profile = profile.replace(source=f"{profile.source}; fitted on {profile.gpu}, used for {gpu.name}")
+        return _resolved(profile.replace(gpu=gpu.name), gpu)
+    generic = CalibrationProfile(gpu=gpu.name, source=f"generic defaults for {family}", **_GENERIC.get(family, {}))
+    return _resolved(generic, gpu)
+
+
+def _resolved(profile: CalibrationProfile, gpu: GPUSpec) -> CalibrationProfile:
+    """Fill other_bytes from the memory model's default for this GPU when the profile leaves it null."""
+    if profile.other_bytes is not None:
+        return profile
+    from planner.memory.estimate import default_other_bytes
+
+    return profile.replace(other_bytes=default_other_bytes(gpu))
+
+
+def load_calibration(path: str | Path | None, gpu: GPUSpec) -> CalibrationProfile:
+    """`--calibration F`: a profile file, or None for the defaults of `gpu`.
+
+    A profile measured on another GPU family is refused: its efficiencies
+    describe other silicon and would silently mislead every prediction. The
+    returned profile always has an integer other_bytes.
+    """
+    if path is None:
+        return default_calibration(gpu)
+    profile = _read(Path(path))
+    if profile.gpu and _family(profile.gpu) != _family(gpu.name):
+        raise UsageError(
+            f"calibration {str(path)!r} was measured on {profile.gpu!r}, but the cluster has {gpu.name!r}: "
+            "calibrate on this GPU (`meshplan calibrate`) or drop --calibration"
+        )
+    return _resolved(profile, gpu)
+
+
+def _read(path: Path) -> CalibrationProfile:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"calibration file {str(path)!r} does not exist: create one with `meshplan calibrate`") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read calibration file {str(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"calibration file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    return CalibrationProfile.from_json(data)

@@ -1,0 +1,149 @@
+"""Communication of one training step, priced on the real rank groups of a layout.
+
+Every collective runs on the groups the rank grid gives for its mesh axes
+(`planner.layout.axis_groups`); of an axis' groups the slowest one sets the
+pace (a TP group that crosses nodes pays inter-node bandwidth), so one
+representative per distinct placement is priced and the maximum kept. Prices
+come from `topologies.collectives.CollectiveModel` with the calibration's link
+efficiencies and latency scale (GPU time; the host's dispatch cost per call,
+`collective_overhead_s`, is the caller's to place).
+
+Volumes (b micro-batch, s sequence, h hidden, D compute-dtype bytes, G
+gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
+  TP   2 points per layer forward, 2 backward (2 more under full recompute):
+       all-reduce of m*h*D, or with SP all-gather + reduce-scatter of m*h*D
+  CP   per layer forward cp - 1 ring steps sending K and V (2*m*kv*D/t),
+       backward twice that; overlapped with the attention core
+  EP   per layer dispatch + combine all-to-all of top_k*m*h*D, forward and backward
+  PP   send/recv of m*h*D (/t with SP) per boundary, micro-batch and direction
+  DP   ZeRO-0/1: all-reduce of the stage's gradients (P*G) over dp once per step;
+       ZeRO-1 then all-gathers the updated parameters (P*D) over dp_shard
+  FSDP ZeRO-2: reduce-scatter of each layer's gradient per micro-batch, the
+       parameters all-gathered once per step; ZeRO-3: all-gather of each
+       layer's parameters in forward and backward and a reduce-scatter of its
+       gradient, every micro-batch, prefetched under the layer's compute;
+       HSDP adds an all-reduce of the gradient shard over dp_replicate
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from planner.layout import MESH_AXES, Layout
+from planner.simulate.calibration import CalibrationProfile
+from topologies.cluster import Cluster
+from topologies.collectives import CollectiveModel
+from topologies.errors import PlanError
+
+DP_AXES = ("dp_replicate", "dp_shard")
+
+
+@lru_cache(maxsize=32)
+def _collective_model(cluster: Cluster, efficiency: tuple[tuple[str, float], ...], latency_scale: float
+                      ) -> CollectiveModel:
+    return CollectiveModel(cluster, efficiency=dict(efficiency), latency_scale=latency_scale)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Rank stride of each mesh axis: the product of the sizes after it (row-major, tp fastest)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+@lru_cache(maxsize=4096)
+def group_offsets(shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, ...]:
+    """Ranks of a group of `axes` minus its smallest rank, ascending: rank 0's group of `axis_groups`.
+
+    An axis of size n and stride t adds k * t, k < n; taken in mesh order
+    (row-major) the sums come out ascending, as `axis_groups` lists a group.
+    """
+    if len(shape) != len(MESH_AXES) or not set(axes) <= set(MESH_AXES):
+        raise PlanError(f"mesh shape {shape} and axes {axes} must follow the mesh axes {MESH_AXES}")
+    offsets = [0]
+    for axis, size, stride in zip(MESH_AXES, shape, _strides(shape), strict=True):
+        if axis in axes:
+            offsets = [o + k * stride for o in offsets for k in range(size)]
+    return tuple(offsets)
+
+
+@lru_cache(maxsize=4096)
+def representative_groups(shape: tuple[int, ...], axes: tuple[str, ...], gpus_per_node: int
+                          ) -> tuple[tuple[int, ...], ...]:
+    """One group per distinct node placement among the groups of `axes` (usually one or two).
+
+    The groups of `axis_groups(shape, axes)` in order, keeping the first of
+    each placement (the sorted ranks-per-node counts), computed from strides:
+    a group is its smallest rank b plus `group_offsets`, and its ranks sit on
+    nodes (b + o) // g = b // g + (b % g + o) // g, so its placement depends on
+    b % g only. The smallest b of each residue comes from the other axes'
+    strides (a coordinate k and k + g give the same residue, so k < g
+    suffices): at most g candidates, each counted once, instead of every group.
+    """
+    g = gpus_per_node
+    offsets = np.asarray(group_offsets(shape, axes), dtype=np.int64)
+    smallest = {0: 0}  # residue b % g -> smallest group base b with it
+    for axis, size, stride in zip(MESH_AXES, shape, _strides(shape), strict=True):
+        if axis in axes or size == 1:
+            continue
+        nxt: dict[int, int] = {}
+        for base in smallest.values():
+            for k in range(min(size, g)):
+                b = base + k * stride
+                if b < nxt.get(b % g, b + 1):
+                    nxt[b % g] = b
+        smallest = nxt
+    seen: dict[tuple[int, ...], int] = {}
+    for base in sorted(smallest.values()):
+        _, per_node = np.unique((base % g + offsets) // g, return_counts=True)
+        seen.setdefault(tuple(sorted(per_node.tolist())), base)
+    return tuple(tuple((base + offsets).tolist()) for base in seen.values())
+
+
+class StepComm:
+    """Collective times of one layout on one cluster (the worst group of each axis)."""
+
+    def __init__(self, cluster: Cluster, layout: Layout, cal: CalibrationProfile) -> None:
+        self.model = _collective_model(cluster, tuple(sorted(cal.link_efficiency.items())), cal.latency_scale)
+        self.shape = layout.mesh_shape
+        self.gpus_per_node = cluster.gpus_per_node
+        self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
+
+    def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        return representative_groups(self.shape, axes, self.gpus_per_node)
+
+    def time_s(self, op: str, size_bytes: float, axes: tuple[str, ...], limit: int = 0) -> float:
+        """Worst time of `op` over the groups of `axes` (their first `limit` ranks when limit > 0)."""
+        if size_bytes <= 0:
+            return 0.0
+        groups = self.groups(axes)
+        if limit:
+            groups = tuple(g[:limit] for g in groups)
+        if len(groups[0]) < 2:
+            return 0.0
+        return max(self.model.time_s(op, size_bytes, g) for g in groups)
+
+    def pair_time_s(self, size_bytes: float, axes: tuple[str, ...], a: int, b: int) -> float:
+        """send_recv between members a and b of the groups of `axes` (the worst such pair)."""
+        if size_bytes <= 0 or a == b:
+            return 0.0
+        return max(self.model.time_s("send_recv", size_bytes, (g[a], g[b])) for g in self.groups(axes))
+
+    # ---- per layer and micro-batch ---------------------------------------------
+
+    def tp_point_s(self, act_bytes: float, sequence_parallel: bool) -> float:
+        """One TP synchronisation point: all-reduce, or all-gather + reduce-scatter with SP."""
+        if sequence_parallel:
+            return self.time_s("all_gather", act_bytes, ("tp",)) + self.time_s("reduce_scatter", act_bytes, ("tp",))
+        return self.time_s("all_reduce", act_bytes, ("tp",))
+
+    def cp_ring_s(self, kv_bytes: float, cp: int) -> float:
+        """cp - 1 ring steps of K and V between neighbours (the wrap-around hop is the slowest)."""
+        return (cp - 1) * self.pair_time_s(kv_bytes, ("cp",), 0, cp - 1) if cp > 1 else 0.0
+
+    def ep_all_to_all_s(self, size_bytes: float, ep: int) -> float:
+        return self.time_s("all_to_all", size_bytes, ("dp_shard", "cp"), limit=ep) if ep > 1 else 0.0

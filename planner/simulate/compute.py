@@ -1,0 +1,225 @@
+"""Compute time of one micro-batch through a transformer layer, the model's ends and the optimizer.
+
+Three kinds of GPU work, each priced by its own roofline term (parameters in
+`planner.simulate.calibration`):
+
+* GEMMs, t = 2mnk / (peak * eff) * (1 + knee/m + knee/n + knee/k). Per layer
+  and micro-batch of m = b*s/cp tokens on one TP rank (h hidden, q = a*d
+  query width, kv = k*d, f ffn, t = tp), forward:
+      QKV (m, (q + 2kv)/t, h)  O (m, h, q/t)  MLP up (m, u*f/t, h)  down (m, h, f/t)
+  with u = 2 for SwiGLU (gate and up), 1 for GELU. The backward runs the same
+  shapes twice: input gradients (B) and weight gradients (W); the formula is
+  symmetric in m, n, k, so each costs one forward GEMM time.
+* Attention core (QK^T, softmax, AV) over a/t heads. Fused (FlashAttention,
+  SDPA): 4*b*s_q*s_kv*d FLOPs per head forward, halved when causal, at the
+  attention efficiency; its backward runs 5 products against the forward's 2
+  (2.5x). Unfused (the softmax kernels of older Megatron): two batched GEMMs
+  at the GEMM model plus memory-bound passes over the b*(a/t)*s_q*s_kv score
+  matrix (write scores, read+write softmax, read for AV: 4 passes, 2.5 more
+  with dropout; the backward twice that).
+* Memory-bound elementwise work at HBM bandwidth, bytes per token forward:
+  dtype_bytes * (11*h/(t if sp else 1) + 2*u'*f/t) -- two norms (read+write),
+  two bias-dropout-residual adds (3 passes + mask), the MLP activation
+  (GELU: read+write f; SwiGLU: read 2f, write f, so u' = 1.5); backward twice.
+
+* FSDP copies (ZeRO-2/3 over dp_shard > 1): every all-gather is followed by a
+  copy-out of the gathered flat buffer into the parameters, every
+  reduce-scatter preceded by a copy-in (and cast) of the gradients into its
+  flat buffer, so each communicated byte is read and written once more
+  (FSDP_COPY_PASSES = 2). Per layer and micro-batch, P parameters on the rank:
+  forward 2*P*D (ZeRO-3's all-gather), backward 2*(P*D + P*G) (its all-gather
+  again and the reduce-scatter). ZeRO-2 gathers once per step: no per
+  micro-batch all-gather copy.
+
+Recomputation redoes forward work before the backward: full = the whole
+layer forward, selective = the attention core. The host issues every pass;
+`combine` overlaps host and GPU time (see `CalibrationProfile`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.layout import Layout
+from planner.memory.params import layer_params_split
+from planner.model.spec import ModelSpec
+from planner.simulate.calibration import CalibrationProfile
+from topologies.hardware import GPUSpec
+
+FUSED_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 matmuls vs 2 in the forward
+UNFUSED_SCORE_PASSES = 4.0  # write QK^T, read+write softmax, read by AV (per fwd)
+DROPOUT_SCORE_PASSES = 2.5  # read, write, 1-byte mask (in 2-byte units)
+NORM_RESIDUAL_PASSES = 11.0  # 2 norms r+w, 2 bias-dropout-add (r x, r residual, w out, mask)
+# Read + write of every byte an FSDP collective moves (copy-out after all-gather,
+# copy-in before reduce-scatter). Fitting 1, 2 or 3 against LLM Foundry's FSDP
+# runs on H100 gave 3.9%, 3.1% and 3.8% validation MAPE: the design's 2 fits best.
+FSDP_COPY_PASSES = 2.0
+
+
+def gemm_time_s(m: float, n: float, k: float, peak_flops: float, cal: CalibrationProfile) -> float:
+    """Time of one [m,k] x [k,n] GEMM; see the module docstring for the shape penalty."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    shape = 1.0 + cal.gemm_knee * (1.0 / m + 1.0 / n + 1.0 / k)
+    return 2.0 * m * n * k / (peak_flops * cal.gemm_efficiency) * shape
+
+
+def memory_time_s(n_bytes: float, gpu: GPUSpec, cal: CalibrationProfile) -> float:
+    """Time to stream n_bytes through HBM (reads plus writes)."""
+    return n_bytes / (gpu.memory_gbytes_per_s * 1e9 * cal.memory_efficiency)
+
+
+def combine(gpu_s: float, host_s: float, exponent: float) -> float:
+    """Wall time of a pass whose host issue time overlaps its GPU time: a p-norm of the two."""
+    if host_s <= 0.0:
+        return gpu_s
+    return (gpu_s**exponent + host_s**exponent) ** (1.0 / exponent)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """GPU time of one unit (a layer, or an end of the model) for one micro-batch."""
+
+    forward_s: float  # forward pass
+    backward_input_s: float  # gradients of the activations (zero-bubble "B")
+    backward_weight_s: float  # gradients of the weights (zero-bubble "W")
+    recompute_s: float = 0.0  # forward work redone before the backward
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s + self.recompute_s
+
+    def __add__(self, other: PassTimes) -> PassTimes:
+        return PassTimes(self.forward_s + other.forward_s, self.backward_input_s + other.backward_input_s,
+                         self.backward_weight_s + other.backward_weight_s, self.recompute_s + other.recompute_s)
+
+    def scaled(self, factor: float) -> PassTimes:
+        return PassTimes(self.forward_s * factor, self.backward_input_s * factor,
+                         self.backward_weight_s * factor, self.recompute_s * factor)
+
+
+def attention_core_times(batch_heads: float, s_q: float, s_kv: float, head_dim: int, dtype_bytes: int,
+                         dropout: float, fused: bool, gpu: GPUSpec, peak: float,
+                         cal: CalibrationProfile) -> tuple[float, float]:
+    """(forward, backward) time of QK^T-softmax-AV for batch_heads independent heads (causal)."""
+    if fused:
+        flops = 4.0 * batch_heads * s_q * s_kv * head_dim * 0.5  # causal: half the tiles are skipped
+        fwd = flops / (peak * cal.attention_efficiency)
+        return fwd, FUSED_BWD_OVER_FWD * fwd
+    gemms = batch_heads * (gemm_time_s(s_q, s_kv, head_dim, peak, cal) + gemm_time_s(s_q, head_dim, s_kv, peak, cal))
+    passes = UNFUSED_SCORE_PASSES + (DROPOUT_SCORE_PASSES if dropout > 0 else 0.0)
+    scores = memory_time_s(batch_heads * s_q * s_kv * dtype_bytes * passes, gpu, cal)
+    return gemms + scores, 2.0 * (gemms + scores)
+
+
+def layer_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
+    """(count, m, n, k) of every forward GEMM of one layer on one rank (see the module docstring).
+
+    MoE: the routed experts of this EP rank, each fed top_k * ep / n_experts of
+    the tokens when routing is balanced, plus the shared experts and the router.
+    """
+    h, tp = model.hidden, layout.tp
+    up = 2 if model.mlp == "swiglu" else 1
+    gemms = [(1.0, m, (model.q_dim + 2 * model.kv_dim) / tp, h), (1.0, m, h, model.q_dim / tp)]
+
+    def mlp(count: float, tokens: float, ffn: int) -> None:
+        gemms.extend([(count, tokens, up * ffn / tp, h), (count, tokens, h, ffn / tp)])
+
+    if model.moe is None:
+        mlp(1.0, m, model.ffn_hidden)
+        return tuple(gemms)
+    moe = model.moe
+    mlp(moe.n_experts / layout.ep, m * moe.top_k * layout.ep / moe.n_experts, moe.expert_ffn_hidden)
+    if moe.n_shared_experts:
+        mlp(float(moe.n_shared_experts), m, moe.shared_ffn_hidden or moe.expert_ffn_hidden)
+    gemms.append((1.0, m, moe.n_experts, h))
+    return tuple(gemms)
+
+
+def gemm_flops(gemms: tuple[tuple[float, float, float, float], ...]) -> float:
+    return sum(2.0 * count * m * n * k for count, m, n, k in gemms)
+
+
+def tokens_per_micro_batch(seq_len: int, layout: Layout) -> float:
+    """Tokens one rank's GEMMs see per micro-batch: b * s / cp (SP gathers the sequence back)."""
+    return layout.micro_batch_size * seq_len / layout.cp
+
+
+def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
+                peak: float, cal: CalibrationProfile, fused_attention: bool = True) -> PassTimes:
+    """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
+
+    Depends on the layout's tp, cp, ep, micro-batch, recompute and sequence
+    parallelism only (planner.search.bound caches it by those).
+    """
+    h, tp = model.hidden, layout.tp
+    m = tokens_per_micro_batch(seq_len, layout)
+    gemms = sum(count * gemm_time_s(gm, gn, gk, peak, cal) for count, gm, gn, gk in layer_gemms(model, m, layout))
+    heads = layout.micro_batch_size * model.n_heads / tp
+    core_f, core_b = attention_core_times(heads, seq_len / layout.cp, seq_len, model.head_dim,
+                                          dtype_bytes, model.dropout, fused_attention, gpu, peak, cal)
+    act_ffn = (model.moe.expert_ffn_hidden * model.moe.top_k) if model.moe else model.ffn_hidden
+    act_passes = 3.0 if model.mlp == "swiglu" else 2.0
+    replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
+    elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal)
+    forward = gemms + core_f + elementwise
+    recompute = {"none": 0.0, "selective": core_f, "full": forward}[layout.recompute]
+    # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
+    return PassTimes(forward, gemms + core_b + 2.0 * elementwise, gemms, recompute)
+
+
+def fsdp_copy_times(model: ModelSpec, dtype_bytes: int, grad_bytes: int, layout: Layout, gpu: GPUSpec,
+                    cal: CalibrationProfile) -> PassTimes:
+    """HBM time of FSDP's copies around one layer's collectives for one micro-batch (module docstring).
+
+    Not recomputed: under full recomputation the backward's all-gather serves both.
+    """
+    if layout.zero_stage < 2 or layout.dp_shard == 1:
+        return PassTimes(0.0, 0.0, 0.0)
+    params = sum(layer_params_split(model, layout.tp, layout.ep))
+    gather = params * dtype_bytes if layout.zero_stage == 3 else 0.0
+    forward = memory_time_s(FSDP_COPY_PASSES * gather, gpu, cal)
+    return PassTimes(forward, memory_time_s(FSDP_COPY_PASSES * (gather + params * grad_bytes), gpu, cal), 0.0)
+
+
+def output_times(model: ModelSpec, seq_len: int, layout: Layout, gpu: GPUSpec, peak: float,
+                 cal: CalibrationProfile) -> PassTimes:
+    """Final norm, vocabulary-parallel output layer and fp32 cross-entropy for one micro-batch."""
+    m = tokens_per_micro_batch(seq_len, layout)
+    logits = gemm_time_s(m, model.vocab / layout.tp, model.hidden, peak, cal)
+    # loss: read logits, write fp32 softmax, read it again in the backward (3 fp32 passes)
+    loss = memory_time_s(3 * 4 * m * model.vocab / layout.tp, gpu, cal)
+    return PassTimes(logits + loss / 2, logits + loss / 2, logits)
+
+
+def embedding_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
+                    cal: CalibrationProfile) -> PassTimes:
+    """Token (+ position) embedding lookup and its scatter-add backward: memory-bound."""
+    m = tokens_per_micro_batch(seq_len, layout)
+    rows = memory_time_s(2 * dtype_bytes * m * model.hidden, gpu, cal)
+    return PassTimes(rows, 0.0, 2 * rows)
+
+
+def optimizer_time_s(local_params: float, optimizer: str, gpu: GPUSpec, cal: CalibrationProfile) -> float:
+    """One optimizer step over the parameters this rank updates: memory-bound.
+
+    AdamW streams `cal.optimizer_bytes_per_param` bytes per parameter (fp32
+    param, grad, two moments read and written, plus the low-precision copy);
+    SGD with momentum about half of it.
+    """
+    per_param = cal.optimizer_bytes_per_param * (1.0 if optimizer == "adamw" else 0.5)
+    return memory_time_s(local_params * per_param, gpu, cal)
+
+
+# A node's DDR (8-12 channels, ~300-400 GB/s on current servers) shared by its 8
+# GPUs' optimizer threads, at the ~60% a streaming CPU Adam reaches.
+HOST_GBYTES_PER_S_PER_GPU = 25.0
+
+
+def offloaded_optimizer_time_s(local_params: float, optimizer: str, grad_bytes: int, dtype_bytes: int,
+                               gpu: GPUSpec, cal: CalibrationProfile) -> float:
+    """Optimizer step on the host (ZeRO-Offload): gradients down and parameters up over PCIe,
+    the update streamed through host memory at HOST_GBYTES_PER_S_PER_GPU."""
+    per_param = cal.optimizer_bytes_per_param * (1.0 if optimizer == "adamw" else 0.5)
+    pcie = local_params * (grad_bytes + dtype_bytes) / (gpu.pcie_gbytes_per_s * 1e9)
+    return pcie + local_params * per_param / (HOST_GBYTES_PER_S_PER_GPU * 1e9)

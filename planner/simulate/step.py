@@ -1,0 +1,320 @@
+"""One training step of a fully specified layout: compute, communication, pipeline events.
+
+Recipe (all times per micro-batch unless said otherwise):
+1. a layer's forward F and backward B (+ W in zero-bubble schedules) from
+   `planner.simulate.compute` (FSDP's copies around its collectives included), host
+   overhead overlapped with GPU time (`combine`), plus
+   the communication on the layer's critical path: TP points, the CP ring and
+   FSDP gathers beyond what the compute hides, EP all-to-alls
+   (`planner.simulate.comm`);
+2. a chunk (virtual stage) is its layers, plus the embedding on chunk 0 and
+   the output layer and loss on the last chunk: the imbalance is real;
+3. the pipeline schedule runs as events (`planner.simulate.pipeline`); each rank's
+   busy and idle time come out of it;
+4. after its last backward a rank reduces gradients over data parallel (the
+   part the last micro-batch's backward cannot hide when the engine overlaps,
+   all of it when it does not), steps the optimizer and, under ZeRO-1/2,
+   all-gathers the updated parameters. Step time = the slowest rank.
+
+Breakdown (on the slowest rank, summing to the step time): compute, exposed
+communication (tp_comm, cp_comm, ep_comm, fsdp_comm, offload_comm, dp_comm,
+param_gather, embedding_sync), bubble (idle inside the pipeline, p2p waits
+included) and optimizer (on the host, transfers included, when offloaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
+from planner.layout import Layout
+from planner.memory.estimate import MemoryEstimate, estimate_memory
+from planner.memory.params import layer_params_split, stage_params
+from planner.model.spec import ModelSpec
+from planner.plan import Prediction, with_stage_layers
+from planner.simulate.calibration import CalibrationProfile, load_calibration
+from planner.simulate.comm import DP_AXES, StepComm
+from planner.simulate.compute import (
+    combine,
+    embedding_times,
+    fsdp_copy_times,
+    gemm_flops,
+    layer_gemms,
+    layer_times,
+    offloaded_optimizer_time_s,
+    optimizer_time_s,
+    output_times,
+    tokens_per_micro_batch,
+)
+from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
+from planner.training import DTYPE_BYTES, TrainingSpec
+from topologies.cluster import Cluster
+from topologies.errors import PlanError
+
+LAYER_COMM_KEYS = ("tp_comm", "cp_comm", "ep_comm", "fsdp_comm", "offload_comm")
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What a trace needs: every pipeline operation and each rank's tail after it."""
+
+    ops: tuple[Op, ...]
+    op_comm_s: dict[tuple[int, int], float]  # (kind, chunk) -> exposed layer communication inside the op
+    p2p_s: tuple[float, ...]  # transfer time across each chunk boundary
+    tails: tuple[tuple[tuple[str, float, float], ...], ...]  # per rank: (name, start, end) after the pipeline
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float  # model FLOPs (no recompute) per GPU per second / 1e12
+    mfu: float  # model FLOP/s per GPU over the dense peak of the compute dtype
+    time_breakdown_s: dict[str, float]  # on the slowest rank; sums to step_time_s
+    memory: MemoryEstimate
+    critical_stage: int  # pipeline rank that finishes last
+    events: StepEvents | None = field(default=None, compare=False)
+
+    def prediction(self) -> Prediction:
+        return Prediction(
+            step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
+            model_tflops_per_gpu=self.model_tflops_per_gpu, mfu=self.mfu,
+            peak_memory_bytes=self.memory.peak_bytes,
+            memory_breakdown_bytes=dict(self.memory.breakdown_bytes),
+            time_breakdown_s=dict(self.time_breakdown_s),
+            extra={"worst_rank": self.memory.worst_rank, "worst_stage": self.memory.worst_stage,
+                   "critical_stage": self.critical_stage, "host_memory_bytes": self.memory.host_bytes,
+                   "memory_peak_phase": self.memory.peak_phase},
+        )
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Per micro-batch times of one layer: whole passes, and the communication inside them."""
+
+    f: float  # forward pass, communication included
+    b: float  # backward pass (recompute + B + W), communication included
+    w: float  # weight-gradient part of b (only split out for zero-bubble schedules)
+    comm_f: dict[str, float]  # exposed communication inside f, by kind
+    comm_b: dict[str, float]
+
+
+def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
+                bwd_s: float, attention_s: float, tp_hidden_s: float
+                ) -> tuple[dict[str, float], dict[str, float], int, int]:
+    """Exposed communication of one layer pass (forward, backward) and the collectives each issues."""
+    d = training.dtype_bytes
+    m = tokens_per_micro_batch(training.seq_len, layout)
+    act = m * model.hidden * d
+    comm_f, comm_b = dict.fromkeys(LAYER_COMM_KEYS, 0.0), dict.fromkeys(LAYER_COMM_KEYS, 0.0)
+    calls_f = calls_b = 0
+    if layout.tp > 1:
+        per_point = 2 if layout.sequence_parallel else 1
+        points_b = 4 if layout.recompute == "full" else 2
+        point = comm.tp_point_s(act, layout.sequence_parallel)
+        # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
+        comm_f["tp_comm"] = 2 * point
+        comm_b["tp_comm"] = (points_b - 2) * point + max(0.0, 2 * point - tp_hidden_s)
+        calls_f, calls_b = 2 * per_point, points_b * per_point
+    if layout.cp > 1:  # the ring hides under the attention core of the same pass
+        ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
+        comm_f["cp_comm"] = max(0.0, ring - attention_s)
+        comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
+        calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
+    if model.moe is not None and layout.ep > 1:
+        a2a = 2 * comm.ep_all_to_all_s(model.moe.top_k * act, layout.ep)
+        comm_f["ep_comm"], comm_b["ep_comm"] = a2a, a2a
+        calls_f, calls_b = calls_f + 2, calls_b + 2
+    if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
+        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
+        ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
+        comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
+        calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
+    if layout.offload == "optimizer+params":  # each pass copies the layer's weights up from host memory
+        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
+        comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
+    return comm_f, comm_b, calls_f, calls_b
+
+
+def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
+                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits) -> _Unit:
+    """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
+    kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
+    dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
+    lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
+                     traits.fused_attention)
+    attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
+    lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
+    tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
+    comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
+                                                   lt.backward_s, attention, tp_hidden)
+    passes_b = 3.0 if layout.recompute == "full" else 2.0
+    p = cal.overlap_exponent
+    f = combine(lt.forward_s + sum(comm_f.values()), cal.layer_overhead_s + calls_f * cal.collective_overhead_s, p)
+    b = combine(lt.backward_s + sum(comm_b.values()),
+                passes_b * cal.layer_overhead_s + calls_b * cal.collective_overhead_s, p)
+    w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
+    return _Unit(f, b, w, comm_f, comm_b)
+
+
+def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float, cluster: Cluster,
+          cal: CalibrationProfile) -> tuple[float, float, float, float]:
+    """(embedding F, embedding B, output F, output B) per micro-batch, host overhead included."""
+    gpu, s = cluster.gpu, training.seq_len
+    emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
+    out = output_times(model, s, layout, gpu, peak, cal)
+    host, p = cal.layer_overhead_s, cal.overlap_exponent
+    return (combine(emb.forward_s, host, p), combine(emb.backward_s, host, p),
+            combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
+
+
+def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
+                     split_w: bool) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
+    """durations[kind][chunk], per-chunk compute and exposed comm by kind for one micro-batch."""
+    n_chunks = layout.pp * layout.virtual_stages
+    durations: list[list[float]] = [[], [], []]
+    compute = []
+    comm_kinds: dict[str, list[float]] = {k: [] for k in LAYER_COMM_KEYS}
+    cf, cb = sum(unit.comm_f.values()), sum(unit.comm_b.values())
+    for c, layers in enumerate(layout.layers_per_stage):
+        f = layers * unit.f + (ends[0] if c == 0 else 0.0) + (ends[2] if c == n_chunks - 1 else 0.0)
+        b = layers * unit.b + (ends[1] if c == 0 else 0.0) + (ends[3] if c == n_chunks - 1 else 0.0)
+        w = layers * unit.w if split_w else 0.0
+        durations[F].append(f)
+        durations[B].append(b - w)
+        durations[W].append(w)
+        compute.append(f + b - layers * (cf + cb))
+        for k in LAYER_COMM_KEYS:
+            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]))
+    return durations, compute, comm_kinds
+
+
+def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
+         comm_overhead_s: float) -> list[float]:
+    """Transfer time across each chunk boundary c -> c + 1 (activations forward, gradients back)."""
+    n_chunks = layout.pp * layout.virtual_stages
+    size = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
+    size /= layout.tp if layout.sequence_parallel else 1
+    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    times = [comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1]) if c + 1 < n_chunks else 0.0
+             for c in range(n_chunks)]
+    return [t + comm_overhead_s if t > 0 else 0.0 for t in times]
+
+
+def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
+          cal: CalibrationProfile, traits: TimeTraits, rank: int, last_backward_s: float) -> dict[str, float]:
+    """Exposed work of one pipeline rank after its last backward: DP reduction, optimizer, gathers."""
+    sp = stage_params(model, layout, rank)
+    g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
+    shard = layout.dp_shard if layout.zero_stage >= 1 else 1
+    if layout.zero_stage <= 1:
+        reduce_bytes, reduce_s = sp.total * g, comm.time_s("all_reduce", sp.total * g, DP_AXES)
+    else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
+        reduce_bytes = sp.total * g / layout.dp_shard
+        reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
+    if traits.overlap_dp and reduce_s > 0:
+        last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes)
+        reduce_s = max(last_bucket, reduce_s - last_backward_s)
+    gather = 0.0
+    if layout.zero_stage in (1, 2):
+        gather = comm.time_s("all_gather", sp.total * d, ("dp_shard",))
+    local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
+    embedding_sync = 0.0
+    if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output):
+        owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+        size = model.vocab * model.hidden / layout.tp * g
+        embedding_sync = comm.pair_time_s(size, ("pp",), owner[0], owner[-1])
+    out = {"dp_comm": reduce_s, "embedding_sync": embedding_sync, "param_gather": gather}
+    out = {k: v + cal.collective_overhead_s if v > 0 else 0.0 for k, v in out.items()}
+    if layout.offload == "none":
+        out["optimizer"] = optimizer_time_s(local, training.optimizer, cluster.gpu, cal)
+    else:
+        out["optimizer"] = offloaded_optimizer_time_s(local, training.optimizer, g, d, cluster.gpu, cal)
+    return out
+
+
+def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
+                  calibration: CalibrationProfile | None = None, engine: str = "meshplan",
+                  events: bool = False, traits: TimeTraits | None = None) -> StepResult:
+    """Time one optimizer step of `layout`; `traits` overrides the engine's (see planner.engines).
+
+    The calibration runs at the engine's speed (`CalibrationProfile.for_engine`).
+    The layout is trusted to be consistent (`planner.plan.validate`, which the
+    search and plan loading apply); only the mesh size is checked here, since
+    the rank groups depend on it. Fewer micro-batches than stages is allowed:
+    engines run such steps, with a larger bubble.
+    """
+    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
+    traits = traits or get_engine(engine).time
+    layout = with_stage_layers(model, layout)
+    if layout.world_size != cluster.world_size:
+        raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
+    peak = cluster.gpu.peak_flops(training.dtype)
+    comm = StepComm(cluster, layout, cal)
+    split_w = layout.pp_schedule == "zb-v"
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
+    ends = _ends(model, training, layout, peak, cluster, cal)
+    durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
+    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
+    n = layout.grad_accum_steps
+    pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
+    tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
+             for r in range(layout.pp)]
+    finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
+    step = max(finish)
+    r = finish.index(step)
+    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    mine = [c for c in range(len(owner)) if owner[c] == r]
+    breakdown = {"compute": n * sum(compute[c] for c in mine),
+                 **{k: n * sum(comm_kinds[k][c] for c in mine) for k in LAYER_COMM_KEYS},
+                 **tails[r]}
+    breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
+    exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
+    breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
+    memory = estimate_memory(model, training, layout, cluster.gpu, engine, cal.other_bytes,
+                             fused_attention=traits.fused_attention)
+    tokens_per_s = training.tokens_per_step / step
+    model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
+    step_events = None
+    if events:
+        op_comm = {(k, c): layers * sum((unit.comm_f if k == F else unit.comm_b).values())
+                   for c, layers in enumerate(layout.layers_per_stage) for k in (F, B)}
+        step_events = StepEvents(pipe.ops, op_comm, tuple(p2p), tuple(_tail_segments(pipe.rank_end_s, tails)))
+    return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events)
+
+
+def _tail_segments(rank_end: tuple[float, ...], tails: list[dict[str, float]]
+                   ) -> list[tuple[tuple[str, float, float], ...]]:
+    out = []
+    for end, tail in zip(rank_end, tails, strict=True):
+        segments, t = [], end
+        for name in ("dp_comm", "embedding_sync", "optimizer", "param_gather"):
+            if tail[name] > 0:
+                segments.append((name, t, t + tail[name]))
+                t += tail[name]
+        out.append(tuple(segments))
+    return out
+
+
+def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
+                          calibration: CalibrationProfile | None = None) -> float:
+    """A true lower bound of `simulate_step`'s step time, in a few microseconds.
+
+    The busiest pipeline rank works at least the average: every micro-batch
+    runs each layer's GEMMs 3 times (forward, input and weight gradients;
+    4 with full recomputation) and the output layer's 3 times, each at no
+    better than the calibrated peak GEMM efficiency without shape penalty.
+    Attention, memory-bound work, host overhead, communication and bubbles
+    only add to it.
+    """
+    cal = calibration or load_calibration(None, cluster.gpu)
+    peak = cluster.gpu.peak_flops(training.dtype) * cal.gemm_efficiency
+    m = tokens_per_micro_batch(training.seq_len, layout)
+    passes = 4.0 if layout.recompute == "full" else 3.0
+    layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
+    output_flops = 3.0 * 2.0 * m * model.vocab / layout.tp * model.hidden
+    per_micro_batch = (model.n_layers * layer_flops + output_flops) / layout.pp
+    return layout.grad_accum_steps * per_micro_batch / peak

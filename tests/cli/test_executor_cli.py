@@ -1,0 +1,137 @@
+"""`meshplan execute` without training: dry run, launch printing, refusals with the numbers.
+
+Real runs live in test_executor_determinism.py (every layout, and the run
+directory's contract) and in CKPT's tests/test_failures.py (failed workers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+from torchrun_util import TEST_DATA, make_plan
+
+from executor.model import build_model
+from executor.preflight import GIB, Found, check_hardware, predicted_peak_bytes
+from planner.layout import Layout
+from planner.model.load import load_model
+from planner.plan import Plan, Prediction, with_stage_layers
+from planner.training import TrainingSpec
+from topologies.cluster_load import load_cluster
+from topologies.errors import UsageError
+
+
+def test_dry_run_prints_mesh_modules_and_shards(cli, tmp_path):
+    """ZeRO-3 over 4 ranks: rank 0 holds ceil(rows / 4) rows of every parameter."""
+    plan = make_plan(tmp_path, "z3", "--dp-shard", "4", "--zero", "3")
+    res = cli("execute", str(plan), "--dry-run")
+    assert res.code == 0, res.stderr
+    assert "mesh pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 1" in res.stdout
+    assert "dp_shard [0, 1, 2, 3]" in res.stdout
+    assert "ZeRO-3 with fully_shard" in res.stdout
+    expected = sum(math.ceil(p.shape[0] / 4) * p[0].numel() for p in build_model(load_model("debug")).parameters())
+    held = int(re.search(r"rank 0 holds ([\d,]+) parameter elements", res.stdout).group(1).replace(",", ""))
+    assert held == expected
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_pipeline_modules(cli, tmp_path):
+    plan = make_plan(tmp_path, "pp", "--pp", "2", "--tp", "2", "--micro-batch", "2", "--pp-schedule", "1f1b")
+    res = cli("execute", str(plan), "--dry-run")
+    assert res.code == 0, res.stderr
+    rows = re.findall(r"│ (\d) +│ (\d) +│ ([\d-]+) +│ ([a-z ,]*?) *│", res.stdout)
+    assert rows == [("0", "0", "0-1", "embeddings"), ("1", "1", "2-3", "final norm, output")]
+    assert "2 of 4 query heads, 1 of 2 KV heads" in res.stdout
+
+
+def test_print_launch_uses_the_export_module(cli, tmp_path):
+    one = make_plan(tmp_path, "one", "--dp", "4")
+    res = cli("execute", str(one), "--print-launch", "torchrun", "--steps", "7", "--out", "runs/x")
+    assert res.code == 0, res.stderr
+    assert res.stdout.strip().splitlines() == [
+        f"meshplan execute {one} --steps 7 --seed 0 --log-every 10 --out runs/x"]
+    two = make_plan(tmp_path, "two", gpus=16)  # cpu cluster: 8 ranks per node, so 2 nodes
+    lines = cli("execute", str(two), "--print-launch", "torchrun").stdout.strip().splitlines()
+    assert [re.search(r"--node-rank (\d)", line).group(1) for line in lines] == ["0", "1"]
+    assert all("--nnodes 2" in line for line in lines)
+    slurm = cli("execute", str(two), "--print-launch", "slurm")
+    assert slurm.code == 0 and "#SBATCH --nodes=2" in slurm.stdout
+
+
+def test_refuses_gpu_plan_without_gpus(cli, tmp_path):
+    plan = tmp_path / "h100.json"
+    res = cli("plan", "--model", "debug", "--cluster", "dgx-h100", "--gpus", "8", *TEST_DATA, "-o", str(plan))
+    assert res.code == 0, res.stderr
+    res = cli("execute", str(plan), "--steps", "1", "--out", str(tmp_path / "run"))
+    assert res.code == 2
+    assert res.stderr.strip() == ("error: the plan is for 8 x h100-sxm GPUs (8 ranks as 1 node(s) x 8) but this "
+                                  "machine has no CUDA device: run it where the GPUs are, or plan CPU ranks with "
+                                  "--cluster cpu")
+
+
+def test_refuses_node_count_and_bad_data(cli, tmp_path):
+    plan = make_plan(tmp_path, "p", "--dp", "4")
+    res = cli("execute", str(plan), "--nnodes", "2", "--rdzv-endpoint", "localhost:1", "--out", str(tmp_path / "r"))
+    assert res.code == 2 and "as 1 node(s) x 4, but --nnodes is 2" in res.stderr
+    res = cli("execute", str(plan), "--data", str(tmp_path / "missing.bin"), "--out", str(tmp_path / "r"))
+    assert res.code == 2 and "does not exist" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def _plan(gpu_cluster: str, gpus: int) -> Plan:
+    spec = load_model("debug")
+    layout = with_stage_layers(spec, Layout(dp_replicate=gpus, micro_batch_size=1))
+    return Plan(model=spec, cluster=load_cluster(gpu_cluster, gpus),
+                training=TrainingSpec(seq_len=64, global_batch_size=gpus), layout=layout)
+
+
+def test_hardware_checks_name_the_numbers():
+    plan = _plan("dgx-h100", 8)
+    check_hardware(plan, Found(8, int(79.2 * GIB), "NVIDIA H100 80GB HBM3"), nnodes=1)  # what CUDA reports
+    with pytest.raises(UsageError, match="needs 8 GPUs per node .* but this node has 4: re-plan with --gpus 4"):
+        check_hardware(plan, Found(4, 80 * GIB, "H100"), nnodes=1)
+    with pytest.raises(UsageError, match=r"80.0 GiB per GPU but this NVIDIA A100-SXM4-40GB has 39.4 GiB"):
+        check_hardware(plan, Found(8, int(39.4 * GIB), "NVIDIA A100-SXM4-40GB"), nnodes=1)
+    check_hardware(_plan("cpu", 4), Found(0), nnodes=1)  # CPU ranks run anywhere...
+
+
+def test_cpu_ranks_must_fit_in_host_memory():
+    """... where the memory model's peak for the plan, in fp32 on CPU ranks, fits in what the host has free."""
+    plan = _plan("cpu", 4)
+    per_rank = predicted_peak_bytes(plan) * (1 if plan.training.dtype == "fp32" else 2)
+    check_hardware(plan, Found(0, host_available_bytes=4 * per_rank + 1), nnodes=1)
+    with pytest.raises(UsageError, match=r"x 4 ranks = .* GiB, but this machine has"):
+        check_hardware(plan, Found(0, host_available_bytes=4 * per_rank - 1), nnodes=1)
+
+
+def test_stale_prediction_does_not_hide_a_plan_too_big_for_the_host():
+    """A plan edited by hand keeps its old prediction: the check re-estimates from the plan itself."""
+    plan = _plan("cpu", 4)
+    tiny = Prediction(step_time_s=1.0, tokens_per_s=1.0, model_tflops_per_gpu=1.0, mfu=0.1,
+                      peak_memory_bytes=1, memory_breakdown_bytes={}, time_breakdown_s={})
+    bigger = dataclasses.replace(plan, prediction=tiny,
+                                 training=dataclasses.replace(plan.training, seq_len=256, global_batch_size=4096),
+                                 layout=plan.layout.replace(micro_batch_size=4096 // plan.layout.dp,
+                                                            grad_accum_steps=1))
+    with pytest.raises(UsageError, match="GiB per rank"):
+        check_hardware(bigger, Found(0, host_available_bytes=1 * GIB), nnodes=1)
+
+
+def test_refuses_what_the_executor_does_not_run(cli, tmp_path):
+    spec = load_model("debug")
+    layout = with_stage_layers(spec, Layout(cp=2, dp_replicate=2, micro_batch_size=2))
+    path = tmp_path / "cp.json"
+    Plan(model=spec, cluster=load_cluster("cpu", 4), training=TrainingSpec(seq_len=64, global_batch_size=4),
+         layout=layout).save(path)
+    res = cli("execute", str(path), "--dry-run")
+    assert res.code == 2 and "cp (2) > 1" in res.stderr
+    # Plans for another engine may hold what meshplan's executor refuses (its own engine never does).
+    zbv = make_plan(tmp_path, "zbv", "--pp", "2", "--dp", "2", "--pp-schedule", "zb-v", "--virtual-stages", "2",
+                    "--micro-batch", "1", "--engine", "megatron")
+    res = cli("execute", str(zbv), "--dry-run")
+    assert res.code == 2 and "zb-v with dp (2) > 1" in res.stderr
+    tp_zero1 = make_plan(tmp_path, "tpz1", "--tp", "2", "--dp", "2", "--zero", "1", "--engine", "megatron")
+    res = cli("execute", str(tp_zero1), "--dry-run")
+    assert res.code == 2 and "ZeRO-1 with tp (2) or pp (1) > 1" in res.stderr

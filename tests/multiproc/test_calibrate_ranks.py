@@ -1,0 +1,42 @@
+"""Multi-process part of test_calibrate.py: real torchrun ranks on gloo."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from planner.simulate.calibration import CalibrationProfile, load_calibration
+from topologies.cluster_load import load_cluster
+from topologies.hardware import get_gpu
+
+
+def test_calibrate_tiny_grid_writes_a_profile_simulate_accepts(cli, tmp_path):
+    out = tmp_path / "profile.json"
+    r = cli("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--out", str(out), timeout=300)
+    assert r.code == 0, r.stderr
+    data = json.loads(out.read_text())
+    profile = CalibrationProfile.from_json(data)  # validates every field's range
+    assert profile.gpu == "cpu" and "calibrate" in profile.source
+    assert profile.link_efficiency.get("shm") is not None  # the 2-rank gloo collectives were fitted
+    assert all(math.isfinite(v) for v in (profile.gemm_efficiency, profile.gemm_knee, profile.latency_scale))
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert len(samples["gemm"]) == 3 and {s["op"] for s in samples["comm"]} == {
+        "all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+    assert load_calibration(out, get_gpu("cpu")) == profile
+    plan_path = tmp_path / "plan.json"
+    _cpu_plan().save(plan_path)
+    sim = cli("simulate", str(plan_path), "--calibration", str(out), "--json")
+    assert sim.code == 0, sim.stderr
+    assert sim.json()["step_time_s"] > 0
+
+
+def _cpu_plan():
+    from planner.layout import Layout
+    from planner.model.load import load_model
+    from planner.plan import Plan, with_stage_layers
+    from planner.training import TrainingSpec
+
+    model = load_model("debug")
+    return Plan(model=model, cluster=load_cluster("cpu", 2),
+                training=TrainingSpec(seq_len=64, global_batch_size=4, dtype="fp32"),
+                layout=with_stage_layers(model, Layout(dp_shard=2, zero_stage=3, micro_batch_size=2)))

@@ -1,0 +1,33 @@
+"""Accuracy against measured step times (vTrain's Megatron-DeepSpeed runs on A100).
+
+The issue's targets: MAPE <= 8% on one node, <= 10% across nodes (vTrain
+itself reports 14.7% on the multi-node set). Same evaluation as
+`bench/accuracy_vtrain.py`, with the shipped A100 profile and nothing fitted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, load_bench
+
+DATA = REPO.parent / "shared" / "data" / "vtrain"
+pytestmark = pytest.mark.skipif(not (DATA / "ground_truth_multi.csv").exists(),
+                                reason=f"vTrain measurements not found at {DATA} (../shared/data/vtrain)")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("accuracy_vtrain")
+
+
+@pytest.mark.parametrize("kind", ["single", "multi"])
+def test_mape_meets_the_target(bench, kind):
+    from planner.simulate.calibration import load_calibration
+    from topologies.hardware import get_gpu
+
+    profile = load_calibration(None, get_gpu("a100-80g-sxm"))
+    rows = bench.load_rows(kind, DATA)
+    assert len(rows) == {"single": 1440, "multi": 109}[kind]
+    errors = bench.errors(rows, profile)
+    assert bench.mape(errors) <= bench.TARGETS[kind]
+    assert abs(sum(errors) / len(errors)) < 0.05  # no systematic bias either way

@@ -1,0 +1,146 @@
+"""The phases of a step (planner.memory.phases) against PyTorch's memory tracker.
+
+Reference: torch.distributed._tools' FSDPMemTracker / MemTracker, run by the
+harness behind `meshplan validate-memory` (executor.validate.memory_step:
+one rank of the plan's full world, fake process group, FakeTensorMode, the
+executor's own model, parallelization, clipping and AdamW) on a tiny Llama.
+Each case is shaped so that a different moment of the step holds the most
+memory, and the memory model must name that moment and land within 5% of the
+tracker's peak (tensor bytes: `other` is 0 on both sides):
+
+  backward_start   normal sequence and vocabulary: the loss backward's 12 B
+                   per logit on top of every activation
+  block_backward   small vocabulary: no big loss transient, so a block's
+                   backward with its gathered units, reduce-scatter buffers
+                   and (full recomputation) rebuilt activations is the most
+  backward_end     FSDP with 32 tokens: the root unit's reduction (its
+                   gathered weights, unsharded gradients, reduce-scatter input)
+  optimizer_step   DDP / one GPU with 32 tokens and every gradient in place:
+                   clipping's fp64 copies or AdamW's sqrt(v) list on top
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from planner.engines import ENGINE_NAMES as ENGINES
+from planner.layout import Layout
+from planner.memory.estimate import estimate_memory
+from planner.memory.phases import PHASES
+from planner.memory.states import model_state_bytes
+from planner.model.load import load_model
+from planner.model.spec import ModelSpec
+from planner.plan import MEMORY_CATEGORIES, Plan, with_stage_layers
+from planner.training import TrainingSpec
+from topologies.cluster_load import load_cluster
+from topologies.hardware import get_gpu
+
+TINY = ModelSpec(name="tiny", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                 ffn_hidden=688, vocab=4096, max_seq_len=512)
+H100 = get_gpu("h100-sxm")
+TOLERANCE = 0.05
+
+# name: (model changes, seq_len, micro-batch, GPUs, layout, the phase that must be the peak)
+CASES = {
+    "fsdp": ({}, 512, 2, 8, dict(dp_shard=8, zero_stage=3), "backward_start"),
+    "zero1_ddp": ({}, 512, 2, 8, dict(dp_shard=8, zero_stage=1), "backward_start"),
+    "tp_sp_fsdp": ({}, 512, 2, 8, dict(tp=2, dp_shard=4, zero_stage=3, sequence_parallel=True), "backward_start"),
+    "fsdp_short": ({}, 32, 1, 8, dict(dp_shard=8, zero_stage=3), "block_backward"),
+    "fsdp_small_vocab": (dict(vocab=256), 256, 1, 8, dict(dp_shard=8, zero_stage=3), "block_backward"),
+    "fsdp_full_recompute": (dict(vocab=256), 512, 2, 8, dict(dp_shard=8, zero_stage=3, recompute="full"),
+                            "block_backward"),
+    "zero1_full_recompute": (dict(vocab=256), 512, 2, 8, dict(dp_shard=8, zero_stage=1, recompute="full"),
+                             "block_backward"),
+    "replicate_full_recompute": (dict(vocab=256), 512, 2, 8, dict(tp=2, dp_replicate=4, recompute="full"),
+                                 "block_backward"),
+    "fsdp_tied_short": (dict(tie_embeddings=True), 32, 1, 8, dict(dp_shard=8, zero_stage=3), "backward_end"),
+    "zero1_short": ({}, 32, 1, 8, dict(dp_shard=8, zero_stage=1), "optimizer_step"),
+    "one_gpu_short": (dict(vocab=256), 32, 1, 1, {}, "optimizer_step"),
+}
+
+
+def _plan(changes: dict, seq_len: int, micro_batch: int, gpus: int, layout: dict) -> Plan:
+    model = dataclasses.replace(TINY, **changes)
+    lay = with_stage_layers(model, Layout(micro_batch_size=micro_batch, **layout))
+    return Plan(model=model, cluster=load_cluster("dgx-h100", gpus),
+                training=TrainingSpec(seq_len=seq_len, global_batch_size=micro_batch * lay.dp), layout=lay)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_peak_phase_and_bytes_match_torch_tracker(name):
+    from executor.validate.memory_step import tracked_peak
+
+    *shape, phase = CASES[name]
+    plan = _plan(*shape)
+    est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
+    tracked = tracked_peak(plan, 0)["Total"]
+    assert tracked > 1 << 20  # a real step, not an empty trace
+    error = (est.peak_bytes - tracked) / tracked
+    assert abs(error) <= TOLERANCE, f"{name}: predicted {est.peak_bytes:,} vs tracked {tracked:,} ({error:+.1%})"
+    assert est.peak_phase == phase
+
+
+def test_fsdp_accumulation_keeps_unsharded_fp32_gradients():
+    """FSDP2 without gradient sync (micro-batches before the last) accumulates unsharded fp32 gradients:
+    4 B per parameter of the stage, not 4/N (torch FSDPParam.to_accumulated_grad_if_needed)."""
+    m = load_model("llama3.2-1b")
+    training = TrainingSpec(seq_len=2048, global_batch_size=128)
+    one = estimate_memory(m, training, Layout(dp_shard=64, zero_stage=3), H100, other_bytes=0)
+    two = estimate_memory(m, training, Layout(dp_shard=64, zero_stage=3, grad_accum_steps=2), H100, other_bytes=0)
+    assert one.peak_phase == two.peak_phase == "backward_start"
+    assert two.breakdown_bytes["grads"] == 4 * m.total_params
+    assert two.peak_bytes - one.peak_bytes == 4 * m.total_params
+
+
+def test_breakdown_is_the_peak_phase():
+    m = load_model("llama2-13b")
+    training = TrainingSpec(seq_len=4096, global_batch_size=256)
+    e = estimate_memory(m, training, Layout(pp=4, tp=2, dp_shard=2, zero_stage=3, grad_accum_steps=8), H100)
+    assert set(e.phases) <= set(PHASES) and e.peak_phase in e.phases
+    assert e.breakdown_bytes == e.phases[e.peak_phase] == e.per_stage[e.worst_stage]
+    assert e.peak_bytes == sum(e.breakdown_bytes.values()) == max(sum(b.values()) for b in e.phases.values())
+    assert all(tuple(b) == MEMORY_CATEGORIES for b in e.phases.values())
+    assert e.peak_bytes == max(sum(s.values()) for s in e.per_stage)
+    j = e.to_json()
+    assert j["peak_phase"] == e.peak_phase and j["phase_peak_bytes"][e.peak_phase] == e.peak_bytes
+
+
+LAYOUT = st.fixed_dictionaries({
+    "tp": st.sampled_from([1, 2, 4]),
+    "pp": st.sampled_from([1, 2, 4]),
+    "dp": st.sampled_from([1, 2, 8]),
+    "zero": st.sampled_from([0, 1, 2, 3]),
+    "hsdp": st.booleans(),
+    "schedule": st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "zb-v"]),
+    "micro_batch": st.sampled_from([1, 2]),
+    "accum": st.sampled_from([1, 4]),
+    "recompute": st.sampled_from(["none", "selective", "full"]),
+    "offload": st.sampled_from(["none", "optimizer", "optimizer+params"]),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(LAYOUT, st.sampled_from(ENGINES),
+       st.sampled_from(["llama3.2-1b", "llama2-7b", "debug-gpt", "mixtral-8x7b"]), st.sampled_from(["bf16", "fp32"]))
+def test_peak_never_below_model_states(o, engine, name, dtype):
+    """The search prunes a shape when model_state_bytes + other does not fit: that must be a lower bound."""
+    m = load_model(name)
+    accum = max(o["accum"], o["pp"]) if o["pp"] > 1 else o["accum"]
+    v = {"interleaved-1f1b": 2, "zb-v": 2}.get(o["schedule"], 1) if o["pp"] > 1 else 1
+    assume(m.n_layers >= o["pp"] * v and m.n_kv_heads % o["tp"] == 0)
+    if o["zero"] == 0:
+        dp = dict(dp_replicate=o["dp"])
+    else:
+        dp = dict(dp_replicate=2, dp_shard=o["dp"] // 2) if o["hsdp"] else dict(dp_shard=o["dp"])
+        assume(dp["dp_shard"] > 1)
+    layout = Layout(tp=o["tp"], pp=o["pp"], zero_stage=o["zero"], micro_batch_size=o["micro_batch"],
+                    grad_accum_steps=accum, recompute=o["recompute"], offload=o["offload"],
+                    pp_schedule=o["schedule"] if o["pp"] > 1 else "1f1b", virtual_stages=v, **dp)
+    training = TrainingSpec(seq_len=1024, global_batch_size=64, dtype=dtype)
+    e = estimate_memory(m, training, layout, H100, engine)
+    assert e.peak_bytes >= model_state_bytes(m, training, layout, engine) + e.breakdown_bytes["other"]
+    assert min(min(b.values()) for b in e.phases.values()) >= 0

@@ -1,0 +1,56 @@
+"""The networkx graph and the link tables the cost model reads must tell the same story."""
+
+from __future__ import annotations
+
+import pytest
+
+from topologies.cluster_load import load_cluster, preset_names
+from topologies.graph import cluster_graph, node_graph, path_label, rank_path
+from topologies.links import derive_labels, link_between, nic_of_gpu
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_graph_paths_agree_with_link_between_and_labels(name):
+    """Every rank pair of a two-node cluster: widest-path bandwidth and latency equal link_between, and the
+    label nvidia-smi would print (the deepest PCIe level the path climbs) equals the derived label."""
+    c = load_cluster(name)
+    c = c.with_gpus(2 * c.gpus_per_node)
+    g, labels = cluster_graph(c), derive_labels(c)
+    per = c.gpus_per_node
+    for a in range(c.world_size):
+        for b in range(c.world_size):
+            if a == b:
+                continue
+            bw, lat, path = rank_path(c, a, b)
+            assert (bw, lat) == pytest.approx(link_between(c, a, b)), (a, b, path)
+            if a // per == b // per:
+                assert path_label(g, path, c.gpu.nvlink_links) == labels[a % per][b % per], (a, b, path)
+            else:
+                assert any(v.startswith("leaf") for v in path)
+
+
+def test_rtx4090_box_has_pix_pairs_and_sys_across_sockets():
+    labels = derive_labels(load_cluster("rtx4090-pcie"))
+    assert labels[0][1] == labels[6][7] == "PIX"
+    assert labels[0][2] == "NODE" and labels[0][4] == "SYS"
+
+
+def test_dgx_nics_are_rail_aligned_and_under_the_gpus_switch():
+    c = load_cluster("dgx-a100-80g")
+    g = node_graph(c)
+    assert [nic_of_gpu(c, i) for i in range(8)] == list(range(8))
+    for i in range(8):
+        switch = next(v for v in g[f"n0/gpu{i}"] if "/sw" in v)
+        assert f"n0/nic{i}" in g[switch]  # two GPUs and their two NICs share each PCIe switch
+
+
+def test_fabric_is_a_fat_tree_with_oversubscribed_uplinks():
+    c = load_cluster("dgx-h100", 8 * 8, {"nodes_per_leaf": "4", "inter_node_oversubscription": "2"})
+    g = cluster_graph(c)
+    leaves = [v for v in g if v.startswith("leaf")]
+    assert len(leaves) == 2 and all(g.has_edge(leaf, "spine") for leaf in leaves)
+    uplink = g.edges["leaf0", "spine"]["gbytes_per_s"]
+    assert uplink == pytest.approx(4 * 8 * 50 / 2)  # 4 nodes x 8 NICs x 50 GB/s, halved
+    _, lat_near, near = rank_path(c, 0, 8)
+    _, lat_far, far = rank_path(c, 0, 63)
+    assert "spine" in far and "spine" not in near and lat_far > lat_near
