@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from executor.parallel.context import ContextShard, cp_attention
 from planner.model.spec import ModelSpec
 from topologies.errors import ModelError
 
@@ -76,6 +77,7 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.use_rope = spec.position == "rope"
         self.selective_recompute = False  # recompute the attention core (softmax(QK^T)V) in backward
+        self.cp: ContextShard | None = None  # context parallel: K/V gathered over the cp group
         self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.bias)
         self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
@@ -86,11 +88,13 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if self.use_rope:
-            q = rotate_half_apply(q, cos[:seq].to(q.dtype), sin[:seq].to(q.dtype))
-            k = rotate_half_apply(k, cos[:seq].to(k.dtype), sin[:seq].to(k.dtype))
+        if self.use_rope:  # tables already cut to this rank's positions and cast once per forward
+            q = rotate_half_apply(q, cos.to(q.dtype), sin.to(q.dtype))
+            k = rotate_half_apply(k, cos.to(k.dtype), sin.to(k.dtype))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.selective_recompute and torch.is_grad_enabled():
+        if self.cp is not None:
+            out = cp_attention(q, k, v, self.cp)
+        elif self.selective_recompute and torch.is_grad_enabled():
             out = checkpoint(_attention_core, q, k, v, use_reentrant=False)
         else:
             out = _attention_core(q, k, v)
@@ -126,6 +130,7 @@ class Block(nn.Module):
         self.ffn_norm = _norm(spec)
         self.feed_forward = FeedForward(spec)
         self.full_recompute = False  # recompute the whole block in backward (keep only its input)
+        self.op_recompute = False  # per-op SAC: torchtitan's save list (executor.parallel.recompute)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -134,6 +139,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
             return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        if self.op_recompute and torch.is_grad_enabled():
+            from executor.parallel.recompute import op_sac_context
+
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=op_sac_context)
         return self._forward(x, cos, sin)
 
 
@@ -150,6 +159,7 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = _norm(spec)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.tie_weights()
+        self.cp: ContextShard | None = None  # context parallel: this rank's load-balanced sequence chunks
         cos, sin = rope_tables(spec.head_dim, spec.max_seq_len, "meta")
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -164,13 +174,28 @@ class Transformer(nn.Module):
             if self.output.weight is not self.tok_embeddings.weight:
                 self.output.weight = self.tok_embeddings.weight
 
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's `seq` tokens: 0..seq-1, or its cp chunks."""
+        if self.cp is not None:
+            return self.cp.positions(seq, device)
+        return torch.arange(seq, device=device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, S) -> logits (B, S, V) for the whole model; a stage maps what it receives."""
+        """Tokens (B, S) -> logits (B, S, V) for the whole model; a stage maps what it receives.
+
+        The rotary tables are cut to this rank's positions and cast to the
+        compute dtype once here, so every block shares one small copy
+        (FSDP2's input cast of each block is then a no-op).
+        """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        pos = self.positions(x.shape[1], x.device)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
-        use_rope = self.spec.position == "rope"
-        cos, sin = (self.rope_cos, self.rope_sin) if use_rope else (None, None)
+            h = h + self.pos_embeddings(pos)
+        cos = sin = None
+        if self.spec.position == "rope":
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else h.dtype
+            cos, sin = (self.rope_cos[pos].to(dtype), self.rope_sin[pos].to(dtype)) if self.cp is not None else \
+                (self.rope_cos[:x.shape[1]].to(dtype), self.rope_sin[:x.shape[1]].to(dtype))
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

@@ -60,6 +60,7 @@ from executor.components.optim import (
     unique_params,
 )
 from executor.model import build_model
+from executor.parallel.context import shard_sequence
 from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import build_schedule, make_stages
@@ -104,14 +105,37 @@ class TrainState(Stateful):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
+    """Mean next-token cross-entropy, computed in fp32.
+
+    Under loss parallel the logits are a DTensor split by vocabulary and
+    torch's loss_parallel context computes the softmax from per-rank maxima
+    and sums (no rank ever holds the full vocabulary); the loss is then a
+    replicated DTensor.
+    """
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def loss_value(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain detached tensor (a DTensor's full value)."""
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _autocast(pm: ParallelModel, device: torch.device):
     if pm.autocast_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=pm.autocast_dtype)
+
+
+def _loss_parallel(pm: ParallelModel):
+    """torch's loss_parallel context (forward loss and backward both inside it) when the logits are sharded."""
+    if not pm.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 class AccumulationStep:
@@ -125,9 +149,15 @@ class AccumulationStep:
         self.before_micro_batch = before_micro_batch
 
     def _sync(self, last: bool):
+        """DDP and replicate all-reduce once, after the last micro-batch; FSDP2 reduce-scatters every one.
+
+        Reducing each micro-batch's gradients as torchtitan does keeps only
+        the sharded fp32 accumulation between micro-batches, instead of
+        every unsharded gradient.
+        """
         if self.pm.dp_kind == "ddp" and not last:
             return self.runner.no_sync()
-        if self.pm.dp_kind in ("fsdp", "replicate") and self.n > 1:
+        if self.pm.dp_kind == "replicate" and self.n > 1:
             self.runner.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -136,11 +166,11 @@ class AccumulationStep:
         for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True)):
             if self.before_micro_batch is not None:
                 self.before_micro_batch(i)
-            with self._sync(i == self.n - 1):
+            with self._sync(i == self.n - 1), _loss_parallel(self.pm):
                 with _autocast(self.pm, self.device):
                     loss = lm_loss(self.runner(x), y)
                 (loss / self.n).backward()
-            total += loss.detach()
+            total += loss_value(loss)
         return total / self.n
 
 
@@ -158,9 +188,9 @@ class PipelineStep:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
-        with _autocast(self.pm, self.device):
+        with _autocast(self.pm, self.device), _loss_parallel(self.pm):
             self.schedule.step(*args, **kwargs)
-        return torch.stack(losses).mean() if self.has_last else None
+        return torch.stack([loss_value(v) for v in losses]).mean() if self.has_last else None
 
 
 def _checkpoint_manager(opts: RunOptions, restarted: bool):
@@ -209,6 +239,8 @@ class Trainer:
         batch = plan.training.global_batch_size
         inputs, targets = local_batch(self.source, state.data_position, batch, plan.layout.dp, self.dp_index,
                                       self.device)
+        if self.pm.cp is not None:  # this rank's two load-balanced chunks of every sequence
+            inputs, targets = shard_sequence(inputs, self.pm.cp), shard_sequence(targets, self.pm.cp)
         lr = state.schedulers[0].get_last_lr()[0]
         loss = self.step_fn(inputs, targets)
         grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device)

@@ -12,7 +12,7 @@ else, as torchtitan keeps parallel degrees in one ParallelDims:
   for `--engine meshplan` is one `meshplan execute` runs.
 
 Why the executor refuses what it refuses, rule by rule:
-- context parallelism (cp > 1) and MoE expert parallelism are not implemented;
+- MoE expert parallelism is not implemented;
 - ZeroRedundancyOptimizer cannot shard the DTensor parameters that TP and
   pipelined DDP use, so ZeRO-1 with tp or pp > 1 is refused;
 - zb-v splits the weight-gradient pass, which bypasses the DDP/FSDP gradient
@@ -178,8 +178,6 @@ def dp_path(layout: Layout) -> str:
 
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
-    if layout.cp > 1:
-        return f"cp ({layout.cp}) > 1: the executor does not run context parallelism; plan with --cp 1"
     if layout.ep > 1 or model.moe is not None:
         return f"model {model.name!r}: the executor runs dense models only (ep {layout.ep})"
     if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):

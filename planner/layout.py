@@ -26,7 +26,7 @@ from typing import Any
 from topologies.errors import PlanError
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-RECOMPUTE_KINDS = ("none", "selective", "full")
+RECOMPUTE_KINDS = ("none", "selective", "op", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.

@@ -148,7 +148,9 @@ def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GR
     sums: dict[torch.device, torch.Tensor] = {}
     for p in with_grad:
         local, copies = _local_share(p.grad, world, pp)
-        sums[local.device] = sums.get(local.device, 0) + local.double().pow(2).sum() / copies
+        # fp32 norm by a reduction kernel (no copy of the gradient), squared in fp64
+        norm_sq = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
+        sums[local.device] = sums.get(local.device, 0) + norm_sq / copies
     device = device or (next(iter(sums)) if sums else torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for partial in sums.values():

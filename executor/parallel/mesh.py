@@ -45,7 +45,9 @@ def local_device(device_type: str) -> torch.device:
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The 5-D mesh of the plan (plus the flattened "dp" axis). The process group must exist."""
     mesh = init_device_mesh(device_type, plan.layout.mesh_shape, mesh_dim_names=MESH_AXES)
-    dp_flat(mesh)
+    dp_flat(mesh)  # flattened groups are created here, in one order on every rank
+    grad_flat(mesh)
+    shard_mesh(mesh)
     return mesh
 
 
@@ -55,6 +57,25 @@ def dp_flat(mesh: DeviceMesh) -> DeviceMesh:
     Created once and cached by DeviceMesh; asking again returns the same mesh.
     """
     return mesh[DP_AXES]._flatten("dp")
+
+
+def grad_flat(mesh: DeviceMesh) -> DeviceMesh:
+    """The group that averages gradients: dp, with cp folded in when cp > 1 (its ranks see other tokens)."""
+    if mesh["cp"].size() == 1:
+        return dp_flat(mesh)
+    return mesh[(*DP_AXES, "cp")]._flatten("dp_cp")
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP's mesh: dp_shard (x cp, flattened as torchtitan's dp_shard_cp), 2-D with dp_replicate for HSDP."""
+    if mesh["cp"].size() > 1:
+        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+    else:
+        shard = "dp_shard"
+    if mesh["dp_replicate"].size() > 1:
+        return mesh[("dp_replicate", shard)]
+    return mesh[shard]
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

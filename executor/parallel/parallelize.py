@@ -39,8 +39,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from executor.model import Block, init_weights
-from executor.parallel.mesh import DP_AXES, dp_flat
+from executor.parallel.context import ContextShard
+from executor.parallel.mesh import grad_flat, shard_mesh
 from executor.parallel.pipeline import check_pipeline, split_stage, stage_ids
+from executor.parallel.recompute import apply_ac
 from planner.engines import dp_path
 from planner.plan import Plan
 from topologies.errors import PlanError
@@ -64,6 +66,8 @@ class ParallelModel:
     stages: list[int]
     dp_kind: str
     autocast_dtype: torch.dtype | None
+    loss_parallel: bool = False  # logits stay vocabulary-sharded DTensors into the loss (TP)
+    cp: ContextShard | None = None  # context parallel: inputs and targets are cut to this rank's chunks
 
 
 def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
@@ -109,7 +113,13 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
                     setattr(module, name, buf.to(device))
     runners = [apply_ddp(part, mesh, device) for part in parts] if dp_kind == "ddp" else list(parts)
     autocast = dtype if dtype != torch.float32 and dp_kind in ("none", "ddp") else None
-    return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast)
+    return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast,
+                         loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None))
+
+
+def uses_loss_parallel(plan: Plan) -> bool:
+    """Vocabulary-parallel cross-entropy: under TP with an untied output layer (a tied one stays replicated)."""
+    return plan.layout.tp > 1 and not plan.model.tie_embeddings
 
 
 def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
@@ -126,6 +136,8 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
     for part in parts:
         if layout.tp > 1:
             apply_tp(part, mesh["tp"], layout.sequence_parallel, plan.model)
+        if layout.cp > 1:
+            apply_cp(part, mesh)
         apply_ac(part, layout.recompute)
         if dp_kind == "fsdp":
             apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none" and
@@ -206,8 +218,8 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
         seq_in = Shard(1) if sequence_parallel else Replicate()
         if sequence_parallel:
             top["norm"] = SequenceParallel()
-        if not tied:
-            top["output"] = ColwiseParallel(input_layouts=seq_in, output_layouts=Replicate())
+        if not tied:  # loss parallel: logits stay split by vocabulary into the cross-entropy
+            top["output"] = ColwiseParallel(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
         elif sequence_parallel:
             top["output"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                use_local_output=True)
@@ -222,14 +234,16 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
             use_local_output=True))
 
 
-# ---- 3. activation checkpointing --------------------------------------------
+# ---- 2b. context parallel --------------------------------------------------
 
 
-def apply_ac(part: nn.Module, recompute: str) -> None:
-    """none | selective (the attention core, Korthikanti et al. 2022) | full (the whole block)."""
+def apply_cp(part: nn.Module, mesh: DeviceMesh) -> None:
+    """Give the model and every attention the cp group (executor.parallel.context)."""
+    cp_mesh = mesh["cp"]
+    shard = ContextShard(group=cp_mesh.get_group(), rank=cp_mesh.get_local_rank(), size=cp_mesh.size())
+    part.cp = shard
     for block in part.layers.values():
-        block.full_recompute = recompute == "full"
-        block.attention.selective_recompute = recompute == "selective"
+        block.attention.cp = shard
 
 
 # ---- 4. FSDP2 / replicate ---------------------------------------------------
@@ -244,26 +258,39 @@ def _mp_policy(dtype: torch.dtype):
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """1-D dp_shard mesh (FSDP), or 2-D (dp_replicate, dp_shard) when replicas exist (HSDP)."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh[DP_AXES]
-    return mesh["dp_shard"]
+    """1-D shard mesh (FSDP), or 2-D (dp_replicate, shard) when replicas exist (HSDP).
+
+    The shard axis is dp_shard, with cp folded in under context parallelism
+    (torchtitan's dp_shard_cp): cp ranks hold the same weights and their
+    gradients are averaged like data-parallel ones.
+    """
+    return shard_mesh(mesh)
 
 
 def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.dtype,
                offload: bool = False) -> None:
-    """fully_shard each block, then the part as root (embeddings, final norm, output).
+    """fully_shard the embeddings, each block, final norm + output, then the part as root (torchtitan's units).
 
     ZeRO-3 frees the gathered parameters after forward and gathers them again
     in backward; ZeRO-2 keeps them until backward (more memory, one
-    all-gather less); both reduce-scatter gradients.
+    all-gather less); both reduce-scatter gradients. The embeddings and the
+    head are their own units so that only one of them is gathered at a time;
+    the head is not resharded after forward (its backward comes right
+    after). A tied embedding/output weight cannot sit in two units: then both
+    stay with the root.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=zero_stage == 3, mp_policy=_mp_policy(dtype),
                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    tied = getattr(part, "spec", None) is not None and part.spec.tie_embeddings
+    if not tied and part.tok_embeddings is not None:
+        embeddings = [m for m in (part.tok_embeddings, part.pos_embeddings) if m is not None]
+        fully_shard(embeddings if len(embeddings) > 1 else embeddings[0], **kwargs)
     for block in part.layers.values():
         fully_shard(block, **kwargs)
+    if not tied and part.output is not None:
+        fully_shard([part.norm, part.output], **{**kwargs, "reshard_after_forward": False})
     fully_shard(part, **kwargs)
 
 
@@ -272,8 +299,8 @@ def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> No
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in part.layers.values():
-        replicate(block, mesh=dp_flat(mesh), mp_policy=_mp_policy(dtype))
-    replicate(part, mesh=dp_flat(mesh), mp_policy=_mp_policy(dtype))
+        replicate(block, mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
+    replicate(part, mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
 
 
 # ---- 6. DDP -----------------------------------------------------------------
@@ -286,7 +313,7 @@ def apply_ddp(part: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Mod
     if any(_is_dtensor(p) for p in part.parameters()):
         raise PlanError("internal: DDP got DTensor parameters; tp > 1 must use replicate")
     device_ids = [device.index] if device.type == "cuda" else None
-    return DDP(part, process_group=dp_flat(mesh).get_group(), device_ids=device_ids, forward_sync_buffers=False)
+    return DDP(part, process_group=grad_flat(mesh).get_group(), device_ids=device_ids, forward_sync_buffers=False)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

@@ -223,7 +223,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from executor.components.optim import build_optimizers
-    from executor.parallel.mesh import build_mesh, dp_flat
+    from executor.parallel.mesh import build_mesh, grad_flat
     from executor.parallel.parallelize import parallelize
 
     if plan.layout.pp > 1:
@@ -251,7 +251,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
                 tracker = MemTracker()
                 # ZeroRedundancyOptimizer keeps its shard's state in the wrapped local optimizer
                 tracker.track_external(*pm.parts, *(getattr(o, "optim", o) for o in optimizers))
-            stand_ins = _instrument_ddp(pm.runners[0], dp_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
+            stand_ins = _instrument_ddp(pm.runners[0], grad_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
             with tracker, _quiet_known_warnings():
                 _train_step(plan, pm, optimizers, mesh, tokens, tracker)
             del stand_ins  # the bucket stand-ins were alive until the backward started

@@ -164,12 +164,14 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
     }
 
 
-def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[float, float]:
+def layer_activation_bytes(terms: dict[str, float], recompute: str,
+                           op_saved: float | None = None) -> tuple[float, float]:
     """(bytes one layer keeps per micro-batch, transient bytes of recomputing one layer).
 
     none: every term, nothing recomputed. selective: every term but the
     attention core's ("core_": eager scores, or the fused kernel's log-sum-exp),
     which comes back for one layer at a time in the backward.
+    op: the layer input and `op_saved` (per-op SAC, `op_saved_per_token`);
     full: only the layer input (the norm1 input); the backward rebuilds the
     rest of one layer (the input itself is not copied again). Counting the
     transient once per rank keeps none >= selective >= full for any number of
@@ -182,7 +184,25 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[flo
     if recompute == "selective":
         core = sum(v for k, v in terms.items() if k.startswith("core_"))
         return total - core, core
+    if recompute == "op" and op_saved is not None:  # the block input and what the op policy saves
+        kept = terms["norm1_input"] + op_saved
+        return kept, max(0.0, total - kept)
     return terms["norm1_input"], total - terms["norm1_input"]
+
+
+def op_saved_per_token(model: ModelSpec, tp: int, d: int) -> float:
+    """Bytes per token per-op SAC saves in one dense block beyond its input (torchtitan's policy).
+
+    The matmuls run in order q, k, v, output projection, w1, (w3,) w2; the
+    1st, 3rd, 5th... outputs are saved and every second one recomputed; the
+    attention kernel's output and fp32 log-sum-exp are saved.
+    """
+    widths = [model.q_dim / tp, model.kv_dim / tp, model.kv_dim / tp, model.hidden, model.ffn_hidden / tp]
+    if model.mlp == "swiglu":
+        widths.append(model.ffn_hidden / tp)
+    widths.append(model.hidden)
+    saved = sum(widths[0::2])
+    return d * (saved + model.q_dim / tp) + FP32_BYTES * model.n_heads / tp
 
 
 def output_activation_bytes(

@@ -114,6 +114,7 @@ from planner.memory.activations import (
     layer_activation_bytes,
     layer_activation_terms,
     layer_backward_transient,
+    op_saved_per_token,
     output_activation_bytes,
     rope_table_bytes,
 )
@@ -220,7 +221,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     path = dp_path(layout) if traits.step_phases else "published"
     autocast = path in ("none", "ddp") and d < FP32_BYTES
     terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered)
-    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute)
+    op_saved = op_saved_per_token(model, t, d) * s * b / cp if model.moe is None else None
+    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if traits.rope_buffers:
         per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
     saved, logits_saved, logits_transient = output_activation_bytes(

@@ -209,6 +209,7 @@ class ModelSpec:
 
         full: one more forward of every layer (2 * layer matmul weights + 4*l*s*a*d).
         selective: only the attention core is recomputed (4*l*s*a*d, Korthikanti et al.).
+        op: per-op SAC recomputes about every second matmul (torchtitan's policy).
         """
         base = self.model_flops_per_token(seq_len)
         attn_fwd = self.attention_flops_per_token(seq_len) / 3.0
@@ -216,10 +217,12 @@ class ModelSpec:
             return base
         if recompute == "selective":
             return base + attn_fwd
+        layer_weights = self.matmul_params - self.vocab * self.hidden
+        if recompute == "op":  # per-op SAC: about every second matmul again, attention saved
+            return base + layer_weights
         if recompute == "full":
-            layer_weights = self.matmul_params - self.vocab * self.hidden
             return base + 2.0 * layer_weights + attn_fwd
-        raise ModelError(f"recompute must be none, selective or full, got {recompute!r}")
+        raise ModelError(f"recompute must be none, selective, op or full, got {recompute!r}")
 
     # ---- (de)serialization -------------------------------------------------
 

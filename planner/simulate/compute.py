@@ -163,7 +163,8 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
     elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal)
     forward = gemms + core_f + elementwise
-    recompute = {"none": 0.0, "selective": core_f, "full": forward}[layout.recompute]
+    # op (per-op SAC): every second matmul and the elementwise ops again, the attention kernel saved
+    recompute = {"none": 0.0, "selective": core_f, "op": gemms / 2 + elementwise, "full": forward}[layout.recompute]
     # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
     return PassTimes(forward, gemms + core_b + 2.0 * elementwise, gemms, recompute)
 

@@ -49,6 +49,11 @@ LAYOUTS = {
     "gpt_tp2_dp2_replicate": ("debug-gpt", ["--tp", "2", "--dp", "2", "--zero", "0", "--sequence-parallel"]),
     "pp2_interleaved_dp2": ("debug", ["--pp", "2", "--dp", "2", "--micro-batch", "1",
                                       "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2"]),
+    # per-op SAC with FSDP2, two micro-batches: gradients reduce-scattered per micro-batch
+    "fsdp4_op": ("debug", ["--dp-shard", "4", "--zero", "3", "--recompute", "op", "--micro-batch", "1"]),
+    # context parallel: K/V all-gathered over cp, load-balanced chunks; cp folded into FSDP / DDP
+    "cp2_dp2": ("debug", ["--cp", "2", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
+    "cp2_tp2": ("debug", ["--cp", "2", "--tp", "2", "--recompute", "op"]),
 }
 
 
