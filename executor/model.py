@@ -235,6 +235,8 @@ def full_init_value(fqn: str, shape: tuple[int, ...], spec: ModelSpec, seed: int
     Drawn on `device` with a generator seeded by (seed, fqn): the same on any
     layout of the same device type.
     """
+    if spec.tie_embeddings and fqn == "output.weight":  # a pipeline's last stage holds the tied copy
+        fqn = "tok_embeddings.weight"
     leaf = fqn.rsplit(".", 1)[-1]
     is_norm = any(part in fqn for part in ("attention_norm.", "ffn_norm.")) or fqn.startswith("norm.")
     if leaf == "bias":

@@ -63,7 +63,7 @@ from executor.model import build_model
 from executor.parallel.context import shard_sequence
 from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
-from executor.parallel.pipeline import build_schedule, make_stages
+from executor.parallel.pipeline import TiedGradSync, build_schedule, make_stages
 from planner.plan import Plan
 
 KILL_ENV = "MESHPLAN_TEST_KILL_AFTER_STEP"
@@ -231,6 +231,10 @@ class Trainer:
         self.source = open_source(opts.data, plan.model.vocab, plan.training.seq_len, opts.seed)
         self.dp_index = dp_rank(mesh)
         self.params = unique_params(self.pm.parts)
+        self.tied = (TiedGradSync(self.pm.parts, self.pm.stages, layout, mesh)
+                     if layout.pp > 1 and plan.model.tie_embeddings else None)
+        skip = self.tied.norm_skip if self.tied is not None else set()
+        self.norm_params = [p for p in self.params if id(p) not in skip]
         self.peak_flops = plan.cluster.gpu.peak_flops(_flops_dtype(plan, device))
 
     def step(self) -> dict:
@@ -243,7 +247,9 @@ class Trainer:
             inputs, targets = shard_sequence(inputs, self.pm.cp), shard_sequence(targets, self.pm.cp)
         lr = state.schedulers[0].get_last_lr()[0]
         loss = self.step_fn(inputs, targets)
-        grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device)
+        if self.tied is not None:
+            self.tied()
+        grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params)
         for optimizer, scheduler in zip(self.optimizers, state.schedulers, strict=True):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

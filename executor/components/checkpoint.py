@@ -201,7 +201,9 @@ def _local_optimizer(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer  # imported lazily: it jit-compiles on import
 
-    if not isinstance(optim, ZeroRedundancyOptimizer):
+    from executor.components.zero1 import Zero1Optimizer
+
+    if not isinstance(optim, (ZeroRedundancyOptimizer, Zero1Optimizer)):
         return optim
     for outer, inner in zip(optim.param_groups, optim.optim.param_groups, strict=True):
         inner.update({k: v for k, v in outer.items() if k != "params"})

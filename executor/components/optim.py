@@ -2,7 +2,8 @@
 
 AdamW with betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on matrices only
 (norm weights, biases and nothing else 1-D are decayed; GPT-3 / Llama
-practice). ZeRO-1 wraps it in ZeroRedundancyOptimizer over the dp_shard group:
+practice). ZeRO-1 with TP or PP (DTensor parameters) is executor/components/zero1.py;
+otherwise ZeRO-1 wraps it in ZeroRedundancyOptimizer over the dp_shard group:
 each rank keeps the AdamW moments of its partition of the parameters and
 broadcasts its updated parameters; with ZeRO-2/3 FSDP2 already shards the
 moments (the parameters are DTensor shards), so plain AdamW is ZeRO.
@@ -74,6 +75,11 @@ def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) ->
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=lr, betas=BETAS, eps=EPS, foreach=_foreach_ok(params))
     layout = plan.layout
+    if layout.zero_stage == 1 and layout.dp > 1 and (layout.tp > 1 or layout.pp > 1):
+        from executor.components.zero1 import Zero1Optimizer
+        from executor.parallel.mesh import grad_flat
+
+        return Zero1Optimizer(groups, torch.optim.AdamW, grad_flat(mesh).get_group(), **kwargs)
     if layout.zero_stage == 1 and layout.dp_shard > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -137,16 +143,18 @@ def _local_share(grad: torch.Tensor, world: int, pp: int) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GRAD_NORM,
-                   device: torch.device | None = None) -> float:
+                   device: torch.device | None = None, norm_params: list[nn.Parameter] | None = None) -> float:
     """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
 
     `device` is where the one all-reduce runs (the rank's device; gradients
-    offloaded to the host are summed there first, then moved).
+    offloaded to the host are summed there first, then moved). `norm_params`
+    (default: params) are those the norm counts: a tied weight's second copy
+    on another pipeline stage is scaled but counted once.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     with_grad = [p for p in params if p.grad is not None]
     sums: dict[torch.device, torch.Tensor] = {}
-    for p in with_grad:
+    for p in (with_grad if norm_params is None else [p for p in norm_params if p.grad is not None]):
         local, copies = _local_share(p.grad, world, pp)
         # fp32 norm by a reduction kernel (no copy of the gradient), squared in fp64
         norm_sq = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2

@@ -69,17 +69,6 @@ def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
 
 def check_pipeline(layout: Layout, tie_embeddings: bool) -> None:
     """Refuse what the executor cannot pipeline, before any rank starts."""
-    if layout.pp > 1 and tie_embeddings:
-        raise PlanError(
-            f"pp ({layout.pp}) > 1 with tied embeddings: the first and last stages would share the "
-            "embedding weight, which the executor does not synchronize; use pp 1 or an untied model"
-        )
-    if layout.pp_schedule == "zb-v" and layout.dp > 1:
-        raise PlanError(
-            f"zb-v with dp ({layout.dp}) > 1: its split weight-gradient pass bypasses the DDP/FSDP gradient "
-            "hooks in torch.distributed.pipelining, so replicas would not be averaged; use interleaved-1f1b, "
-            "or zb-v with dp 1"
-        )
     if not layout.layers_per_stage:
         raise PlanError("plan.parallel.layers_per_stage is empty: re-create the plan with `meshplan plan`")
 
@@ -110,3 +99,54 @@ def make_stages(runners: list[nn.Module], ids: list[int], layout: Layout, mesh: 
     n_stages = layout.pp * layout.virtual_stages
     group = mesh.get_group("pp")
     return [PipelineStage(runner, stage, n_stages, device, group=group) for runner, stage in zip(runners, ids, strict=True)]
+
+
+class TiedGradSync:
+    """Tied embeddings across stages: the first stage's embedding and the last stage's output weight.
+
+    Both start from the embedding's initial value (executor.model.full_init_value)
+    and get the same update if their gradients are summed after the step's
+    backward: an all-reduce between the pipeline rank holding stage 0 and the
+    one holding the last stage, for every (dp, cp, tp) position (each pair is
+    a group); when one rank holds both (zb-v's V) the sum is local. The
+    gradients' local shards line up because both stages are sharded alike
+    over the same dp axes. Clipping must count the sum once: `norm_skip`
+    names the last stage's copy.
+    """
+
+    def __init__(self, parts: list[nn.Module], stages: list[int], layout: Layout, mesh: DeviceMesh) -> None:
+        import torch.distributed as dist
+
+        last = layout.pp * layout.virtual_stages - 1
+        self.first = [p.tok_embeddings.weight for p, s in zip(parts, stages, strict=True) if s == 0]
+        self.last = [p.output.weight for p, s in zip(parts, stages, strict=True) if s == last]
+        self.norm_skip = {id(w) for w in self.last}
+        pp_of = {s: r for r in range(layout.pp) for s in stage_ids(layout, r)}
+        self.group = None
+        if pp_of[0] != pp_of[last]:  # one group per pair of ranks, created on every rank in one order
+            grid = mesh.mesh.reshape(layout.pp, -1)
+            me = dist.get_rank()
+            for col in range(grid.shape[1]):
+                ranks = sorted({int(grid[pp_of[0], col]), int(grid[pp_of[last], col])})
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    self.group = group
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        grads = [_local(w.grad) for w in self.first + self.last if w.grad is not None]
+        if self.group is None:  # both on this rank
+            if len(grads) == 2:
+                grads[0].add_(grads[1])
+                grads[1].copy_(grads[0])
+            return
+        for g in grads:
+            dist.all_reduce(g, group=self.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -54,6 +54,14 @@ LAYOUTS = {
     # context parallel: K/V all-gathered over cp, load-balanced chunks; cp folded into FSDP / DDP
     "cp2_dp2": ("debug", ["--cp", "2", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
     "cp2_tp2": ("debug", ["--cp", "2", "--tp", "2", "--recompute", "op"]),
+    # ZeRO-1 on DTensor parameters (executor/components/zero1.py)
+    "zero1_tp2_dp2": ("debug", ["--tp", "2", "--dp", "2", "--zero", "1"]),
+    # zb-v's split weight pass with replicas (FSDP2 units reduce after the schedule)
+    "zbv_pp2_dp2": ("debug", ["--pp", "2", "--dp-shard", "2", "--zero", "2", "--micro-batch", "1",
+                              "--pp-schedule", "zb-v"]),
+    # tied embeddings across stages: the first and last stage's gradients summed
+    "gpt_pp2_dp2_tied": ("debug-gpt", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1",
+                                       "--pp-schedule", "1f1b"]),
 }
 
 
