@@ -57,6 +57,9 @@ class MemoryTraits:
     fp32_params: bool  # parameters stored in fp32 and cast for compute (autocast / FSDP2 mixed precision)
     fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
     zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
+    # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
+    # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
+    dtensor_loss_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,9 @@ _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp
 ENGINES: dict[str, Engine] = {
     "meshplan": Engine(
         "meshplan", TimeTraits(fused_attention=True, overlap_dp=True),
-        MemoryTraits(vocab_parallel_loss=False, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=True,
+        MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True),
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True),
         executes=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, **_PUBLISHED_MEMORY), executes=False),

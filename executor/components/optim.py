@@ -83,8 +83,9 @@ def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) ->
     if layout.zero_stage == 1 and layout.dp_shard > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"  # cp ranks hold the same weights
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
-                                       process_group=mesh.get_group("dp_shard"), **kwargs)
+                                       process_group=mesh[shard].get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

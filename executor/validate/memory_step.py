@@ -223,6 +223,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from executor.components.optim import build_optimizers
+    from executor.parallel.context import shard_sequence
     from executor.parallel.mesh import build_mesh, grad_flat
     from executor.parallel.parallelize import parallelize
 
@@ -244,6 +245,8 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
             n_micro = min(plan.layout.grad_accum_steps, MAX_MICRO_BATCHES)
             shape = (plan.layout.micro_batch_size * n_micro, plan.training.seq_len)
             tokens = torch.randint(0, plan.model.vocab, shape)
+            if pm.cp is not None:  # this rank's load-balanced chunks, as executor.train does
+                tokens = shard_sequence(tokens, pm.cp)
             if pm.dp_kind == "fsdp":
                 tracker = FSDPMemTracker(pm.parts[0], optimizers[0])
                 tracker.track_inputs((tokens,))

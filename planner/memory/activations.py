@@ -64,14 +64,12 @@ which every projection casts to D on its own: the executor's separate q, k, v
 projections save three D-byte copies of the attention input (3*D*h) and w1, w3
 two of the MLP input (2*D*h; GELU's w1 one).
 
-Rotary tables (`rope_table_bytes`, meshplan's executor): the model keeps fp32
-cos/sin buffers of max_seq_len rows and hands them to every block. FSDP2's
-mixed precision casts a block's floating-point inputs, so each block gets D-byte
-copies of both whole tables, kept alive by the slices RoPE saves: 2*S*d*D per
-layer and micro-batch with S = max_seq_len (d = head_dim), under any
-recomputation (they are the checkpointed block's inputs). Under autocast the
-block slices to s rows and casts for q and for k: 4*s*d*D, recomputed under
-full recomputation. In fp32 the slices are views of the buffers: nothing.
+Rotary tables (`rope_table_bytes`): an executor that hands the whole fp32
+cos/sin buffers (max_seq_len rows) to every FSDP2 block gets D-byte copies of
+both whole tables per block (FSDP2's mixed precision casts a block's inputs),
+2*S*d*D per layer; one that slices s rows per block under autocast, 4*s*d*D.
+meshplan's executor cuts the tables to the sequence and casts them once per
+forward (executor.model.Transformer.forward), so the estimate leaves them out.
 
 Norms are assumed fused (they save their input only, plus an fp32 statistic per
 token that is ignored). The logits of the output layer are counted by the
@@ -208,6 +206,7 @@ def op_saved_per_token(model: ModelSpec, tp: int, d: int) -> float:
 def output_activation_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
+    dtensor_loss_parallel: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
 
@@ -216,13 +215,17 @@ def output_activation_bytes(
     when sp_saves_gathered); Korthikanti's 4sbh/t when R = D = 2. Logits:
     V/t per token with a vocabulary-parallel loss, V when the engine gathers
     them; fp32 log-probabilities saved (4 B) plus the loss backward's
-    transient (8 B).
+    transient (8 B). DTensor's loss_parallel (meshplan's executor under TP)
+    keeps more per local logit: the D-byte logits and their fp32 copy besides
+    the log-probabilities (D + 8 B), and 12 B in the loss backward.
     """
     tokens = seq_len * micro_batch / cp
     sp_div = tp if sequence_parallel else 1
     residual = FP32_BYTES if autocast else dtype_bytes
     saved = (residual / sp_div + dtype_bytes / (1 if sp_saves_gathered else sp_div)) * model.hidden * tokens
     logits = tokens * model.vocab / (tp if vocab_parallel_loss else 1)
+    if dtensor_loss_parallel and vocab_parallel_loss and tp > 1:
+        return saved, (dtype_bytes + 2 * LOGIT_SAVED_BYTES) * logits, 3 * LOGIT_SAVED_BYTES * logits
     return saved, LOGIT_SAVED_BYTES * logits, LOGIT_TRANSIENT_BYTES * logits
 
 

@@ -116,7 +116,6 @@ from planner.memory.activations import (
     layer_backward_transient,
     op_saved_per_token,
     output_activation_bytes,
-    rope_table_bytes,
 )
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
@@ -223,10 +222,15 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered)
     op_saved = op_saved_per_token(model, t, d) * s * b / cp if model.moe is None else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
-    if traits.rope_buffers:
-        per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
+    if traits.step_phases and cp > 1 and layout.recompute in ("none", "selective"):
+        # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
+        per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
+    # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward
+    # (executor.model.Transformer.forward): one s-row copy for all blocks, left out
+    vocab_parallel = traits.vocab_parallel_loss and (not model.tie_embeddings or traits.tied_vocab_parallel)
     saved, logits_saved, logits_transient = output_activation_bytes(
-        model, s, b, t, cp, seq_par, d, autocast, traits.vocab_parallel_loss, traits.sp_saves_gathered)
+        model, s, b, t, cp, seq_par, d, autocast, vocab_parallel, traits.sp_saves_gathered,
+        traits.dtensor_loss_parallel)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, seq_par), saved, logits_saved, logits_transient,
                        logits_saved / FP32_BYTES * d)

@@ -8,9 +8,9 @@ memory tracker (`meshplan validate-memory`) sees the meshplan executor's
 peak at one of the moments below. Symbols, for one rank of a pipeline stage:
 W parameter storage (+ RoPE buffers), C compute copy kept from forward to
 backward, O optimizer state, Gs the step's gradients, Ga gradients of earlier
-micro-batches (grad_accum_steps > 1: the executor's no-sync accumulation keeps
-every gradient unsharded in fp32, 4 B per parameter of the stage, under DDP
-and FSDP2 alike), K DDP's gradient buckets (persistent), X activation-time
+micro-batches (grad_accum_steps > 1: FSDP2 reduce-scatters every micro-batch,
+so only the fp32 gradient shards stay; DDP's and replicate's no-sync
+accumulation keeps every gradient unsharded in fp32, 4 B per parameter), K DDP's gradient buckets (persistent), X activation-time
 communication (PP, CP, EP, Megatron-style SP; planner.memory.estimate), A the kept
 activations of every in-flight micro-batch, A1 one layer's, R the recompute
 transient of one layer (planner.memory.activations) plus its backward
@@ -24,7 +24,13 @@ under FSDP2 with reshard_after_forward=True and no pipeline:
                    micro-batch, every activation alive. With the loss the root
                    unit resharded after its forward; without it (PP), ZeRO-3
                    gathers D(root + 2 block) as the stage's backward starts.
-  output_backward  W + C + Ga + O + A - L4 + D*logits + K + X + head gradient:
+  output_backward  the larger of two moments. With FSDP2 the head unit (final norm +
+                   output, its own unit, not resharded after forward: D x head at
+                   backward_start too) is reduced right after its backward:
+                   W + C + Ga + O + A + K + X + head gathered + its all-gather
+                   buffer and reduce-scatter input ((D + G) head) + its shard;
+                   the other, the logits' gradient:
+                   W + C + Ga + O + A - L4 + D*logits + K + X + head gradient:
                    log-probabilities freed, the D-byte logits gradient alive;
                    the head's gradient (D, in the FSDP2 root unit until its
                    reduction: comm_buffers; 4 (+ D under autocast) into .grad:
@@ -49,8 +55,8 @@ under FSDP2 with reshard_after_forward=True and no pipeline:
                    (the previous reduce-scatter input), (D + G) root gradients
                    at the copy-in (replicate: G + max(D, G), the all-reduce
                    output too) ); the root's own gradient shard not there yet.
-  optimizer_step   W + Gs + O + K + max( 16 B x the largest local gradient
-                   (executor.components.optim.clip_grad_norm: .double().pow(2) of each),
+  optimizer_step   W + Gs + O + K + max( nothing for clipping (executor.components.optim
+                   .clip_grad_norm reduces each gradient in place: no copy),
                    4 B x the parameters this rank updates (foreach AdamW's
                    sqrt(exp_avg_sq) list: O / 2), or with TP, where the
                    executor's parameters mix meshes and AdamW runs tensor by
@@ -83,7 +89,6 @@ from planner.model.spec import ModelSpec
 from planner.training import DTYPE_BYTES, TrainingSpec
 
 PHASES = ("backward_start", "output_backward", "block_backward", "backward_end", "optimizer_step")
-CLIP_BYTES = 16  # fp64 copy of a gradient and its square, alive together
 ADAMW_TEMP_PER_MOMENT_BYTE = 0.5  # foreach: 4 B of sqrt(exp_avg_sq) per parameter, 8 B of moments
 ADAMW_SINGLE_TENSOR_BYTES = 8  # per-tensor AdamW: sqrt(exp_avg_sq) and its quotient, alive together
 
@@ -131,6 +136,9 @@ class StageBytes(NamedTuple):
     root_grads: int = 0  # the root unit's share of Gs, not there yet during its reduction
     clip: int = 0  # gradient clipping temporaries
     adamw: int = 0  # foreach AdamW temporaries
+    head_kept: int = 0  # FSDP2 head unit (final norm + output) gathered from its forward to its backward
+    head_reduce: int = 0  # the head unit's reduction: its all-gather buffer and reduce-scatter input
+    head_shard: int = 0  # the head unit's reduced gradient shard, there from its reduction on
 
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
@@ -140,14 +148,22 @@ def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: f
     fwd = sb.params + sb.copy
     base = sb.buckets + sb.comm
     start_act = kept + out + (acts.loss_transient if sp.has_output else 0.0)
+    head_kept = sb.head_kept if sp.has_output else 0
     phases = {"backward_start": (fwd, sb.accumulated, sb.optimizer, int(start_act),
-                                 base + (0 if sp.has_output else sb.gathered_start))}
+                                 base + head_kept + (0 if sp.has_output else sb.gathered_start))}
     head = sb.head_grad if sp.has_output else 0
     head_comm, head_grads = (head, 0) if sb.fsdp2 else (0, head)
     if sp.has_output:
         act = kept + out - acts.logits_saved + acts.logits_grad
-        phases["output_backward"] = (fwd, sb.accumulated + head_grads, sb.optimizer, int(act),
-                                     base + head_comm + sb.gathered_output)
+        logits_moment = (fwd, sb.accumulated + head_grads, sb.optimizer, int(act),
+                         base + head_comm + head_kept + sb.gathered_output)
+        # the head unit's own reduction, logits gone: gathered weights, all-gather and reduce-scatter buffers
+        head_shard = 0 if sb.accumulated else sb.head_shard  # accumulated: the shard is already there
+        reduce_moment = (fwd, sb.accumulated + head_shard, sb.optimizer, int(kept),
+                         base + head_kept + sb.head_reduce)
+        phases["output_backward"] = max(logits_moment, reduce_moment, key=sum)
+    if sb.head_shard and sp.has_output:  # the head unit is reduced before the blocks' backward
+        head_comm, head_grads = 0, (0 if sb.accumulated else sb.head_shard)
     if sp.layers:
         phases["block_backward"] = _block_backward(sb, sp, acts, kept, head_comm, head_grads)
     phases["backward_end"] = (sb.params, sb.grads - sb.root_grads, sb.optimizer, 0, sb.buckets + sb.end_transient)
@@ -206,37 +222,57 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     autocast = path in ("none", "ddp") and d < FP32_BYTES
     grad_bytes = d if fsdp2 else FP32_BYTES + (d if autocast else 0)  # a fresh weight gradient, per parameter
     zero3 = path == "fsdp" and layout.zero_stage == 3 and states.compute_copy == 0
-    gathered = d * (sp.root + 2 * sp.block) if zero3 else 0
     sharded = layout.zero_stage >= 2
-    grad_share = (lambda n: ceil_div(FP32_BYTES * n, layout.dp_shard)) if sharded else (lambda n: FP32_BYTES * n)
+    shards = layout.dp_shard * layout.cp  # the executor folds cp into FSDP's group
+    grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
-    accumulated = FP32_BYTES * sp.total if layout.grad_accum_steps > 1 else 0
-    if sharded:
+    # FSDP2 reduce-scatters every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and
+    # replicate skip the sync and keep every gradient unsharded
+    accumulated = (states.grads if path == "fsdp" else FP32_BYTES * sp.total) if layout.grad_accum_steps > 1 else 0
+    # FSDP2 units of executor.parallel.parallelize.apply_fsdp: embeddings, each block, final norm + output
+    # (kept gathered from its forward to its backward), an empty root; tied weights stay in the root
+    split = path == "fsdp" and not model.tie_embeddings
+    head_unit = sp.head + model.norm_params if split and sp.has_output else 0
+    root = sp.root - head_unit
+    if path == "fsdp" and accumulated:
+        last_grads = states.grads
+    elif sharded:
         last_grads = states.grads - min(states.grads, grad_share(pending)) + \
             (FP32_BYTES * pending if accumulated else 0)
     else:
         last_grads = max(accumulated, states.grads - min(states.grads, grad_share(pending)))
+    # ZeRO-3 gathers: the block in use and the prefetched one (the embedding unit, prefetched by the
+    # first layer's backward, when larger), and the root if it holds the embeddings (FSDP2 never
+    # reshards a root)
+    if not zero3:
+        gathered = 0
+    elif split:
+        gathered = d * (sp.block + max(sp.block, root))
+    else:
+        gathered = d * (root + 2 * sp.block)
     end_transient = root_grads = 0
     if fsdp2:
-        root_grads = min(states.grads, grad_share(sp.root))
-        root_copy = d * sp.root if path == "fsdp" or d < FP32_BYTES else 0
+        root_grads = min(states.grads, grad_share(root))
+        root_copy = d * root if path == "fsdp" or d < FP32_BYTES else 0
         tied = 2 * d * sp.head if model.tie_embeddings and sp.has_embedding and sp.has_output else 0
-        last = sp.root or sp.block  # the unit reduced last: the root, or the first block of a middle stage
+        last = root or sp.block  # the unit reduced last: the root, or the first block of a middle stage
         copy_in = (g + (max(d, g) if path == "replicate" else d)) * last
-        previous_rs = g * sp.block if sp.root and sp.layers else 0
-        end_transient = max(copy_in, root_copy + d * sp.root + tied + previous_rs)
-    largest_grad = ceil_div(sp.largest, layout.dp_shard) if sharded else sp.largest  # largest local tensor
+        previous_rs = g * sp.block if root and sp.layers else 0
+        end_transient = max(copy_in, root_copy + d * root + tied + previous_rs)
+    largest_grad = ceil_div(sp.largest, shards) if sharded else sp.largest  # largest local tensor
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
         head_grad=grad_bytes * sp.head,
         partial_grad=grad_bytes * ceil_div(model.hidden * model.ffn_hidden, layout.tp),
-        gathered_start=gathered, gathered_output=gathered - d * sp.block if zero3 else 0,
+        gathered_start=gathered, gathered_output=(d * sp.block if split else gathered - d * sp.block) if zero3 else 0,
         block_rs=g * sp.block if fsdp2 else 0, block_grad=d * sp.block if fsdp2 else 0, last_grads=last_grads,
         recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
         block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
-        end_transient=end_transient, root_grads=root_grads, clip=CLIP_BYTES * largest_grad if states.grads else 0,
-        adamw=_adamw_temp(training, layout, states, largest_grad))
+        end_transient=end_transient, root_grads=root_grads, clip=0,
+        adamw=_adamw_temp(training, layout, states, largest_grad),
+        head_kept=d * head_unit if zero3 else 0, head_reduce=(d + g) * head_unit,
+        head_shard=grad_share(head_unit) if split else 0)
 
 
 def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:
