@@ -35,7 +35,7 @@ def dry_run(plan: Plan) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         mesh = build_mesh(plan, "cpu")
-        parts, stages, dp_kind = shard(build_model(plan.model), plan, mesh, compute_dtype(plan, torch.device("cpu")))
+        parts, stages, dp_kind, _ = shard(build_model(plan.model), plan, mesh, compute_dtype(plan, torch.device("cpu")))
         out = console()
         if not out.is_terminal:
             out.width = 140  # a pipe or a file: do not wrap tables at 80 columns

@@ -42,7 +42,8 @@ from topologies.errors import ModelError
 INIT_STD = 0.02  # GPT-2 / nanoGPT: N(0, 0.02) for weights and embeddings
 ROPE_THETA = 10_000.0  # RoFormer / Llama 2 base; ModelSpec carries no theta
 NORM_EPS = 1e-5
-RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight")
+# the MoE's stacked expert w2 and its shared experts' w2 are residual projections too
+RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2", "shared.w2.weight")
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
@@ -107,12 +108,13 @@ def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 class FeedForward(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ffn_hidden: int | None = None) -> None:
         super().__init__()
+        f = ffn_hidden or spec.ffn_hidden
         self.swiglu = spec.mlp == "swiglu"
-        self.w1 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias)
-        self.w2 = nn.Linear(spec.ffn_hidden, spec.hidden, bias=spec.bias)
-        self.w3 = nn.Linear(spec.hidden, spec.ffn_hidden, bias=spec.bias) if self.swiglu else None
+        self.w1 = nn.Linear(spec.hidden, f, bias=spec.bias)
+        self.w2 = nn.Linear(f, spec.hidden, bias=spec.bias)
+        self.w3 = nn.Linear(spec.hidden, f, bias=spec.bias) if self.swiglu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -128,7 +130,12 @@ class Block(nn.Module):
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
-        self.feed_forward = FeedForward(spec)
+        if spec.moe is not None:
+            from executor.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(spec)
+        else:
+            self.feed_forward = FeedForward(spec)
         self.full_recompute = False  # recompute the whole block in backward (keep only its input)
         self.op_recompute = False  # per-op SAC: torchtitan's save list (executor.parallel.recompute)
 
@@ -210,8 +217,6 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> Transfo
     """
     if spec.position == "alibi":
         raise ModelError(f"model {spec.name!r}: the executor implements rope and learned positions, not alibi")
-    if spec.moe is not None:
-        raise ModelError(f"model {spec.name!r}: the executor builds dense models only, this one is mixture-of-experts")
     with torch.device(device):
         return Transformer(spec)
 
@@ -267,8 +272,14 @@ def init_weights(model: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
         for module in model.modules():
             if isinstance(module, Transformer):
                 module.tie_weights()
+    expert_rows = {id(p): m.expert_rows for m in model.modules() if hasattr(m, "expert_rows")
+                   for p in m.expert_params()}  # expert parallel: this rank's experts of the stacked value
     for fqn, param in model.named_parameters():
-        full = full_init_value(fqn, tuple(param.shape), spec, seed, device)
+        rows = expert_rows.get(id(param))
+        shape = (spec.moe.n_experts, *param.shape[1:]) if rows else tuple(param.shape)
+        full = full_init_value(fqn, shape, spec, seed, device)
+        if rows:
+            full = full[rows[0]:rows[1]]
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)

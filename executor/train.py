@@ -235,6 +235,8 @@ class Trainer:
                      if layout.pp > 1 and plan.model.tie_embeddings else None)
         skip = self.tied.norm_skip if self.tied is not None else set()
         self.norm_params = [p for p in self.params if id(p) not in skip]
+        experts = self.pm.experts
+        self.expert_holders = {id(p): experts.holders for p in self.pm.expert_params} if experts else None
         self.peak_flops = plan.cluster.gpu.peak_flops(_flops_dtype(plan, device))
 
     def step(self) -> dict:
@@ -249,7 +251,10 @@ class Trainer:
         loss = self.step_fn(inputs, targets)
         if self.tied is not None:
             self.tied()
-        grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params)
+        if self.pm.experts is not None:
+            self.pm.experts.reduce_grads(self.pm.expert_params)
+        grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params,
+                                   expert_holders=self.expert_holders)
         for optimizer, scheduler in zip(self.optimizers, state.schedulers, strict=True):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

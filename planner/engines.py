@@ -12,7 +12,8 @@ else, as torchtitan keeps parallel degrees in one ParallelDims:
   for `--engine meshplan` is one `meshplan execute` runs.
 
 Why the executor refuses what it refuses, rule by rule:
-- MoE expert parallelism is not implemented;
+- MoE layers stay replicated over tp, so sequence parallel (which would cut
+  their output back to sequence shards) is refused with them;
 - offload is only FSDP2's CPUOffloadPolicy (optimizer+params under ZeRO-3);
 - fp16 on GPUs needs loss scaling, which the executor does not implement.
 """
@@ -175,8 +176,13 @@ def dp_path(layout: Layout) -> str:
 
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
-    if layout.ep > 1 or model.moe is not None:
-        return f"model {model.name!r}: the executor runs dense models only (ep {layout.ep})"
+    if model.moe is not None and model.moe.n_experts % layout.ep:
+        return (f"ep ({layout.ep}) must divide the {model.moe.n_experts} experts of model {model.name!r}; "
+                "plan with another --ep")
+    if model.moe is not None and layout.tp > 1 and layout.sequence_parallel:
+        return (f"model {model.name!r} with tp ({layout.tp}) and sequence parallel: the executor keeps MoE "
+                "layers replicated over tp and does not cut their output back to sequence shards; plan "
+                "without --sequence-parallel")
     if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
         return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
                 "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")

@@ -144,19 +144,22 @@ def _local_share(grad: torch.Tensor, world: int, pp: int) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GRAD_NORM,
-                   device: torch.device | None = None, norm_params: list[nn.Parameter] | None = None) -> float:
+                   device: torch.device | None = None, norm_params: list[nn.Parameter] | None = None,
+                   expert_holders: dict[int, int] | None = None) -> float:
     """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
 
     `device` is where the one all-reduce runs (the rank's device; gradients
     offloaded to the host are summed there first, then moved). `norm_params`
     (default: params) are those the norm counts: a tied weight's second copy
-    on another pipeline stage is scaled but counted once.
+    on another pipeline stage is scaled but counted once. `expert_holders`:
+    id(expert weight) -> ranks holding that same copy (expert parallelism).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     with_grad = [p for p in params if p.grad is not None]
     sums: dict[torch.device, torch.Tensor] = {}
     for p in (with_grad if norm_params is None else [p for p in norm_params if p.grad is not None]):
         local, copies = _local_share(p.grad, world, pp)
+        copies = (expert_holders or {}).get(id(p), copies)  # expert parallel: distinct across the ep group
         # fp32 norm by a reduction kernel (no copy of the gradient), squared in fp64
         norm_sq = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
         sums[local.device] = sums.get(local.device, 0) + norm_sq / copies

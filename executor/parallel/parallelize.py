@@ -32,7 +32,7 @@ whose fp32 parameters reduce fp32 gradients). CPU ranks compute in fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from executor.model import Block, init_weights
 from executor.parallel.context import ContextShard
+from executor.parallel.expert import ExpertParallel
 from executor.parallel.mesh import grad_flat, shard_mesh
 from executor.parallel.pipeline import check_pipeline, split_stage, stage_ids
 from executor.parallel.recompute import apply_ac
@@ -68,6 +69,8 @@ class ParallelModel:
     autocast_dtype: torch.dtype | None
     loss_parallel: bool = False  # logits stay vocabulary-sharded DTensors into the loss (TP)
     cp: ContextShard | None = None  # context parallel: inputs and targets are cut to this rank's chunks
+    experts: ExpertParallel | None = None  # MoE: reduces the expert weights' gradients itself
+    expert_params: list = field(default_factory=list)
 
 
 def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
@@ -103,7 +106,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
                 seed: int = 0) -> ParallelModel:
     """Apply the plan to a meta-device `model` on this rank; return the initialized local parts."""
     dtype = compute_dtype(plan, device)
-    parts, stages, dp_kind = shard(model, plan, mesh, dtype)
+    parts, stages, dp_kind, experts = shard(model, plan, mesh, dtype)
     offloaded = plan.layout.offload != "none" and device.type == "cuda"  # FSDP2 keeps the shards on the host
     for part in parts:
         init_weights(part, plan.model, seed, torch.device("cpu") if offloaded else device)
@@ -111,10 +114,12 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
             for module in part.modules():
                 for name, buf in module.named_buffers(recurse=False):
                     setattr(module, name, buf.to(device))
-    runners = [apply_ddp(part, mesh, device) for part in parts] if dp_kind == "ddp" else list(parts)
+    expert_params = experts.expert_params(parts) if experts is not None else []
+    runners = [apply_ddp(part, mesh, device, expert_params) for part in parts] if dp_kind == "ddp" else list(parts)
     autocast = dtype if dtype != torch.float32 and dp_kind in ("none", "ddp") else None
     return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast,
-                         loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None))
+                         loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None),
+                         experts=experts, expert_params=expert_params)
 
 
 def uses_loss_parallel(plan: Plan) -> bool:
@@ -123,8 +128,10 @@ def uses_loss_parallel(plan: Plan) -> bool:
 
 
 def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
-          dtype: torch.dtype) -> tuple[list[nn.Module], list[int], str]:
-    """Steps 1-4 on the meta device: (this rank's parts, their stage indices, dp_kind). No memory used.
+          dtype: torch.dtype) -> tuple[list[nn.Module], list[int], str, ExpertParallel | None]:
+    """Steps 1-4 on the meta device: (this rank's parts, their stage indices, dp_kind, expert parallel).
+
+    No memory used.
 
     `--dry-run` stops here; `parallelize` goes on to materialize and wrap.
     """
@@ -133,18 +140,20 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
     stages = stage_ids(layout, mesh.get_local_rank("pp")) if layout.pp > 1 else [0]
     parts = [split_stage(model, layout, s) for s in stages] if layout.pp > 1 else [model]
     dp_kind = dp_path(layout)
+    experts = ExpertParallel(mesh, layout) if plan.model.moe is not None else None
     for part in parts:
         if layout.tp > 1:
             apply_tp(part, mesh["tp"], layout.sequence_parallel, plan.model)
         if layout.cp > 1:
             apply_cp(part, mesh)
+        ignored = set(experts.shard(part)) if experts is not None else set()
         apply_ac(part, layout.recompute)
         if dp_kind == "fsdp":
             apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none" and
-                       mesh.device_type == "cuda")
+                       mesh.device_type == "cuda", ignored=ignored)
         elif dp_kind == "replicate":
-            apply_replicate(part, mesh, dtype)
-    return parts, stages, dp_kind
+            apply_replicate(part, mesh, dtype, ignored=ignored)
+    return parts, stages, dp_kind, experts
 
 
 # ---- 2. tensor parallel -----------------------------------------------------
@@ -173,11 +182,12 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=out),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=out),
     }
-    if block.feed_forward.w3 is not None:
-        plan["feed_forward.w3"] = ColwiseParallel()
+    if not hasattr(block.feed_forward, "router"):  # a MoE MLP stays replicated over tp (experts: ep)
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
     if sequence_parallel:
         plan.update({
             "attention_norm": SequenceParallel(),
@@ -268,7 +278,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.dtype,
-               offload: bool = False) -> None:
+               offload: bool = False, ignored: set | None = None) -> None:
     """fully_shard the embeddings, each block, final norm + output, then the part as root (torchtitan's units).
 
     ZeRO-3 frees the gathered parameters after forward and gathers them again
@@ -282,7 +292,8 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=zero_stage == 3, mp_policy=_mp_policy(dtype),
-                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                  ignored_params=ignored or None)  # expert weights: executor.parallel.expert reduces them
     tied = getattr(part, "spec", None) is not None and part.spec.tie_embeddings
     if not tied and part.tok_embeddings is not None:
         embeddings = [m for m in (part.tok_embeddings, part.pos_embeddings) if m is not None]
@@ -294,25 +305,30 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     fully_shard(part, **kwargs)
 
 
-def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype, ignored: set | None = None) -> None:
     """DDP semantics for DTensor (TP) parameters: FSDP2's replicate over the flattened dp axis."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    kwargs = dict(mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype), ignored_params=ignored or None)
     for block in part.layers.values():
-        replicate(block, mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
-    replicate(part, mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
+        replicate(block, **kwargs)
+    replicate(part, **kwargs)
 
 
 # ---- 6. DDP -----------------------------------------------------------------
 
 
-def apply_ddp(part: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def apply_ddp(part: nn.Module, mesh: DeviceMesh, device: torch.device, ignored: list | None = None) -> nn.Module:
     """Classic DDP over the flattened dp group (all-reduce of bucketed gradients)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if any(_is_dtensor(p) for p in part.parameters()):
         raise PlanError("internal: DDP got DTensor parameters; tp > 1 must use replicate")
     device_ids = [device.index] if device.type == "cuda" else None
+    ids = {id(p) for p in ignored or []}
+    experts = [name for name, p in part.named_parameters() if id(p) in ids]
+    if experts:  # executor.parallel.expert reduces them
+        DDP._set_params_and_buffers_to_ignore_for_model(part, experts)
     return DDP(part, process_group=grad_flat(mesh).get_group(), device_ids=device_ids, forward_sync_buffers=False)
 
 

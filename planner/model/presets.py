@@ -62,6 +62,13 @@ _ALL = [
         ffn_hidden=256, vocab=256, max_seq_len=256, mlp="gelu", norm="layernorm",
         position="learned", tie_embeddings=True, bias=True,
     ),
+    # Its mixture-of-experts sibling: 4 routed experts (top 2) and one shared expert per layer,
+    # so ep 2 and ep 4 both divide the experts.
+    ModelSpec(
+        name="debug-moe", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
+        ffn_hidden=128, vocab=256, max_seq_len=256,
+        moe=MoESpec(n_experts=4, top_k=2, expert_ffn_hidden=64, n_shared_experts=1),
+    ),
 ]
 
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in _ALL}

@@ -68,6 +68,7 @@ class Pins:
     dp: int | None = None  # total data parallel degree, dp_replicate * dp_shard
     dp_shard: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero_stage: int | None = None
     micro_batch_size: int | None = None
     recompute: str | None = None
@@ -77,7 +78,7 @@ class Pins:
     offload: str | None = None
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages"):
+        for key in ("tp", "pp", "dp", "dp_shard", "cp", "ep", "micro_batch_size", "virtual_stages"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -160,11 +161,11 @@ def data_parallel_splits(dp: int, pins: Pins) -> Iterator[tuple[int, int, int]]:
                 yield dp // dp_shard, dp_shard, zero
 
 
-def expert_degrees(model: ModelSpec, dp_shard: int, cp: int) -> tuple[int, ...]:
-    """R10: expert-parallel degrees for a MoE model; (1,) for a dense one."""
+def expert_degrees(model: ModelSpec, dp_shard: int, cp: int, pin: int | None = None) -> tuple[int, ...]:
+    """R10: expert-parallel degrees for a MoE model (the pinned one only); (1,) for a dense one."""
     if model.moe is None:
         return (1,)
-    return tuple(e for e in divisors(model.moe.n_experts) if (dp_shard * cp) % e == 0)
+    return tuple(e for e in divisors(model.moe.n_experts) if (dp_shard * cp) % e == 0 and pin in (None, e))
 
 
 def sequence_parallel_options(tp: int, cp: int, seq_len: int, pins: Pins) -> tuple[bool, ...]:
@@ -217,7 +218,7 @@ def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str
         scheds = schedules(pp, model.n_layers, pins)
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
             for dp_replicate, dp_shard, zero in data_parallel_splits(dp, pins):
-                for ep in expert_degrees(model, dp_shard, cp):
+                for ep in expert_degrees(model, dp_shard, cp, pins.ep):
                     for sched, v in scheds:
                         yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep,
                                      zero_stage=zero, sequence_parallel=sp, pp_schedule=sched,

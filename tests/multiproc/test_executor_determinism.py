@@ -62,6 +62,10 @@ LAYOUTS = {
     # tied embeddings across stages: the first and last stage's gradients summed
     "gpt_pp2_dp2_tied": ("debug-gpt", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1",
                                        "--pp-schedule", "1f1b"]),
+    # MoE: experts sharded over ep, tokens moved with all_to_all, expert gradients reduced by hand
+    "moe_dp4_ep2": ("debug-moe", ["--dp", "4", "--dp-shard", "2", "--ep", "2", "--zero", "3"]),
+    "moe_fsdp4_ep4": ("debug-moe", ["--dp-shard", "4", "--ep", "4", "--zero", "3", "--micro-batch", "1"]),
+    "moe_tp2_dp2_ep2": ("debug-moe", ["--tp", "2", "--dp", "2", "--ep", "2"]),
 }
 
 
@@ -92,7 +96,7 @@ def reference_run(model_name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[dict]]:
-    return {name: reference_run(name) for name in ("debug", "debug-gpt")}
+    return {name: reference_run(name) for name in ("debug", "debug-gpt", "debug-moe")}
 
 
 def test_reference_learns(references):
