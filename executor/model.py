@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from executor.moe import MoE
 from executor.parallel.context import ContextShard, cp_attention
 from planner.model.spec import ModelSpec
 from topologies.errors import ModelError
@@ -131,9 +132,7 @@ class Block(nn.Module):
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
         if spec.moe is not None:
-            from executor.moe import MoE
-
-            self.feed_forward: nn.Module = MoE(spec)
+            self.feed_forward: nn.Module = MoE(spec, FeedForward)
         else:
             self.feed_forward = FeedForward(spec)
         self.full_recompute = False  # recompute the whole block in backward (keep only its input)

@@ -25,7 +25,7 @@ from planner.model.spec import ModelSpec
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, dense_mlp: type[nn.Module]) -> None:
         super().__init__()
         moe = spec.moe
         h, f = spec.hidden, moe.expert_ffn_hidden
@@ -37,10 +37,8 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, h, f)) if self.swiglu else None
         shared = moe.n_shared_experts * (moe.shared_ffn_hidden or f)
         self.shared = None
-        if shared:
-            from executor.model import FeedForward
-
-            self.shared = FeedForward(spec, ffn_hidden=shared)
+        if shared:  # dense_mlp: executor.model.FeedForward (passed in: model imports this module)
+            self.shared = dense_mlp(spec, ffn_hidden=shared)
         self.ep = None  # executor.parallel.expert.ExpertGroup under expert parallelism
         self.expert_rows = (0, moe.n_experts)  # the experts this rank holds (expert parallelism cuts them)
 

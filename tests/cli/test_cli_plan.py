@@ -134,10 +134,12 @@ def test_default_batch_rounding_is_reported(cli):
 
 
 def test_meshplan_engine_never_plans_what_its_executor_refuses(cli):
-    """Context parallelism is not in the executor: pinning it for engine meshplan is a usage error naming why."""
-    r = cli(*CPU, "--cp", "2")
+    """MoE layers under TP + sequence parallel are not in the executor: pinning it for engine meshplan is a
+    usage error naming why."""
+    moe = ("plan", "--model", "debug-moe", *CPU[3:])
+    r = cli(*moe, "--tp", "2", "--sequence-parallel")
     assert r.code == 2
-    assert "cp (2) > 1: the executor does not run context parallelism" in r.stderr and "--engine megatron" in r.stderr
+    assert "with tp (2) and sequence parallel" in r.stderr and "--engine megatron" in r.stderr
     r = cli(*CPU, "--json")
     assert r.code == 0, r.stderr
     from planner.engines import executor_refusal

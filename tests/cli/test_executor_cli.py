@@ -7,8 +7,10 @@ directory's contract) and in CKPT's tests/test_failures.py (failed workers).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 from torchrun_util import TEST_DATA, make_plan
@@ -120,18 +122,17 @@ def test_stale_prediction_does_not_hide_a_plan_too_big_for_the_host():
 
 
 def test_refuses_what_the_executor_does_not_run(cli, tmp_path):
-    spec = load_model("debug")
-    layout = with_stage_layers(spec, Layout(cp=2, dp_replicate=2, micro_batch_size=2))
-    path = tmp_path / "cp.json"
+    spec = load_model("debug-moe")
+    layout = with_stage_layers(spec, Layout(tp=2, dp_replicate=2, micro_batch_size=2, sequence_parallel=True))
+    path = tmp_path / "moe_sp.json"
     Plan(model=spec, cluster=load_cluster("cpu", 4), training=TrainingSpec(seq_len=64, global_batch_size=4),
          layout=layout).save(path)
     res = cli("execute", str(path), "--dry-run")
-    assert res.code == 2 and "cp (2) > 1" in res.stderr
+    assert res.code == 2 and "with tp (2) and sequence parallel" in res.stderr
     # Plans for another engine may hold what meshplan's executor refuses (its own engine never does).
-    zbv = make_plan(tmp_path, "zbv", "--pp", "2", "--dp", "2", "--pp-schedule", "zb-v", "--virtual-stages", "2",
-                    "--micro-batch", "1", "--engine", "megatron")
-    res = cli("execute", str(zbv), "--dry-run")
-    assert res.code == 2 and "zb-v with dp (2) > 1" in res.stderr
-    tp_zero1 = make_plan(tmp_path, "tpz1", "--tp", "2", "--dp", "2", "--zero", "1", "--engine", "megatron")
-    res = cli("execute", str(tp_zero1), "--dry-run")
-    assert res.code == 2 and "ZeRO-1 with tp (2) or pp (1) > 1" in res.stderr
+    offload = Path(make_plan(tmp_path, "offload", "--dp-shard", "4", "--zero", "2", "--engine", "megatron"))
+    doc = json.loads(offload.read_text())
+    doc["parallel"]["offload"] = "optimizer"
+    offload.write_text(json.dumps(doc))
+    res = cli("execute", str(offload), "--dry-run")
+    assert res.code == 2 and "offload 'optimizer' with zero_stage 2" in res.stderr
