@@ -82,6 +82,7 @@ class RunOptions:
     checkpoint_every: int = 0  # 0: never
     keep_checkpoints: int | None = None
     resume: bool = False
+    compile: bool = False  # torch.compile per block (executor.parallel.parallelize.apply_compile)
 
 
 class TrainState(Stateful):
@@ -217,7 +218,8 @@ class Trainer:
     def __init__(self, plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:
         layout = plan.layout
         self.plan, self.opts, self.device = plan, opts, device
-        self.pm = parallelize(build_model(plan.model), plan, mesh, device, seed=opts.seed)
+        self.pm = parallelize(build_model(plan.model), plan, mesh, device, seed=opts.seed,
+                              compile=opts.compile or getattr(plan.training, "compile", False))
         lr = opts.lr if opts.lr is not None else default_lr(plan.model.hidden)
         self.optimizers = build_optimizers(self.pm.parts, plan, mesh, lr)
         self.state = TrainState([build_scheduler(o, opts.steps) for o in self.optimizers])

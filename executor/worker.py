@@ -39,10 +39,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, object]:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--keep-checkpoints", type=int, default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args(argv)
     opts = RunOptions(out_dir=Path(a.out), steps=a.steps, seed=a.seed, data=a.data, lr=a.lr,
                       log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-                      keep_checkpoints=a.keep_checkpoints, resume=a.resume)
+                      keep_checkpoints=a.keep_checkpoints, resume=a.resume, compile=a.compile)
     return a.plan, opts
 
 

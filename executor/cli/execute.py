@@ -48,10 +48,12 @@ def _positive_float(ctx, param, value):
               help="Save a checkpoint every K steps (0: never).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=None, help="Keep only the newest N checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out; metrics.jsonl is appended.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile each transformer block (after recomputation, before FSDP; torchtitan's order).")
 def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, lr: float | None,
             log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
             max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
-            resume: bool) -> None:
+            resume: bool, compile_: bool) -> None:
     """Train with the layout of PLAN.json on this machine's GPUs (or CPU ranks for a cpu-cluster plan).
 
     One node: runs torchrun itself with one worker per rank. Several nodes:
@@ -71,12 +73,15 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
         )
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
     passed = _passthrough(steps, out, seed, data, lr, log_every, checkpoint_every, keep_checkpoints, resume)
+    passed += ["--compile"] if compile_ else []
     if print_launch:
         click.echo(_launch_text(plan, plan_path, print_launch, nnodes, rdzv_endpoint, passed))
         return
-    from executor.parallel.parallelize import check_supported
+    from executor.parallel.parallelize import check_compile, check_supported
 
     check_supported(plan)
+    if compile_:
+        check_compile(plan)
     if dry_run:
         from executor.dryrun import dry_run as run_dry
 

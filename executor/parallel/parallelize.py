@@ -103,10 +103,10 @@ def check_supported(plan: Plan) -> None:
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
-                seed: int = 0) -> ParallelModel:
+                seed: int = 0, compile: bool = False) -> ParallelModel:
     """Apply the plan to a meta-device `model` on this rank; return the initialized local parts."""
     dtype = compute_dtype(plan, device)
-    parts, stages, dp_kind, experts = shard(model, plan, mesh, dtype)
+    parts, stages, dp_kind, experts = shard(model, plan, mesh, dtype, compile)
     offloaded = plan.layout.offload != "none" and device.type == "cuda"  # FSDP2 keeps the shards on the host
     for part in parts:
         init_weights(part, plan.model, seed, torch.device("cpu") if offloaded else device)
@@ -127,8 +127,8 @@ def uses_loss_parallel(plan: Plan) -> bool:
     return plan.layout.tp > 1 and not plan.model.tie_embeddings
 
 
-def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
-          dtype: torch.dtype) -> tuple[list[nn.Module], list[int], str, ExpertParallel | None]:
+def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
+          compile: bool = False) -> tuple[list[nn.Module], list[int], str, ExpertParallel | None]:
     """Steps 1-4 on the meta device: (this rank's parts, their stage indices, dp_kind, expert parallel).
 
     No memory used.
@@ -148,6 +148,8 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
             apply_cp(part, mesh)
         ignored = set(experts.shard(part)) if experts is not None else set()
         apply_ac(part, layout.recompute)
+        if compile:
+            apply_compile(part)
         if dp_kind == "fsdp":
             apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none" and
                        mesh.device_type == "cuda", ignored=ignored)
@@ -254,6 +256,27 @@ def apply_cp(part: nn.Module, mesh: DeviceMesh) -> None:
     part.cp = shard
     for block in part.layers.values():
         block.attention.cp = shard
+
+
+# ---- 3b. torch.compile --------------------------------------------------------
+
+
+def check_compile(plan: Plan) -> None:
+    """Refuse --compile where inductor cannot build kernels: CPU ranks need a C++ compiler."""
+    import shutil
+
+    if plan.cluster.gpu.kind == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise PlanError("--compile on CPU ranks needs a C++ compiler for inductor's kernels (g++, c++ or "
+                        "clang++ on PATH); install one or run without --compile")
+
+
+def apply_compile(part: nn.Module) -> None:
+    """torch.compile each block in place (FQNs unchanged), after recomputation and before FSDP (torchtitan).
+
+    Not fullgraph: MoE routing reads counts on the host (a graph break).
+    """
+    for block in part.layers.values():
+        block.compile()
 
 
 # ---- 4. FSDP2 / replicate ---------------------------------------------------
