@@ -54,10 +54,12 @@ from executor.components.metrics import (
 )
 from executor.components.optim import (
     build_optimizers,
+    build_scaler,
     build_scheduler,
     clip_grad_norm,
     default_lr,
     unique_params,
+    unscale_and_check,
 )
 from executor.model import build_model
 from executor.parallel.context import shard_sequence
@@ -146,6 +148,7 @@ class AccumulationStep:
                  before_micro_batch: Callable[[int], None] | None = None) -> None:
         self.pm, self.n, self.device = pm, n_micro, device
         self.runner = pm.runners[0]
+        self.scaler = None  # fp16: torch.amp.GradScaler scaling the backward (set by the Trainer)
         # validate-memory resets PyTorch's module-level memory tracker between micro-batches
         self.before_micro_batch = before_micro_batch
 
@@ -170,7 +173,8 @@ class AccumulationStep:
             with self._sync(i == self.n - 1), _loss_parallel(self.pm):
                 with _autocast(self.pm, self.device):
                     loss = lm_loss(self.runner(x), y)
-                (loss / self.n).backward()
+                scaled = loss / self.n
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             total += loss_value(loss)
         return total / self.n
 
@@ -178,10 +182,11 @@ class AccumulationStep:
 class PipelineStep:
     """One optimizer step through the pipeline schedule; the loss lives on the last stage's ranks."""
 
-    def __init__(self, pm: ParallelModel, plan: Plan, mesh, device: torch.device) -> None:
+    def __init__(self, pm: ParallelModel, plan: Plan, mesh, device: torch.device, scaler=None) -> None:
         layout = plan.layout
-        self.pm, self.device = pm, device
-        self.schedule = build_schedule(make_stages(pm.runners, pm.stages, layout, mesh, device), layout, lm_loss)
+        self.pm, self.device, self.scaler = pm, device, scaler
+        loss_fn = lm_loss if scaler is None else (lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
+        self.schedule = build_schedule(make_stages(pm.runners, pm.stages, layout, mesh, device), layout, loss_fn)
         self.has_first = 0 in pm.stages
         self.has_last = layout.pp * layout.virtual_stages - 1 in pm.stages
 
@@ -191,7 +196,10 @@ class PipelineStep:
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         with _autocast(self.pm, self.device), _loss_parallel(self.pm):
             self.schedule.step(*args, **kwargs)
-        return torch.stack([loss_value(v) for v in losses]).mean() if self.has_last else None
+        if not self.has_last:
+            return None
+        mean = torch.stack([loss_value(v) for v in losses]).mean()
+        return mean / self.scaler.get_scale() if self.scaler is not None else mean
 
 
 def _checkpoint_manager(opts: RunOptions, restarted: bool):
@@ -228,8 +236,10 @@ class Trainer:
         self.manager = _checkpoint_manager(opts, restarted)
         if self.manager is not None and (opts.resume or restarted):
             self.manager.load_latest(self.app_state)
-        self.step_fn = (PipelineStep(self.pm, plan, mesh, device) if layout.pp > 1
+        self.scaler = build_scaler(plan, device)
+        self.step_fn = (PipelineStep(self.pm, plan, mesh, device, self.scaler) if layout.pp > 1
                         else AccumulationStep(self.pm, layout.grad_accum_steps, device))
+        self.step_fn.scaler = self.scaler
         self.source = open_source(opts.data, plan.model.vocab, plan.training.seq_len, opts.seed)
         self.dp_index = dp_rank(mesh)
         self.params = unique_params(self.pm.parts)
@@ -255,12 +265,19 @@ class Trainer:
             self.tied()
         if self.pm.experts is not None:
             self.pm.experts.reduce_grads(self.pm.expert_params)
+        if self.scaler is not None:
+            unscale_and_check(self.scaler, self.optimizers, self.device)
         grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params,
                                    expert_holders=self.expert_holders)
         for optimizer, scheduler in zip(self.optimizers, state.schedulers, strict=True):
-            optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(optimizer)  # skipped when unscale_and_check found inf/nan on any rank
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+        if self.scaler is not None:
+            self.scaler.update()
         state.step, state.data_position = state.step + 1, state.data_position + batch
         mean_loss, peak = _reduce_step(loss, plan.layout.pp, self.device)
         step_time = time.perf_counter() - start

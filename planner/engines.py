@@ -14,8 +14,8 @@ else, as torchtitan keeps parallel degrees in one ParallelDims:
 Why the executor refuses what it refuses, rule by rule:
 - MoE layers stay replicated over tp, so sequence parallel (which would cut
   their output back to sequence shards) is refused with them;
-- offload is only FSDP2's CPUOffloadPolicy (optimizer+params under ZeRO-3);
-- fp16 on GPUs needs loss scaling, which the executor does not implement.
+- offload is only FSDP2's CPUOffloadPolicy (optimizer+params under ZeRO-3).
+(fp16 on GPUs runs with dynamic loss scaling: executor.components.optim.build_scaler.)
 """
 
 from __future__ import annotations
@@ -186,7 +186,4 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
     if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
         return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
                 "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")
-    if dtype == "fp16" and on_gpu:
-        return ("training dtype fp16 needs loss scaling, which the executor does not implement; plan with "
-                "bf16 (same memory, no scaling needed) or fp32")
     return None

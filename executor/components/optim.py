@@ -175,3 +175,34 @@ def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GR
         for p in with_grad:
             p.grad.mul_(scale)
     return norm
+
+
+def build_scaler(plan: Plan, device: torch.device):
+    """Dynamic loss scaling for fp16 on GPUs (fp16's 5-bit exponent underflows small gradients); else None.
+
+    torch.amp.GradScaler serves FSDP2 too: its DTensor gradients all-reduce
+    the inf check over their own mesh; `unscale_and_check` makes every rank
+    agree across meshes and pipeline stages.
+    """
+    if device.type != "cuda" or plan.training.dtype != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def unscale_and_check(scaler, optimizers: list[torch.optim.Optimizer], device: torch.device) -> bool:
+    """Unscale every optimizer's gradients (before clipping); True when some rank found inf/nan.
+
+    The found-inf flags are summed over optimizers and max-reduced over the
+    world and written back, so every rank skips (or takes) the step together.
+    """
+    for optimizer in optimizers:
+        scaler.unscale_(optimizer)
+    flags = [t for o in optimizers for t in scaler._per_optimizer_states[id(o)]["found_inf_per_device"].values()]
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    for flag in flags:
+        found += flag.to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    for flag in flags:
+        flag.fill_(float(found > 0))
+    return bool(found > 0)

@@ -74,13 +74,14 @@ class ParallelModel:
 
 
 def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
-    """bf16 (or fp32) on GPUs as the plan says; CPU ranks always compute in fp32.
+    """bf16, fp16 (with loss scaling: executor.components.optim.build_scaler) or fp32 on GPUs as the plan
+    says; CPU ranks always compute in fp32.
 
     Gradients are always reduced in fp32 (the plan's default grad_dtype).
     """
     if device.type == "cpu":
         return torch.float32
-    return torch.bfloat16 if plan.training.dtype == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.training.dtype, torch.float32)
 
 
 def check_supported(plan: Plan) -> None:

@@ -67,3 +67,25 @@ def test_weight_decay_on_matrices_only():
     for name, p in model.named_parameters():
         assert (id(p) in decayed) == (p.ndim >= 2), name
     assert len(unique_params([model])) == len(list(model.parameters()))  # the tied weight once
+
+
+def test_fp16_loss_scaling_skips_the_step_on_inf_and_backs_off():
+    """unscale_and_check: an inf gradient skips the step (weights unchanged) and halves the scale;
+    finite gradients are unscaled and the step is taken (GradScaler runs on CPU tensors too)."""
+    from executor.components.optim import unscale_and_check
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(weight.sum()).backward()
+    weight.grad[0] = float("inf")
+    assert unscale_and_check(scaler, [opt], torch.device("cpu"))
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(weight.detach(), torch.ones(4)) and scaler.get_scale() == 512.0
+    opt.zero_grad()
+    scaler.scale(weight.sum()).backward()
+    assert not unscale_and_check(scaler, [opt], torch.device("cpu"))
+    assert torch.allclose(weight.grad, torch.ones(4))  # unscaled before clipping
+    scaler.step(opt)
+    assert torch.allclose(weight.detach(), torch.full((4,), 0.9))
