@@ -55,11 +55,14 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage)
     d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
+    expert_shard = sp.expert_shard
     if eng.executes:  # meshplan's executor folds cp into the FSDP / ZeRO group (torchtitan's dp_shard_cp)
         n *= layout.cp
+        # and keeps its E / ep experts whole (left out of FSDP2: executor.parallel.expert reduces them)
+        expert_shard = 1
 
     def shard(bytes_per_param: int) -> int:
-        return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, sp.expert_shard)
+        return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, expert_shard)
 
     traits = eng.memory
     params = shard(recipe.param) if recipe.shard_params else recipe.param * total
