@@ -322,8 +322,11 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     if not tied and part.tok_embeddings is not None:
         embeddings = [m for m in (part.tok_embeddings, part.pos_embeddings) if m is not None]
         fully_shard(embeddings if len(embeddings) > 1 else embeddings[0], **kwargs)
-    for block in part.layers.values():
-        fully_shard(block, **kwargs)
+    blocks = list(part.layers.values())
+    for i, block in enumerate(blocks):
+        # torchtitan: the last block is not resharded after forward (its backward comes first)
+        last = i == len(blocks) - 1
+        fully_shard(block, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last})
     if not tied and part.output is not None:
         fully_shard([part.norm, part.output], **{**kwargs, "reshard_after_forward": False})
     fully_shard(part, **kwargs)

@@ -271,7 +271,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
-        head_kept=d * head_unit if zero3 else 0, head_reduce=(d + g) * head_unit,
+        head_kept=d * (head_unit + (sp.block if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0)
 
 
