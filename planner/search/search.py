@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from planner.engines import get_engine
 from planner.layout import Layout, divisors
-from planner.memory.estimate import default_other_bytes, estimate_memory
+from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
@@ -46,7 +46,7 @@ from planner.search.candidates import (
     shapes,
 )
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.step import StepResult, simulate_step
+from planner.simulate.step import StepResult, simulate_step, step_memory
 from planner.training import TrainingSpec, default_global_batch
 from topologies.cluster import Cluster
 
@@ -282,7 +282,7 @@ def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tu
     while level < len(recomputes):
         layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
                                    recompute=recomputes[level])
-        memory = estimate_memory(ctx.model, sh.training, layout, ctx.cluster.gpu, ctx.engine, ctx.other_bytes)
+        memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:
             sh.levels[mb] = level
