@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.engines import get_engine
-from planner.layout import Layout, balanced_layers
+from planner.layout import Layout, balanced_layers, rank_chunks
 from planner.model.spec import ModelSpec
 
 
@@ -61,13 +61,6 @@ class StageParams:
     @property
     def total(self) -> int:
         return self.dense + self.experts
-
-
-def rank_chunks(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
-    """Model chunks (0-based, in model order) that pipeline rank `rank` holds."""
-    if schedule == "zb-v":
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(rank + i * pp for i in range(virtual_stages))
 
 
 @lru_cache(maxsize=4096)

@@ -43,7 +43,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.memory.params import rank_chunks
+from planner.layout import rank_chunks
 from topologies.errors import PlanError
 
 F, B, W = 0, 1, 2

@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import Layout
+from planner.layout import DP_AXES, Layout
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import DP_AXES, StepComm
+from planner.simulate.comm import StepComm
 from planner.simulate.compute import (
     combine,
     embedding_times,
