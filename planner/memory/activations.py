@@ -255,9 +255,11 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
       warm-up chunk forwards, so 2(pp-r-1) + (v-1)pp + 1 chunks (of 1/v of its
       layers) are alive, capped by the m*v chunks of the step. On rank 0 that
       is pp*(1 + (pp-1)/(pp*v)) micro-batches' worth, Korthikanti's factor.
-    zb-v: assumed to hold pp micro-batches' worth on every rank (Qi et al.
-      2024 design the V shape so each rank's peak equals 1F1B's first stage;
-      deferred weight-gradient passes are taken to fit inside that budget).
+    zb-v (torch's ScheduleZBVZeroBubble order, planner.simulate.pipeline): a
+      chunk's activations live from its F to its W; rank r peaks at
+      min(2 pp, 2m, m + 1 + r) chunks of half its layers, so pp micro-batches'
+      worth once m >= 2 pp - 1 (the V shape matches 1F1B's first stage, Qi et
+      al. 2024), less on the low ranks of a short step.
     """
     m = grad_accum_steps
     if pp == 1:
@@ -271,5 +273,5 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
         chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
         return chunks / v
     if schedule == "zb-v":
-        return float(min(pp, m))
+        return min(2 * pp, 2 * m, m + 1 + rank) / 2
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
