@@ -34,8 +34,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,23 +62,13 @@ from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import build_schedule, make_stages
 from planner.plan import Plan
+from planner.run_flags import RunFlags
 
 KILL_ENV = "MESHPLAN_TEST_KILL_AFTER_STEP"
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """What `meshplan execute` passes to every worker."""
-
-    out_dir: Path
-    steps: int
-    seed: int = 0
-    data: str | None = None
-    lr: float | None = None  # None: executor.components.optim.default_lr(hidden)
-    log_every: int = 10
-    checkpoint_every: int = 0  # 0: never
-    keep_checkpoints: int | None = None
-    resume: bool = False
+# What `meshplan execute` passes to every worker: one codec for the CLI, the launch and the worker.
+RunOptions = RunFlags
 
 
 class TrainState(Stateful):
