@@ -51,19 +51,8 @@ def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
     return part
 
 
-def check_pipeline(layout: Layout, tie_embeddings: bool) -> None:
-    """Refuse what the executor cannot pipeline, before any rank starts."""
-    if layout.pp > 1 and tie_embeddings:
-        raise PlanError(
-            f"pp ({layout.pp}) > 1 with tied embeddings: the first and last stages would share the "
-            "embedding weight, which the executor does not synchronize; use pp 1 or an untied model"
-        )
-    if layout.pp_schedule == "zb-v" and layout.dp > 1:
-        raise PlanError(
-            f"zb-v with dp ({layout.dp}) > 1: its split weight-gradient pass bypasses the DDP/FSDP gradient "
-            "hooks in torch.distributed.pipelining, so replicas would not be averaged; use interleaved-1f1b, "
-            "or zb-v with dp 1"
-        )
+def check_pipeline(layout: Layout) -> None:
+    """Refuse a plan without its stage split (what the executor refuses otherwise: planner.engines.executor_refusal)."""
     if not layout.layers_per_stage:
         raise PlanError("plan.parallel.layers_per_stage is empty: re-create the plan with `meshplan plan`")
 
