@@ -35,7 +35,7 @@ from topologies.collectives import (
     collective_time_s,
 )
 from topologies.errors import TopologyError
-from topologies.links import link_between
+from topologies.graph import link_between
 
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""What `meshplan topo show|detect|bench` print for people (the JSON views live in cli_topo)."""
+"""What `meshplan topo show|detect|bench` print for people (the JSON views live in topologies.cli.topo)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import click
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel, bus_bandwidth_gbytes_per_s, busbw_factor, normalize_op
 from topologies.errors import UsageError
+from topologies.graph import nic_share_gbytes_per_s
 from topologies.links import (
     EFFICIENCY,
     derive_labels,
@@ -15,7 +16,6 @@ from topologies.links import (
     link_class,
     nic_label,
     nic_of_gpu,
-    nic_share_gbytes_per_s,
 )
 from topologies.terminal import console
 
