@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable
 
@@ -57,15 +56,13 @@ from executor.components.optim import (
     default_lr,
     unique_params,
 )
+from executor.faults import kill_after_step
 from executor.model import build_model
 from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import build_schedule, make_stages
 from planner.plan import Plan
 from planner.run_flags import RunFlags
-
-KILL_ENV = "MESHPLAN_TEST_KILL_AFTER_STEP"
-
 
 # What `meshplan execute` passes to every worker: one codec for the CLI, the launch and the worker.
 RunOptions = RunFlags
@@ -152,21 +149,12 @@ class PipelineStep:
 
 
 def _checkpoint_manager(opts: RunOptions, restarted: bool):
-    """CKPT's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
+    """executor.components.checkpoint's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
     if not (opts.checkpoint_every or opts.resume or restarted):
         return None
     from executor.components.checkpoint import CheckpointManager
 
     return CheckpointManager(opts.out_dir, keep=opts.keep_checkpoints)
-
-
-def _kill_hook(step: int) -> None:
-    spec = os.environ.get(KILL_ENV)
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    kill_step, kill_rank = (int(x) for x in spec.split(":"))
-    if step == kill_step and dist.get_rank() == kill_rank:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Trainer:
@@ -225,7 +213,7 @@ class Trainer:
                     progress.update(record)
                 if self.manager is not None and opts.checkpoint_every and record["step"] % opts.checkpoint_every == 0:
                     self.manager.save(record["step"], self.app_state)
-                _kill_hook(record["step"])
+                kill_after_step(record["step"], dist.get_rank())
         finally:
             if progress is not None:
                 progress.close()

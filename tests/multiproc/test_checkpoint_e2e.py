@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import CliResult, run_cli
 
-from executor.components.checkpoint import CRASH_ENV
+from executor.faults import CRASH_ENV
 
 STEPS = 6
 LAUNCH_TIMEOUT_S = 400

@@ -25,8 +25,7 @@ from test_checkpoint_e2e import (
     steps_logged,
 )
 
-from executor.components.checkpoint import CRASH_ENV
-from executor.train import KILL_ENV
+from executor.faults import CRASH_ENV, KILL_ENV
 
 
 @pytest.fixture(scope="session")
