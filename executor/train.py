@@ -16,15 +16,14 @@ The reported loss is that global-batch mean: every rank holding the last
 pipeline stage has its local mean; one all-reduce of loss / (world / pp)
 over the world averages them (TP ranks of a replica hold equal copies).
 
-Checkpoints (executor/components/checkpoint.py, CKPT's): on --resume or after a
+Checkpoints (executor/components/checkpoint.py): on --resume or after a
 torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the latest checkpoint is
 loaded; every --checkpoint-every steps one is saved. `app_state` is
 {"model": [parts], "optim": [one optimizer per part], "train": TrainState}.
 
-Test-only hook: MESHPLAN_TEST_KILL_AFTER_STEP="STEP:RANK" makes that rank
-SIGKILL itself right after step STEP (after its checkpoint, if one is due),
-on the first attempt only (TORCHELASTIC_RESTART_COUNT 0): the failure tests
-use it to stand for a crashed worker.
+Test-only hook after every step (after its checkpoint, if one is due):
+executor.faults.kill_after_step, which the failure tests use to stand for a
+crashed worker.
 """
 
 from __future__ import annotations

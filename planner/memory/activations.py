@@ -104,6 +104,7 @@ def layer_activation_terms(
     micro_batch: int,
     tp: int = 1,
     cp: int = 1,
+    *,
     sequence_parallel: bool = False,
     dtype_bytes: int = 2,
     fused_attention: bool = True,
@@ -186,7 +187,7 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[flo
 
 
 def output_activation_bytes(
-    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, sequence_parallel: bool,
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
@@ -221,7 +222,7 @@ def layer_backward_transient(model: ModelSpec, seq_len: int, micro_batch: int, t
     return tensors * width * dtype_bytes * seq_len * micro_batch / (cp * tp)
 
 
-def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_block_inputs: bool,
+def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, *, cast_block_inputs: bool,
                      recompute: str) -> float:
     """Rotary tables one layer keeps per micro-batch (module docstring; meshplan's executor only).
 
@@ -236,7 +237,7 @@ def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_bloc
     return 0.0 if recompute == "full" else 4.0 * seq_len * model.head_dim * dtype_bytes
 
 
-def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int,
+def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *,
                             sequence_parallel: bool) -> float:
     """The embedding dropout mask (first stage), 1 byte per element when dropout > 0."""
     if model.dropout <= 0:

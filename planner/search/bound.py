@@ -1,6 +1,6 @@
 """A tight, cheap lower bound of `planner.simulate.step.simulate_step`'s step time, for branch-and-bound.
 
-SIM's `compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
+`planner.simulate.step.compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
 same for almost every layout of a search, so it cannot order or prune them.
 This bound keeps what separates layouts and is still never above the
 simulated time: it follows the simulator's recipe (planner/simulate/step.py) term

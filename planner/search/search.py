@@ -4,14 +4,14 @@ Order of work, cheapest test first (the rules themselves are in planner.search.c
 
 1. shapes: mesh degrees, ZeRO, SP, schedule (planner.search.candidates.shapes),
    each with the global batch its dp runs and its micro-batch sizes;
-2. model state (params + grads + optimizer on the worst stage, MEM's
-   `model_state_bytes`) plus the fixed overhead must fit: otherwise no
+2. model state (params + grads + optimizer on the worst stage,
+   `planner.memory.states.model_state_bytes`) plus the fixed overhead must fit: otherwise no
    micro-batch or recomputation can save the shape;
 3. leaves: a micro-batch with the lightest recomputation that fits (memory
    never falls as the micro-batch grows, so what failed at a smaller
    micro-batch is not tried again at a larger one);
 4. branch-and-bound: every (shape, micro-batch) gets a lower bound of its
-   step time (`planner.search.bound.StepBound`: SIM's `compute_lower_bound_s`
+   step time (`planner.search.bound.StepBound`: `planner.simulate.step.compute_lower_bound_s`
    is the same for almost every layout, this one prices shapes, TP, FSDP,
    the pipeline bubble and the DP tail, typically within a few % of the
    simulated time); they are expanded in order of that bound, so memory is checked

@@ -1,6 +1,6 @@
 """Accuracy against measured step times (vTrain's Megatron-DeepSpeed runs on A100).
 
-The issue's targets: MAPE <= 8% on one node, <= 10% across nodes (vTrain
+Targets (bench/accuracy_vtrain.py TARGETS): MAPE <= 8% on one node, <= 10% across nodes (vTrain
 itself reports 14.7% on the multi-node set). Same evaluation as
 `bench/accuracy_vtrain.py`, with the shipped A100 profile and nothing fitted.
 """
