@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from executor.faults import crash_in_save
 from topologies.errors import ExecutionError, UsageError
+from topologies.hardware import GIB
 from topologies.terminal import log
 
 CHECKPOINTS = "checkpoints"
@@ -382,7 +383,7 @@ def _reason(exc: BaseException) -> str:
 
 def _free_space(path: Path) -> str:
     try:
-        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free there"
+        return f"{shutil.disk_usage(path).free / GIB:.2f} GiB free there"
     except OSError:
         return "free space unknown"
 

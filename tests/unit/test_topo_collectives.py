@@ -36,8 +36,7 @@ from topologies.collectives import (
 )
 from topologies.errors import TopologyError
 from topologies.graph import link_between
-
-GIB = 1 << 30
+from topologies.hardware import GIB
 
 
 def busbw(cluster, op, size, ranks=None, algo=None):
