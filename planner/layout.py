@@ -26,14 +26,15 @@ from typing import Any
 from topologies.errors import PlanError
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# The data-parallel axes, flattened in mesh order: the group that averages gradients
-# (priced by planner.simulate, flattened to "dp" by executor.parallel.mesh).
-DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.
 MAX_DEGREE = 1 << 24
+
+# The data-parallel axes, flattened in mesh order: the group that averages gradients
+# (priced by planner.simulate, flattened to "dp" by executor.parallel.mesh).
+DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def check_supported(plan: Plan) -> None:
             f"seq_len ({plan.training.seq_len}) exceeds the model's context ({plan.model.max_seq_len}); "
             "plan with a shorter --seq-len"
         )
-    check_pipeline(plan.layout)
+    check_pipeline(plan.layout, plan.model.tie_embeddings)
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,

@@ -51,8 +51,8 @@ def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
     return part
 
 
-def check_pipeline(layout: Layout) -> None:
-    """Refuse a plan without its stage split (what the executor refuses otherwise: planner.engines.executor_refusal)."""
+def check_pipeline(layout: Layout, tie_embeddings: bool) -> None:
+    """Refuse what the executor cannot pipeline, before any rank starts."""
     if not layout.layers_per_stage:
         raise PlanError("plan.parallel.layers_per_stage is empty: re-create the plan with `meshplan plan`")
 

@@ -11,7 +11,6 @@ import click
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
-from topologies.hardware import GIB
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
@@ -158,7 +157,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
                       f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
-                      f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / GIB:.1f}")
+                      f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)
