@@ -42,7 +42,7 @@ from executor.model import Block, init_weights
 from executor.parallel.context import ContextShard
 from executor.parallel.expert import ExpertParallel
 from executor.parallel.mesh import grad_flat, shard_mesh
-from executor.parallel.pipeline import check_pipeline, split_stage, stage_ids
+from executor.parallel.pipeline import check_pipeline, split_stage
 from executor.parallel.recompute import apply_ac
 from planner.engines import dp_path
 from planner.plan import Plan
@@ -138,7 +138,7 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
     """
     check_supported(plan)
     layout = plan.layout
-    stages = stage_ids(layout, mesh.get_local_rank("pp")) if layout.pp > 1 else [0]
+    stages = list(layout.stages_of(mesh.get_local_rank("pp"))) if layout.pp > 1 else [0]
     parts = [split_stage(model, layout, s) for s in stages] if layout.pp > 1 else [model]
     dp_kind = dp_path(layout)
     experts = ExpertParallel(mesh, layout) if plan.model.moe is not None else None
