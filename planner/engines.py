@@ -167,7 +167,7 @@ def dp_path(layout: Layout) -> str:
     executor.parallel.parallelize applies exactly this path; planner.memory
     prices its buffers.
     """
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:  # cp ranks see other tokens of the same sequences: their gradients sync too
         return "none"
     if layout.zero_stage >= 2:
         return "fsdp"

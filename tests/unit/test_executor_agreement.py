@@ -46,7 +46,7 @@ def _built(plan, rank):
         mesh = build_mesh(plan, "cpu")
         with torch.device("meta"):
             model = build_model(plan.model, torch.device("meta"))
-        parts, stages, kind = shard(model, plan, mesh, torch.float32)
+        parts, stages, kind, _ = shard(model, plan, mesh, torch.float32)
         placements = set()
         for part in parts:
             for p in part.parameters():
