@@ -36,21 +36,85 @@ POSITION_KINDS = ("rope", "learned", "alibi")
 
 @dataclass(frozen=True)
 class MoESpec:
-    """Mixture-of-experts MLP: every layer's MLP is n_experts experts, top_k active."""
+    """Mixture-of-experts MLP: n_experts routed experts of which top_k serve each token.
+
+    Which layers are MoE (the others run the dense MLP of ModelSpec.ffn_hidden):
+    layer i (0-based) is MoE when i >= first_dense_layers, i % layer_step ==
+    layer_phase and i is not in dense_layers. The Hugging Face families map as
+    DeepSeek-V2/V3, Kimi-K2: first_k_dense_replace, moe_layer_freq (phase 0);
+    Qwen2/3-MoE: decoder_sparse_step (phase step - 1), mlp_only_layers;
+    Llama 4: interleave_moe_layer_step (phase step - 1).
+    """
 
     n_experts: int
     top_k: int
     expert_ffn_hidden: int
-    n_shared_experts: int = 0  # always-active experts (Qwen-MoE, DeepSeek style)
+    n_shared_experts: int = 0  # always-active experts (Qwen-MoE, DeepSeek, Llama 4)
     shared_ffn_hidden: int = 0  # inner size of each shared expert; 0 means expert_ffn_hidden
+    first_dense_layers: int = 0  # leading layers with the dense MLP (DeepSeek first_k_dense_replace)
+    layer_step: int = 1  # every layer_step-th layer is MoE
+    layer_phase: int = 0  # ... the ones with i % layer_step == layer_phase
+    dense_layers: tuple[int, ...] = ()  # further layers forced dense (Qwen mlp_only_layers)
+    router_bias: bool = False  # one bias per expert: GPT-OSS router bias, DeepSeek-V3 e_score_correction_bias
+    expert_bias: bool = False  # biases in every expert's matrices (GPT-OSS)
+    shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert (h weights)
+    capacity_factor: float = 0.0  # 0: dropless; else tokens an expert takes, over the balanced share
 
     def __post_init__(self) -> None:
-        if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
+        for key in ("n_experts", "top_k", "expert_ffn_hidden", "layer_step"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"MoE {key} must be a positive integer, got {value!r}")
+        for key in ("n_shared_experts", "shared_ffn_hidden", "first_dense_layers", "layer_phase"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelError(f"MoE {key} must be a non-negative integer, got {value!r}")
+        if not 1 <= self.top_k <= self.n_experts:
             raise ModelError(
                 f"MoE needs 1 <= top_k ({self.top_k}) <= n_experts ({self.n_experts})"
             )
-        if self.expert_ffn_hidden < 1:
-            raise ModelError(f"MoE expert_ffn_hidden must be positive, got {self.expert_ffn_hidden}")
+        if self.layer_phase >= self.layer_step:
+            raise ModelError(f"MoE layer_phase ({self.layer_phase}) must be below layer_step ({self.layer_step})")
+        if not isinstance(self.dense_layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers):
+            raise ModelError(f"MoE dense_layers must be layer indices, got {self.dense_layers!r}")
+        for key in ("router_bias", "expert_bias", "shared_expert_gate"):
+            if not isinstance(getattr(self, key), bool):
+                raise ModelError(f"MoE {key} must be true or false, got {getattr(self, key)!r}")
+        cf = self.capacity_factor
+        if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (cf == 0 or 1.0 <= cf <= 1e3):
+            raise ModelError(f"MoE capacity_factor must be 0 (dropless) or in [1, 1000], got {cf!r}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense_layers and i % self.layer_step == self.layer_phase and i not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): low-rank query and key/value paths.
+
+    Per layer, a heads of qk = nope + rope query/key width and v value width:
+      q   h*qr + qr (norm) + qr*a*qk    (without q compression, q_lora_rank 0: h*a*qk)
+      kv  h*(kvr + rope) + kvr (norm) + kvr*a*(nope + v)
+      o   a*v*h
+    """
+
+    q_lora_rank: int  # 0: queries projected directly from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            low = 0 if key in ("q_lora_rank", "qk_nope_head_dim") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or value > 1 << 16:
+                raise ModelError(f"MLA {key} must be an integer in [{low}, 65536], got {value!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 # Upper bounds far above any published model (Llama 3 405B: 126 layers, hidden
@@ -80,6 +144,15 @@ class ModelSpec:
     bias: bool = False  # linear layers carry biases (GPT-2/3, BLOOM)
     dropout: float = 0.0  # dropout probability; masks cost memory only when > 0
     moe: MoESpec | None = None
+    mla: MLASpec | None = None  # multi-head latent attention replaces q, k, v (head_dim = qk width)
+    qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
+    attention_bias: bool = False  # biases on q, k, v and o (GPT-OSS attention_bias)
+    attention_sinks: bool = False  # one learned logit per head and layer (GPT-OSS)
+    qk_norm: bool = False  # RMSNorm of head_dim on queries and keys (Qwen3)
+    norms_per_layer: int = 2  # 4 with post-attention/post-MLP norms (Gemma 2, Grok-1)
+    sliding_window: int = 0  # local attention window of the sliding layers (0: none)
+    sliding_layers: int = 0  # how many layers use it (GPT-OSS and Gemma 2: every other one)
+    mtp_layers: int = 0  # multi-token-prediction modules after the last layer (DeepSeek-V3)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -98,8 +171,26 @@ class ModelSpec:
         for key, allowed in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("position", POSITION_KINDS)):
             if getattr(self, key) not in allowed:
                 raise ModelError(f"model {self.name!r}: {key} must be one of {allowed}, got {getattr(self, key)!r}")
+        self._check_extensions()
         if not 0.0 <= self.dropout < 1.0:
             raise ModelError(f"model {self.name!r}: dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_extensions(self) -> None:
+        """The MoE, MLA and per-family fields (ModelSpec JSON may hold any value)."""
+        if self.moe is not None and not isinstance(self.moe, MoESpec):
+            raise ModelError(f"model {self.name!r}: moe must be an object of MoE keys or null, got {self.moe!r}")
+        if self.mla is not None and not isinstance(self.mla, MLASpec):
+            raise ModelError(f"model {self.name!r}: mla must be an object of MLA keys or null, got {self.mla!r}")
+        for key in ("tie_embeddings", "bias", "qkv_bias", "attention_bias", "attention_sinks", "qk_norm"):
+            if not isinstance(getattr(self, key), bool):
+                raise ModelError(f"model {self.name!r}: {key} must be true or false, got {getattr(self, key)!r}")
+        for key, low, high in (("norms_per_layer", 1, 8), ("sliding_window", 0, 1 << 24),
+                               ("sliding_layers", 0, self.n_layers), ("mtp_layers", 0, 64)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ModelError(f"model {self.name!r}: {key} must be an integer in [{low}, {high}], got {value!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise ModelError(f"model {self.name!r}: dropout must be a number, got {self.dropout!r}")
 
     # ---- parameter counts -------------------------------------------------
 
@@ -114,6 +205,11 @@ class ModelSpec:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def v_head_dim(self) -> int:
+        """Width of one value head: head_dim, or MLA's v_head_dim."""
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @property
     def _mlp_matrices(self) -> int:
         return 3 if self.mlp == "swiglu" else 2
 
@@ -124,40 +220,99 @@ class ModelSpec:
 
     @property
     def attention_params(self) -> int:
-        """Parameters of one attention block (q, k, v, o and their biases)."""
-        h = self.hidden
-        weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        biases = (self.q_dim + 2 * self.kv_dim + h) if self.bias else 0
-        return weights + biases
+        """Parameters of one attention block (projections, biases, sinks, q/k norms, MLA's norms)."""
+        h, a = self.hidden, self.n_heads
+        if self.mla is not None:
+            m = self.mla
+            q = h * a * m.qk_head_dim if not m.q_lora_rank else (
+                h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * a * m.qk_head_dim)
+            kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + \
+                m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
+            weights, q_width, kv_width = q + kv + a * m.v_head_dim * h, a * m.qk_head_dim, a * (m.qk_head_dim + m.v_head_dim)
+        else:
+            weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+            q_width, kv_width = self.q_dim, 2 * self.kv_dim
+        biases = 0
+        if self.bias or self.attention_bias:
+            biases = q_width + kv_width + h
+        elif self.qkv_bias:
+            biases = q_width + kv_width
+        extras = (a if self.attention_sinks else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        return weights + biases + extras
 
     def _dense_mlp_params(self, ffn: int) -> int:
         biases = (ffn + self.hidden) if self.bias else 0
         return self._mlp_matrices * self.hidden * ffn + biases
 
     @property
-    def mlp_params(self) -> int:
-        """Parameters of one layer's MLP; for MoE all experts, router and shared experts."""
+    def one_expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        assert self.moe is not None
+        f = self.moe.expert_ffn_hidden
+        biases = ((self._mlp_matrices - 1) * f + self.hidden) if self.moe.expert_bias else 0
+        return self._dense_mlp_params(f) + biases
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers whose MLP is the mixture of experts (0 for dense models)."""
         if self.moe is None:
-            return self._dense_mlp_params(self.ffn_hidden)
+            return 0
+        return sum(1 for i in range(self.n_layers) if self.moe.is_moe_layer(i))
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """Parameters of one dense MLP (the MLP of every layer of a dense model)."""
+        return self._dense_mlp_params(self.ffn_hidden)
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one layer's MLP; for MoE the MoE layer's: all experts, router and shared experts."""
+        if self.moe is None:
+            return self.dense_mlp_params
         return self.expert_params_per_layer + self._moe_dense_params_per_layer
 
     @property
     def expert_params_per_layer(self) -> int:
-        """Routed-expert parameters of one layer (0 for dense models): what EP shards."""
+        """Routed-expert parameters of one MoE layer (0 for dense models): what EP shards."""
         if self.moe is None:
             return 0
-        return self.moe.n_experts * self._dense_mlp_params(self.moe.expert_ffn_hidden)
+        return self.moe.n_experts * self.one_expert_params
+
+    @property
+    def router_params(self) -> int:
+        """The router of one MoE layer: h*E weights (+ E biases)."""
+        if self.moe is None:
+            return 0
+        return self.moe.n_experts * (self.hidden + (1 if self.moe.router_bias else 0))
+
+    @property
+    def shared_expert_params(self) -> int:
+        """The shared experts of one MoE layer and their gate."""
+        if self.moe is None:
+            return 0
+        shared_ffn = self.moe.shared_ffn_hidden or self.moe.expert_ffn_hidden
+        gate = self.hidden if self.moe.shared_expert_gate else 0
+        return self.moe.n_shared_experts * self._dense_mlp_params(shared_ffn) + gate
 
     @property
     def _moe_dense_params_per_layer(self) -> int:
         """Router and shared experts: replicated across expert-parallel ranks."""
-        assert self.moe is not None
-        shared_ffn = self.moe.shared_ffn_hidden or self.moe.expert_ffn_hidden
-        return self.hidden * self.moe.n_experts + self.moe.n_shared_experts * self._dense_mlp_params(shared_ffn)
+        return self.router_params + self.shared_expert_params
+
+    @property
+    def layer_base_params(self) -> int:
+        """Attention and norms: what every layer holds besides its MLP."""
+        return self.attention_params + self.norms_per_layer * self.norm_params
 
     @property
     def params_per_layer(self) -> int:
-        return self.attention_params + self.mlp_params + 2 * self.norm_params
+        """Parameters of an average layer (MoE models mix dense and MoE layers)."""
+        return (self.n_layers * self.layer_base_params + self._all_mlp_params) // self.n_layers
+
+    @property
+    def _all_mlp_params(self) -> int:
+        n_moe = self.n_moe_layers
+        return n_moe * self.mlp_params + (self.n_layers - n_moe) * self.dense_mlp_params
 
     @property
     def embedding_params(self) -> int:
@@ -172,16 +327,33 @@ class ModelSpec:
         return self.norm_params + head
 
     @property
+    def mtp_params(self) -> int:
+        """Multi-token-prediction modules (DeepSeek-V3): each one layer (MoE when the model is),
+        a 2h -> h projection and three norms; they share the embedding and the output layer.
+        Not in total_params, as the published counts leave them out (671B + 14B MTP)."""
+        if not self.mtp_layers:
+            return 0
+        mlp = self.mlp_params if self.moe is not None else self.dense_mlp_params
+        return self.mtp_layers * (self.layer_base_params + mlp + 2 * self.hidden * self.hidden
+                                  + 3 * self.norm_params)
+
+    @property
     def total_params(self) -> int:
-        return self.n_layers * self.params_per_layer + self.embedding_params + self.output_params
+        return self.n_layers * self.layer_base_params + self._all_mlp_params + self.embedding_params + \
+            self.output_params
 
     @property
     def active_params(self) -> int:
-        """Parameters touched by one token: for MoE only top_k routed experts count."""
+        """Parameters touched by one token: for MoE only top_k routed experts count.
+
+        The embedding table is counted (one row is read); publishers differ
+        (DeepSeek and OpenAI leave it out of their active counts, Mistral and
+        Qwen count it): subtract embedding_params to compare with the former.
+        """
         if self.moe is None:
             return self.total_params
-        inactive = (self.moe.n_experts - self.moe.top_k) * self._dense_mlp_params(self.moe.expert_ffn_hidden)
-        return self.total_params - self.n_layers * inactive
+        inactive = (self.moe.n_experts - self.moe.top_k) * self.one_expert_params
+        return self.total_params - self.n_moe_layers * inactive
 
     @property
     def matmul_params(self) -> int:
@@ -191,14 +363,21 @@ class ModelSpec:
         multiplies by V*h weights. Norms and biases are counted with the layers
         because they are too small to matter and keep the formula simple.
         """
-        per_layer_active = (self.active_params - self.embedding_params - self.output_params) // self.n_layers
-        return self.n_layers * per_layer_active + self.vocab * self.hidden
+        layers_active = self.active_params - self.embedding_params - self.output_params
+        return layers_active + self.vocab * self.hidden
 
     # ---- FLOPs ------------------------------------------------------------
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs of QK^T and AV per token: 12 * l * s * a*d."""
-        return 12.0 * self.n_layers * seq_len * self.q_dim
+        """Forward + backward FLOPs of QK^T and AV per token: 12 * l * s * a*d.
+
+        With MLA the key width (qk) and value width (v) differ: 6 * l * s * a*(qk + v).
+        Sliding-window layers see min(window, s) keys.
+        """
+        width = self.n_heads * (self.head_dim + self.v_head_dim)
+        sliding = self.sliding_layers if self.sliding_window else 0
+        keys = (self.n_layers - sliding) * seq_len + sliding * min(self.sliding_window, seq_len)
+        return 6.0 * keys * width
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Useful training FLOPs per token (no recomputation): the numerator of MFU."""
@@ -234,13 +413,17 @@ class ModelSpec:
         if missing:
             raise ModelError(f"model JSON is missing required keys: {', '.join(missing)}")
         kwargs = {k: v for k, v in data.items() if k in fields}
-        moe = kwargs.get("moe")
-        if isinstance(moe, dict):
-            moe_fields = {f.name for f in dataclasses.fields(MoESpec)}
-            try:
-                kwargs["moe"] = MoESpec(**{k: v for k, v in moe.items() if k in moe_fields})
-            except TypeError as exc:
-                raise ModelError(f"model JSON has a malformed 'moe' block: {exc}") from None
+        for key, kind in (("moe", MoESpec), ("mla", MLASpec)):
+            block = kwargs.get(key)
+            if isinstance(block, dict):
+                known = {f.name for f in dataclasses.fields(kind)}
+                values = {k: v for k, v in block.items() if k in known}
+                if isinstance(values.get("dense_layers"), list):
+                    values["dense_layers"] = tuple(values["dense_layers"])
+                try:
+                    kwargs[key] = kind(**values)
+                except TypeError as exc:
+                    raise ModelError(f"model JSON has a malformed {key!r} block: {exc}") from None
         try:
             return cls(**kwargs)
         except TypeError as exc:
