@@ -125,7 +125,7 @@ class StepBound:
     def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
         shape_key = shape.mesh_shape
-        key = (shape_key, shape.zero_stage, shape.ep, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
+        key = (shape_key, shape.zero_stage, shape.ep, shape.etp, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
                training.dtype, training.grad_dtype, training.optimizer)
         kinds = self._tails.get(key)
         if kinds is None:
@@ -137,7 +137,7 @@ class StepBound:
 
     def _rank_kinds(self, layout: Layout) -> tuple:
         """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
-        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep,
+        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep, layout.etp,
                *((layout.dp_shard, layout.cp) if self.model.moe is not None else ()))
         hit = self._kinds.get(key)
         if hit is None:
@@ -158,7 +158,7 @@ class StepBound:
              ) -> tuple[float, float, float, float]:
         """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch."""
         key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel,
-               recompute, shape.ep)
+               recompute, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
             layout = shape.replace(micro_batch_size=micro_batch_size, recompute=recompute)
@@ -180,7 +180,7 @@ class StepBound:
         """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
         if shape.zero_stage < 2 or shape.dp_shard == 1:
             return 0.0, 0.0
-        dense, experts = layer_params_split(self.model, shape.tp, shape.ep)
+        dense, experts = layer_params_split(self.model, shape.tp, shape.ep, shape.etp)
         unit = dense + experts
         rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
         ag = self._time("all_gather", unit * training.dtype_bytes, shape_key, ("dp_shard",)) \
@@ -191,14 +191,15 @@ class StepBound:
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
+        # routed experts reduce over their own (expert data-parallel) groups: left out, a lower bound
         if shape.zero_stage <= 1:
-            reduce_bytes = sp.total * g
+            reduce_bytes = sp.dense * g
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, DP_AXES)
         else:
-            reduce_bytes = sp.total * g / shape.dp_shard
+            reduce_bytes = sp.dense * g / shape.dp_shard
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes) if reduce_s > 0 else 0.0
-        gather = self._time("all_gather", sp.total * d, shape_key, ("dp_shard",)) if shape.zero_stage in (1, 2) else 0.0
+        gather = self._time("all_gather", sp.dense * d, shape_key, ("dp_shard",)) if shape.zero_stage in (1, 2) else 0.0
         shard = shape.dp_shard if shape.zero_stage >= 1 else 1
         local = sp.dense / shard + sp.experts / (sp.expert_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)

@@ -19,7 +19,7 @@ from topologies.errors import InfeasibleError, MeshplanError, PlanError
 from topologies.hardware import GIB
 
 # Layout fields a reader compares, in the order the table shows them.
-COMPARED = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "zero_stage", "micro_batch_size", "recompute",
+COMPARED = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "zero_stage", "micro_batch_size", "recompute",
             "sequence_parallel", "pp_schedule", "virtual_stages", "offload")
 # time_breakdown_s entries that are parts of the step (others are sub-totals or details).
 STEP_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")

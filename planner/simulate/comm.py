@@ -14,7 +14,13 @@ gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
        all-reduce of m*h*D, or with SP all-gather + reduce-scatter of m*h*D
   CP   per layer forward cp - 1 ring steps sending K and V (2*m*kv*D/t),
        backward twice that; overlapped with the attention core
-  EP   per layer dispatch + combine all-to-all of top_k*m*h*D, forward and backward
+  EP   per MoE layer a dispatch and a combine all-to-all of top_k*(m/t)*h*D per
+       rank, forward and backward, on the expert-parallel groups of the
+       expert grid (planner.layout: ranks etp apart); with etp > 1 the
+       expert's tokens are all-gathered and its output reduce-scattered over
+       the etp group; times over `all_to_all_efficiency`
+  EDP  expert gradients reduce over the expert data-parallel groups, dense
+       ones over dp
   PP   send/recv of m*h*D (/t with SP) per boundary, micro-batch and direction
   DP   ZeRO-0/1: all-reduce of the stage's gradients (P*G) over dp once per step;
        ZeRO-1 then all-gathers the updated parameters (P*D) over dp_shard
@@ -31,7 +37,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.layout import MESH_AXES, Layout
+from planner.layout import MESH_AXES, Layout, expert_group_offsets
 from planner.simulate.calibration import CalibrationProfile
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel
@@ -104,6 +110,39 @@ def representative_groups(shape: tuple[int, ...], axes: tuple[str, ...], gpus_pe
     return tuple(tuple((base + offsets).tolist()) for base in seen.values())
 
 
+@lru_cache(maxsize=4096)
+def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
+                                 ) -> tuple[tuple[int, ...], ...]:
+    """One group per distinct node placement among the "ep", "etp" or "edp" groups of the expert grid.
+
+    A group is its first rank plus fixed offsets, so (as in
+    `representative_groups`) its placement depends on that rank modulo the
+    node size: first ranks are visited until every residue has been seen.
+    """
+    pp, replicate, shard, cp, tp = shape
+    inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
+    if kind == "edp":
+        offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
+        starts = ((o * replicate * inner + j) for o in range(pp) for j in range(block))
+    else:
+        offsets = expert_group_offsets(ep, etp, kind)
+        firsts = range(etp) if kind == "ep" else range(0, block, etp)
+        starts = (o * inner + b * block + u for o in range(pp * replicate) for b in range(inner // block)
+                  for u in firsts)
+    seen: dict[tuple[int, ...], int] = {}
+    residues: set[int] = set()
+    offs = np.asarray(offsets, dtype=np.int64)
+    for base in starts:
+        if base % g in residues:
+            continue
+        residues.add(base % g)
+        _, per_node = np.unique((base % g + offs) // g, return_counts=True)
+        seen.setdefault(tuple(sorted(per_node.tolist())), base)
+        if len(residues) == g:
+            break
+    return tuple(tuple((base + offs).tolist()) for base in seen.values())
+
+
 class StepComm:
     """Collective times of one layout on one cluster (the worst group of each axis)."""
 
@@ -111,6 +150,9 @@ class StepComm:
         self.model = _collective_model(cluster, tuple(sorted(cal.link_efficiency.items())), cal.latency_scale)
         self.shape = layout.mesh_shape
         self.gpus_per_node = cluster.gpus_per_node
+        self.ep, self.etp = layout.ep, layout.etp
+        self.all_to_all_efficiency = cal.all_to_all_efficiency
+        self.cal = cal
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
 
     def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -145,5 +187,15 @@ class StepComm:
         """cp - 1 ring steps of K and V between neighbours (the wrap-around hop is the slowest)."""
         return (cp - 1) * self.pair_time_s(kv_bytes, ("cp",), 0, cp - 1) if cp > 1 else 0.0
 
-    def ep_all_to_all_s(self, size_bytes: float, ep: int) -> float:
-        return self.time_s("all_to_all", size_bytes, ("dp_shard", "cp"), limit=ep) if ep > 1 else 0.0
+    def expert_time_s(self, op: str, size_bytes: float, kind: str) -> float:
+        """Worst time of `op` over the expert grid's "ep", "etp" or "edp" groups (planner.layout)."""
+        if size_bytes <= 0:
+            return 0.0
+        groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
+        if len(groups[0]) < 2:
+            return 0.0
+        return max(self.model.time_s(op, size_bytes, g) for g in groups)
+
+    def ep_all_to_all_s(self, size_bytes: float) -> float:
+        """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
+        return self.expert_time_s("all_to_all", size_bytes, "ep") / self.all_to_all_efficiency

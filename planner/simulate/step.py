@@ -41,6 +41,7 @@ from planner.simulate.compute import (
     gemm_flops,
     layer_gemms,
     layer_times,
+    moe_fraction,
     offloaded_optimizer_time_s,
     optimizer_time_s,
     output_times,
@@ -121,22 +122,47 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
         comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
         calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
-    if model.moe is not None and layout.ep > 1:
-        a2a = 2 * comm.ep_all_to_all_s(model.moe.top_k * act, layout.ep)
-        comm_f["ep_comm"], comm_b["ep_comm"] = a2a, a2a
-        calls_f, calls_b = calls_f + 2, calls_b + 2
+    if model.moe is not None and layout.ep * layout.etp > 1:
+        ep_s, calls = _expert_comm(model, layout, comm, act)
+        comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
         ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
     if layout.offload == "optimizer+params":  # each pass copies the layer's weights up from host memory
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
         comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
     return comm_f, comm_b, calls_f, calls_b
+
+
+def _expert_comm(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
+    """Exposed expert communication of an average layer's pass and the collectives it issues.
+
+    A MoE layer's rank routes its m/tp tokens (sequence parallel) to top_k
+    experts: dispatch and combine all-to-alls over the ep group, and with
+    etp > 1 an all-gather of the received tokens and a reduce-scatter of the
+    experts' output over the etp group. The imbalance calibration scales the
+    volume of the busiest rank. Dense layers of the model have none, so the
+    average layer pays `moe_fraction` of it.
+    """
+    f = moe_fraction(model)
+    routed = act_bytes / layout.tp * model.moe.top_k * comm_imbalance(model, comm)
+    total = 2 * comm.ep_all_to_all_s(routed) if layout.ep > 1 else 0.0
+    if layout.etp > 1:
+        total += comm.expert_time_s("all_gather", routed * layout.etp, "etp") + \
+            comm.expert_time_s("reduce_scatter", routed * layout.etp, "etp")
+    return f * total, (2 if layout.ep > 1 else 0) + (2 if layout.etp > 1 else 0)
+
+
+def comm_imbalance(model: ModelSpec, comm: StepComm) -> float:
+    moe = model.moe
+    imbalance = comm.cal.moe_imbalance
+    return min(imbalance, moe.capacity_factor) if moe.capacity_factor else imbalance
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
@@ -210,8 +236,10 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     sp = stage_params(model, layout, rank)
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.dp_shard if layout.zero_stage >= 1 else 1
-    if layout.zero_stage <= 1:
-        reduce_bytes, reduce_s = sp.total * g, comm.time_s("all_reduce", sp.total * g, DP_AXES)
+    if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
+        reduce_bytes = sp.total * g
+        reduce_s = comm.time_s("all_reduce", sp.dense * g, DP_AXES) + \
+            comm.expert_time_s("all_reduce", sp.experts * g, "edp")
     else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
         reduce_bytes = sp.total * g / layout.dp_shard
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
@@ -220,7 +248,8 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
         reduce_s = max(last_bucket, reduce_s - last_backward_s)
     gather = 0.0
     if layout.zero_stage in (1, 2):
-        gather = comm.time_s("all_gather", sp.total * d, ("dp_shard",))
+        gather = comm.time_s("all_gather", sp.dense * d, ("dp_shard",)) + \
+            comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0
     if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output):
