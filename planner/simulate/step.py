@@ -197,6 +197,16 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
             combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
 
 
+def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, float]
+              ) -> tuple[float, float, float, float]:
+    """The last stage also runs the multi-token-prediction modules: one layer and one more
+    output-layer pass each (DeepSeek-V3's MTP shares the output layer)."""
+    if not model.mtp_layers:
+        return ends
+    k = model.mtp_layers
+    return ends[0], ends[1], ends[2] * (1 + k) + k * unit.f, ends[3] * (1 + k) + k * unit.b
+
+
 def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
                      split_w: bool) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
     """durations[kind][chunk], per-chunk compute and exposed comm by kind for one micro-batch."""
@@ -285,7 +295,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
-    ends = _ends(model, training, layout, peak, cluster, cal)
+    ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps
