@@ -196,7 +196,7 @@ def main() -> None:
     for r in rows:
         if r.why_not:
             print(f"  not expressible: {r.id}: {r.why_not}")
-    print(f"shipped profile: " + ", ".join(f"{n} {getattr(base, n)}" for n, *_ in MOE_PARAMETERS))
+    print("shipped profile: " + ", ".join(f"{n} {getattr(base, n)}" for n, *_ in MOE_PARAMETERS))
     print(f"{'row':<42} {'measured s':>10} {'predicted':>10} {'error':>7}")
     for r in usable:
         pred = predict(r, base)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from topologies.errors import ModelError
@@ -115,6 +116,11 @@ class MLASpec:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@lru_cache(maxsize=1024)
+def _count_moe_layers(moe: MoESpec, n_layers: int) -> int:
+    return sum(1 for i in range(n_layers) if moe.is_moe_layer(i))
 
 
 # Upper bounds far above any published model (Llama 3 405B: 126 layers, hidden
@@ -255,9 +261,7 @@ class ModelSpec:
     @property
     def n_moe_layers(self) -> int:
         """Layers whose MLP is the mixture of experts (0 for dense models)."""
-        if self.moe is None:
-            return 0
-        return sum(1 for i in range(self.n_layers) if self.moe.is_moe_layer(i))
+        return 0 if self.moe is None else _count_moe_layers(self.moe, self.n_layers)
 
     @property
     def dense_mlp_params(self) -> int:

@@ -46,7 +46,10 @@ R10 MoE: ep divides the expert count, etp the experts' inner size, and
     expert shards up with the dense TP groups (Megatron-Core's default),
     etp 1 keeps experts whole (DeepSeek's and Qwen3's recipes); other values
     split experts across TP groups for no saving either of them lacks.
-    Dense models use ep = etp = 1.
+    Heuristic: unpinned ep is a power of two or the expert count (384
+    experts: 1, 2, ..., 128, 384), as published recipes use; the odd
+    divisors in between (3, 6, 12, ...) multiply the space for layouts no
+    recipe runs. Dense models use ep = etp = 1.
 """
 
 from __future__ import annotations
@@ -180,7 +183,8 @@ def expert_degrees(model: ModelSpec, dp_shard: int, cp: int, tp: int = 1, ep_pin
     for etp in etps:
         if model.moe.expert_ffn_hidden % etp:
             continue
-        for ep in _choices(ep_pin, divisors(model.moe.n_experts)):
+        eps = tuple(e for e in divisors(model.moe.n_experts) if e & (e - 1) == 0 or e == model.moe.n_experts)
+        for ep in _choices(ep_pin, eps if ep_pin is None else divisors(model.moe.n_experts)):
             if ranks % (ep * etp) == 0:
                 out.append((ep, etp))
     return tuple(out)

@@ -38,7 +38,9 @@ from functools import lru_cache
 import numpy as np
 
 from planner.layout import MESH_AXES, Layout, expert_group_offsets
+from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.compute import moe_fraction
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel
 from topologies.errors import PlanError
@@ -121,14 +123,15 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     """
     pp, replicate, shard, cp, tp = shape
     inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
+    # a first rank's residue modulo g depends on each coordinate modulo g: g values of each suffice
     if kind == "edp":
         offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
-        starts = ((o * replicate * inner + j) for o in range(pp) for j in range(block))
+        starts = ((o * replicate * inner + j) for o in range(min(pp, g)) for j in range(min(block, g)))
     else:
         offsets = expert_group_offsets(ep, etp, kind)
-        firsts = range(etp) if kind == "ep" else range(0, block, etp)
-        starts = (o * inner + b * block + u for o in range(pp * replicate) for b in range(inner // block)
-                  for u in firsts)
+        firsts = range(min(etp, g)) if kind == "ep" else range(0, min(block, g * etp), etp)
+        starts = (o * inner + b * block + u for o in range(min(pp * replicate, g))
+                  for b in range(min(inner // block, g)) for u in firsts)
     seen: dict[tuple[int, ...], int] = {}
     residues: set[int] = set()
     offs = np.asarray(offsets, dtype=np.int64)
@@ -199,3 +202,28 @@ class StepComm:
     def ep_all_to_all_s(self, size_bytes: float) -> float:
         """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
         return self.expert_time_s("all_to_all", size_bytes, "ep") / self.all_to_all_efficiency
+
+
+def expert_comm_s(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
+    """Exposed expert communication of an average layer's pass and the collectives it issues.
+
+    A MoE layer's rank routes its m/tp tokens (sequence parallel) to top_k
+    experts: dispatch and combine all-to-alls over the ep group, and with
+    etp > 1 an all-gather of the received tokens and a reduce-scatter of the
+    experts' output over the etp group. The imbalance calibration scales the
+    volume of the busiest rank. Dense layers of the model have none, so the
+    average layer pays `moe_fraction` of it.
+    """
+    f = moe_fraction(model)
+    routed = act_bytes / layout.tp * model.moe.top_k * _comm_imbalance(model, comm)
+    total = 2 * comm.ep_all_to_all_s(routed) if layout.ep > 1 else 0.0
+    if layout.etp > 1:
+        total += comm.expert_time_s("all_gather", routed * layout.etp, "etp") + \
+            comm.expert_time_s("reduce_scatter", routed * layout.etp, "etp")
+    return f * total, (2 if layout.ep > 1 else 0) + (2 if layout.etp > 1 else 0)
+
+
+def _comm_imbalance(model: ModelSpec, comm: StepComm) -> float:
+    moe = model.moe
+    imbalance = comm.cal.moe_imbalance
+    return min(imbalance, moe.capacity_factor) if moe.capacity_factor else imbalance

@@ -33,7 +33,7 @@ from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import DP_AXES, StepComm
+from planner.simulate.comm import DP_AXES, StepComm, expert_comm_s
 from planner.simulate.compute import (
     combine,
     embedding_times,
@@ -41,7 +41,6 @@ from planner.simulate.compute import (
     gemm_flops,
     layer_gemms,
     layer_times,
-    moe_fraction,
     offloaded_optimizer_time_s,
     optimizer_time_s,
     output_times,
@@ -123,7 +122,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
         calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
     if model.moe is not None and layout.ep * layout.etp > 1:
-        ep_s, calls = _expert_comm(model, layout, comm, act)
+        ep_s, calls = expert_comm_s(model, layout, comm, act)
         comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
         calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
@@ -138,31 +137,6 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
         comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
     return comm_f, comm_b, calls_f, calls_b
-
-
-def _expert_comm(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
-    """Exposed expert communication of an average layer's pass and the collectives it issues.
-
-    A MoE layer's rank routes its m/tp tokens (sequence parallel) to top_k
-    experts: dispatch and combine all-to-alls over the ep group, and with
-    etp > 1 an all-gather of the received tokens and a reduce-scatter of the
-    experts' output over the etp group. The imbalance calibration scales the
-    volume of the busiest rank. Dense layers of the model have none, so the
-    average layer pays `moe_fraction` of it.
-    """
-    f = moe_fraction(model)
-    routed = act_bytes / layout.tp * model.moe.top_k * comm_imbalance(model, comm)
-    total = 2 * comm.ep_all_to_all_s(routed) if layout.ep > 1 else 0.0
-    if layout.etp > 1:
-        total += comm.expert_time_s("all_gather", routed * layout.etp, "etp") + \
-            comm.expert_time_s("reduce_scatter", routed * layout.etp, "etp")
-    return f * total, (2 if layout.ep > 1 else 0) + (2 if layout.etp > 1 else 0)
-
-
-def comm_imbalance(model: ModelSpec, comm: StepComm) -> float:
-    moe = model.moe
-    imbalance = comm.cal.moe_imbalance
-    return min(imbalance, moe.capacity_factor) if moe.capacity_factor else imbalance
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
