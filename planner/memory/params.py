@@ -110,8 +110,18 @@ def moe_layers_in(model: ModelSpec, lps: tuple[int, ...], chunks: tuple[int, ...
     """MoE layers among the layers of `chunks` (model order: chunk c holds the next lps[c] layers)."""
     if model.moe is None:
         return 0
-    starts = [sum(lps[:c]) for c in range(len(lps))]
-    return sum(1 for c in chunks for i in range(starts[c], starts[c] + lps[c]) if model.moe.is_moe_layer(i))
+    per_chunk = _moe_layers_per_chunk(model, lps)
+    return sum(per_chunk[c] for c in chunks)
+
+
+@lru_cache(maxsize=4096)
+def _moe_layers_per_chunk(model: ModelSpec, lps: tuple[int, ...]) -> tuple[int, ...]:
+    assert model.moe is not None
+    out, start = [], 0
+    for n in lps:
+        out.append(sum(1 for i in range(start, start + n) if model.moe.is_moe_layer(i)))
+        start += n
+    return tuple(out)
 
 
 def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "meshplan") -> StageParams:

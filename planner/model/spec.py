@@ -8,13 +8,26 @@ Parameter count of one layer (h = hidden, a = n_heads, k = n_kv_heads,
 d = head_dim, f = ffn_hidden):
   attention  q: h*a*d, k and v: h*k*d each, o: a*d*h   (+ a*d + 2*k*d + h biases)
   MLP        swiglu: 3*h*f   gelu: 2*h*f               (+ f + h biases)
-  norms      2 per layer: h each (rmsnorm) or 2h each (layernorm)
+  norms      norms_per_layer (2; 4 in Gemma 2 and Grok-1): h each (rmsnorm) or 2h each (layernorm)
 Model: layers + token embedding V*h (+ learned positions S*h) + final norm
 + output layer V*h unless tied. For GPT-style configs this equals Megatron's
 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)) plus the final LayerNorm's 2h.
 
+Family extensions, each counted where its Hugging Face modeling code holds
+weights: MLA replaces q, k, v (MLASpec); q/k/v-only biases (Qwen2), attention
+biases with o (GPT-OSS), one sink logit per head (GPT-OSS), q/k RMSNorm of
+head_dim (Qwen3). Mixture of experts (MoESpec): the MoE layers' MLP is
+n_experts routed experts (+ biases in GPT-OSS), a router of h*E (+ E biases
+for GPT-OSS and DeepSeek-V3's score correction), shared experts (+ Qwen2's
+h-wide shared-expert gate); the other layers keep the dense MLP of
+ffn_hidden. Multi-token-prediction modules (DeepSeek-V3) are counted apart
+(`mtp_params`), as the published totals leave them out. These counts match
+the published totals of DeepSeek-V3/V2, Kimi-K2, Qwen3-MoE, Qwen2-MoE,
+GPT-OSS, Mixtral, Grok-1 and Llama 4 (tests/unit/test_model_moe.py).
+
 Training FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B):
-6 * N_matmul + 12 * l * s * a*d, where N_matmul counts the weights that take
+6 * N_matmul + 12 * l * s * a*d (6 * l * s * a*(qk + v) with MLA's two head
+widths; sliding-window layers count min(window, s) keys), where N_matmul counts the weights that take
 part in matrix multiplies (the output layer included, the embedding lookup
 not) and the attention term is forward + backward of QK^T and AV without the
 causal halving. Recomputation adds forward work on top (see

@@ -156,6 +156,7 @@ class StepComm:
         self.ep, self.etp = layout.ep, layout.etp
         self.all_to_all_efficiency = cal.all_to_all_efficiency
         self.cal = cal
+        self._expert_times: dict[tuple[str, float, str], float] = {}
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
 
     def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -194,10 +195,13 @@ class StepComm:
         """Worst time of `op` over the expert grid's "ep", "etp" or "edp" groups (planner.layout)."""
         if size_bytes <= 0:
             return 0.0
-        groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
-        if len(groups[0]) < 2:
-            return 0.0
-        return max(self.model.time_s(op, size_bytes, g) for g in groups)
+        key = (op, size_bytes, kind)
+        hit = self._expert_times.get(key)
+        if hit is None:
+            groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
+            hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+            self._expert_times[key] = hit
+        return hit
 
     def ep_all_to_all_s(self, size_bytes: float) -> float:
         """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
