@@ -81,3 +81,10 @@ def test_expert_groups_fold_tp_when_etp_is_one():
     assert expert_groups(shape, 4, 2, "etp") == ((0, 1), (2, 3), (4, 5), (6, 7))
     with pytest.raises(PlanError, match="ep .* etp"):
         Layout(tp=2, dp_shard=4, zero_stage=1, ep=8, etp=2)
+
+
+def test_old_plan_layouts_without_etp_still_load():
+    old = {"tp": 2, "dp_shard": 8, "zero_stage": 1, "ep": 8, "micro_batch_size": 1, "grad_accum_steps": 4}
+    layout = Layout.from_json(old)
+    assert layout.etp == 1 and layout.expert_dp_shard == 2
+    assert Layout.from_json(layout.to_json()) == layout and layout.to_json()["etp"] == 1
