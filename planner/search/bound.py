@@ -138,23 +138,23 @@ class StepBound:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
         return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds,
-                          self._expert(shape, training))
+                          self._expert(shape, shape_key, training))
 
-    def _expert(self, shape: Layout, training: TrainingSpec) -> float:
+    def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
         """Expert communication of one layer pass at micro-batch 1 (module docstring)."""
         if self.model.moe is None or shape.ep * shape.etp == 1:
             return 0.0
-        key = ("expert", shape.mesh_shape, shape.ep, shape.etp, training.seq_len, training.dtype_bytes)
+        key = ("expert", shape_key, shape.ep, shape.etp, training.seq_len, training.dtype_bytes)
         hit = self._times.get(key)
         if hit is None:
             one = shape.replace(micro_batch_size=1)
             act = tokens_per_micro_batch(training.seq_len, one) * self.model.hidden * training.dtype_bytes
-            hit = self._times[key] = expert_comm_s(self.model, one, self._expert_comm(shape), act)[0]
+            hit = self._times[key] = expert_comm_s(self.model, one, self._expert_comm(shape, key[1]), act)[0]
         return hit
 
-    def _expert_comm(self, shape: Layout) -> StepComm:
-        """A StepComm for the expert grid of `shape` (only its mesh, ep and etp matter), cached."""
-        key = ("comm", shape.mesh_shape, shape.ep, shape.etp)
+    def _expert_comm(self, shape: Layout, shape_key: tuple[int, ...]) -> StepComm:
+        """A StepComm for the expert grid of `shape` (only its mesh `shape_key`, ep and etp matter), cached."""
+        key = ("comm", shape_key, shape.ep, shape.etp)
         hit = self._times.get(key)
         if hit is None:
             one = Layout(tp=shape.tp, pp=shape.pp, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard,
@@ -220,7 +220,7 @@ class StepBound:
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
-        experts = self._expert_comm(shape) if sp.experts else None
+        experts = self._expert_comm(shape, shape_key) if sp.experts else None
         if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
             reduce_s = self._time("all_reduce", sp.dense * g, shape_key, DP_AXES)

@@ -119,30 +119,39 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
 
     A group is its first rank plus fixed offsets, so (as in
     `representative_groups`) its placement depends on that rank modulo the
-    node size: first ranks are visited until every residue has been seen.
+    node size only; the smallest first rank of each reachable residue is priced.
     """
     pp, replicate, shard, cp, tp = shape
     inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
-    # a first rank's residue modulo g depends on each coordinate modulo g: g values of each suffice
+    # a first rank is a sum of per-coordinate terms, and its residue modulo g depends on each term's
+    # residue only: keep the smallest term of each residue, then combine (at most g^3, usually a few)
+    def terms(step: int, count: int) -> dict[int, int]:  # residue -> smallest k * step, k < count
+        out: dict[int, int] = {}
+        for k in range(min(count, g)):
+            out.setdefault(k * step % g, k * step)
+        return out
+
     if kind == "edp":
         offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
-        starts = ((o * replicate * inner + j) for o in range(min(pp, g)) for j in range(min(block, g)))
+        parts = [terms(replicate * inner, pp), terms(1, block)]
     else:
         offsets = expert_group_offsets(ep, etp, kind)
-        firsts = range(min(etp, g)) if kind == "ep" else range(0, min(block, g * etp), etp)
-        starts = (o * inner + b * block + u for o in range(min(pp * replicate, g))
-                  for b in range(min(inner // block, g)) for u in firsts)
+        parts = [terms(inner, pp * replicate), terms(block, inner // block),
+                 terms(1, etp) if kind == "ep" else terms(etp, ep)]
+    smallest: dict[int, int] = {0: 0}
+    for part in parts:
+        nxt: dict[int, int] = {}
+        for base in smallest.values():
+            for value in part.values():
+                b = base + value
+                if b < nxt.get(b % g, b + 1):
+                    nxt[b % g] = b
+        smallest = nxt
     seen: dict[tuple[int, ...], int] = {}
-    residues: set[int] = set()
     offs = np.asarray(offsets, dtype=np.int64)
-    for base in starts:
-        if base % g in residues:
-            continue
-        residues.add(base % g)
+    for base in sorted(smallest.values()):
         _, per_node = np.unique((base % g + offs) // g, return_counts=True)
         seen.setdefault(tuple(sorted(per_node.tolist())), base)
-        if len(residues) == g:
-            break
     return tuple(tuple((base + offs).tolist()) for base in seen.values())
 
 

@@ -101,3 +101,22 @@ def test_search_pins_and_degrees():
 def test_executor_refusal_names_the_engines_that_can():
     why = executor_refusal(MIXTRAL, Layout(), "bf16", on_gpu=False)
     assert "mixture of experts" in why and "--engine megatron" in why and "--engine deepspeed" in why
+
+
+@pytest.mark.parametrize("shape, ep, etp", [((2, 1, 4, 1, 2), 8, 1), ((2, 2, 4, 2, 2), 4, 2), ((3, 1, 6, 1, 4), 3, 4),
+                                            ((1, 3, 4, 1, 1), 2, 1), ((2, 1, 2, 3, 2), 3, 2)])
+def test_representative_expert_groups_cover_every_placement(shape, ep, etp):
+    from planner.layout import expert_groups
+
+    def placement(group, g):
+        counts = {}
+        for r in group:
+            counts[r // g] = counts.get(r // g, 0) + 1
+        return tuple(sorted(counts.values()))
+
+    for g in (4, 8):
+        for kind in ("ep", "etp"):
+            every = {placement(grp, g) for grp in expert_groups(shape, ep, etp, kind)}
+            reps = representative_expert_groups(shape, ep, etp, kind, g)
+            assert {placement(grp, g) for grp in reps} == every
+            assert set(reps) <= set(expert_groups(shape, ep, etp, kind))
