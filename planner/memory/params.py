@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.engines import get_engine
-from planner.layout import Layout, balanced_layers
+from planner.layout import Layout, balanced_layers, rank_chunks
 from planner.model.spec import ModelSpec
 
 
@@ -68,13 +68,6 @@ class StageParams:
     @property
     def total(self) -> int:
         return self.dense + self.experts
-
-
-def rank_chunks(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
-    """Model chunks (0-based, in model order) that pipeline rank `rank` holds."""
-    if schedule == "zb-v":
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(rank + i * pp for i in range(virtual_stages))
 
 
 @lru_cache(maxsize=4096)
@@ -133,16 +126,16 @@ def pipeline_params(model: ModelSpec, layout: Layout, engine: str = "meshplan") 
     """stage_params for every pipeline rank, computed once per distinct placement."""
     return _pipeline_params(model, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage,
                             layout.tp, layout.ep, layout.etp, layout.expert_dp_shard,
-                            get_engine(engine).memory.tied_vocab_parallel)
+                            tied_vocab_parallel=get_engine(engine).memory.tied_vocab_parallel)
 
 
 @lru_cache(maxsize=16384)
 def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
-                     etp: int, expert_shard: int, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+                     etp: int, expert_shard: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
     lps = lps or balanced_layers(model.n_layers, pp * v)
     (plain_dense, _), (moe_dense, moe_experts) = layer_kind_params(model, tp, ep, etp)
     vocab_h = model.vocab * model.hidden
-    matrix = _vocab_matrix(model, tp, tied_vocab_parallel)
+    matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     positions = model.embedding_params - vocab_h
     biggest_layer_matrix = max(_layer_tensors(model, tp)[0], default=0)
     stages: list[StageParams] = []
@@ -176,7 +169,7 @@ def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tupl
     return tuple(stages)
 
 
-def _vocab_matrix(model: ModelSpec, tp: int, tied_vocab_parallel: bool) -> int:
+def _vocab_matrix(model: ModelSpec, tp: int, *, tied_vocab_parallel: bool) -> int:
     """The embedding (or output) matrix on one TP rank: V*h/t, or V*h for a tied one the engine keeps whole."""
     vocab_h = model.vocab * model.hidden
     return vocab_h if model.tie_embeddings and not tied_vocab_parallel else -(-vocab_h // tp)
@@ -196,7 +189,7 @@ def _layer_tensors(model: ModelSpec, tp: int) -> tuple[tuple[int, ...], tuple[in
 
 
 @lru_cache(maxsize=4096)
-def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int, tied_vocab_parallel: bool) -> int:
+def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int, *, tied_vocab_parallel: bool) -> int:
     """Parameters of the most loaded rank when torch's ZeroRedundancyOptimizer partitions a stage's tensors.
 
     It walks the parameter groups in order (matrices, which AdamW decays,
@@ -211,7 +204,7 @@ def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int,
     if model.moe is not None:
         return -(-sp.dense // dp_shard) + -(-sp.experts // sp.expert_shard)
     layer_matrices, layer_vectors = _layer_tensors(model, tp)
-    matrix = _vocab_matrix(model, tp, tied_vocab_parallel)
+    matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     matrices = list(layer_matrices) * sp.layers
     vectors = list(layer_vectors) * sp.layers
     if sp.has_embedding:
