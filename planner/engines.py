@@ -174,11 +174,34 @@ def dp_path(layout: Layout) -> str:
     return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
 
 
+# Model features executor/model.py and executor/moe.py build: anything else is refused by name.
+_MODEL_DEFAULTS = dict(mla=None, qkv_bias=False, attention_bias=False, attention_sinks=False, qk_norm=False,
+                       norms_per_layer=2, sliding_window=0, sliding_layers=0, mtp_layers=0)
+_MOE_DEFAULTS = dict(first_dense_layers=0, layer_step=1, layer_phase=0, dense_layers=(), router_bias=False,
+                     expert_bias=False, shared_expert_gate=False, capacity_factor=0.0)
+
+
+def _unbuilt_features(model: ModelSpec) -> list[str]:
+    """Names of the model's non-default fields the executor has no module for."""
+    out = [k for k, v in _MODEL_DEFAULTS.items() if getattr(model, k, v) != v]
+    if model.moe is not None:
+        out += [f"moe.{k}" for k, v in _MOE_DEFAULTS.items() if getattr(model.moe, k, v) != v]
+    return out
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
-    if model.moe is not None and model.moe.n_experts % layout.ep:
-        return (f"ep ({layout.ep}) must divide the {model.moe.n_experts} experts of model {model.name!r}; "
-                "plan with another --ep")
+    unbuilt = _unbuilt_features(model)
+    if unbuilt:
+        can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)
+        return (f"model {model.name!r} uses {', '.join(unbuilt)}, which meshplan's executor does not build; plan "
+                f"it with --engine {can.replace(', ', ' or --engine ')} and export the layout to that stack")
+    if layout.etp > 1:
+        return f"etp ({layout.etp}) > 1: the executor does not split experts by tensor parallelism; plan with --etp 1"
+    if model.moe is not None and (model.moe.n_experts % layout.ep or (layout.dp_shard * layout.cp) % layout.ep):
+        return (f"ep ({layout.ep}) must divide the {model.moe.n_experts} experts of model {model.name!r} and "
+                f"dp_shard x cp ({layout.dp_shard * layout.cp}): the executor carves ep from the data-parallel "
+                "ranks; plan with another --ep")
     if model.moe is not None and layout.tp > 1 and layout.sequence_parallel:
         return (f"model {model.name!r} with tp ({layout.tp}) and sequence parallel: the executor keeps MoE "
                 "layers replicated over tp and does not cut their output back to sequence shards; plan "
