@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshplan-installed
 # machines to the CUDA build of the same version. Never leave torch open-ended.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup plan test test-fast test-slow lint bench clean
+.PHONY: setup plan test test-fast test-slow test-consumers lint bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,22 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q --durations=10 tests/multiproc tests/gpu
 
+# The engines' own loaders (deepspeed, torchtitan, megatron-core, accelerate)
+# check every export: a separate venv, since they pull a GB of packages the
+# planner never needs. DS_BUILD_OPS=0: DeepSpeed compiles no op on install.
+CVENV := .venv-consumers
+CBIN := $(CVENV)/bin
+CSTAMP := $(CVENV)/.meshplan-installed
+
+$(CSTAMP): pyproject.toml
+	@test -x $(CBIN)/python || $(PY) -m venv $(CVENV)
+	@$(CBIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@DS_BUILD_OPS=0 $(CBIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,consumers]" "$(TORCH_PIN)"
+	@touch $(CSTAMP)
+
+test-consumers: $(CSTAMP)
+	$(CBIN)/python -m pytest -q --durations=10 tests/consumers
+
 lint: setup
 	$(BIN)/ruff check .
 
@@ -42,4 +58,4 @@ bench: setup
 	$(BIN)/python bench/validate_memory_1b.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(CVENV) *.egg-info .pytest_cache
