@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from planner.layout import Layout
 from planner.plan import Plan, with_stage_layers
+from planner.training import TrainingSpec
 from topologies.errors import MeshplanError, UsageError
 
 
@@ -61,12 +62,14 @@ def stage_ranges(plan: Plan) -> list[range]:
     return ranges
 
 
-def predicted_change(plan: Plan, layout: Layout, engine: str | None = None) -> str:
+def predicted_change(plan: Plan, layout: Layout, engine: str | None = None,
+                     training: TrainingSpec | None = None) -> str:
     """What running `layout` instead of the plan's costs, as simulate_step predicts it (one clause).
 
     Used by every exporter that maps a layout its target cannot run to the
     nearest one it can: the note then says what changes in time and memory.
-    `engine` is whose traits run the changed layout (default: the plan's).
+    `engine` is whose traits run the changed layout (default: the plan's);
+    `training` replaces the plan's where the change also moves the batch.
     """
     from planner.simulate.step import simulate_step
 
@@ -74,7 +77,7 @@ def predicted_change(plan: Plan, layout: Layout, engine: str | None = None) -> s
     layout = with_stage_layers(plan.model, layout)
     try:
         before = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, engine=engine)
-        after = simulate_step(plan.model, plan.training, layout, plan.cluster, engine=engine)
+        after = simulate_step(plan.model, training or plan.training, layout, plan.cluster, engine=engine)
     except MeshplanError as exc:  # a layout the simulator cannot price: say so rather than guess
         return f"predicted cost unknown ({exc})"
     gib, cap = 1 << 30, plan.cluster.gpu.memory_bytes
