@@ -35,7 +35,7 @@ TARGETS: tuple[str, ...] = ("torchtitan", "megatron", "deepspeed", "accelerate",
 # The release each target's export is written for when no --target-version is given,
 # and the oldest / first-unsupported releases accepted (the versions tests/consumers installs).
 DEFAULT_VERSIONS = {"torchtitan": "0.2", "megatron": "0.16", "deepspeed": "0.19.8", "accelerate": "1.15"}
-VERSION_RANGES = {"torchtitan": ((0, 2), (0, 4)), "megatron": ((0, 13), (1,)),
+VERSION_RANGES = {"torchtitan": ((0, 2), (0, 4)), "megatron": ((0, 12), (1,)),
                   "deepspeed": ((0, 16, 4), (1,)), "accelerate": ((1, 10), (2,))}
 
 

@@ -46,7 +46,7 @@ def _import_file(path: Path, name: str):
 def deepspeed_values(folder: Path, world_size: int) -> dict:
     """DeepSpeedConfig(ds_config.json, mpu=the export's mpu module) under deepspeed.comm on the fake group."""
     import deepspeed
-    import deepspeed.comm as dcomm
+    import deepspeed.comm.torch  # noqa: F401  (loaded, so its build_shm_op can be replaced below)
     from deepspeed.runtime.config import DeepSpeedConfig
 
     # TorchBackend compiles a CPU shared-memory op on first use (g++, ~45 s); the fake group needs none.
