@@ -60,6 +60,11 @@ FLAVORS = {
 PYTHON_CONFIGS = (0, 3)  # first release configured by a Python module instead of TOML
 
 
+def _engine(plan: Plan) -> str:
+    """Whose traits price a changed layout: torchtitan's where planner.engines has it, else the plan's."""
+    return "torchtitan" if "torchtitan" in ENGINE_NAMES else plan.engine
+
+
 def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
     notes: list[str] = []
     flavor, config_fn = model_flavor(plan, version)
@@ -162,7 +167,8 @@ def _runnable_layout(plan: Plan, version: tuple[int, ...], notes: list[str]) -> 
     run = lay.replace(dp_replicate=1, dp_shard=lay.dp, zero_stage=2)
     notes.append(f"DDP (dp_replicate {lay.dp_replicate}, ZeRO-0) with tp {lay.tp} / pp {lay.pp}: torchtitan 0.2 "
                  f"refuses DDP on a mesh of more than one dimension; exported as FSDP2 over data_parallel_shard_"
-                 f"degree {lay.dp} without resharding after forward (ZeRO-2): " + predicted_change(plan, run))
+                 f"degree {lay.dp} without resharding after forward (ZeRO-2): "
+                 + predicted_change(plan, run, _engine(plan)))
     return run
 
 
@@ -177,7 +183,7 @@ def _parallelism(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[
     if lay.zero_stage == 1:
         notes.append(f"ZeRO-1: torchtitan has no optimizer-only sharding; exported as FSDP2 without resharding "
                      f"after forward (ZeRO-2: gradients sharded over dp_shard {lay.dp_shard} too): "
-                     + predicted_change(plan, lay.replace(zero_stage=2)))
+                     + predicted_change(plan, lay.replace(zero_stage=2), _engine(plan)))
     if lay.zero_stage == 0 and lay.dp_replicate > 1 and not ddp_refused(lay, version) and (
             version >= PYTHON_CONFIGS or lay.cp > 1):
         notes.append(f"ZeRO-0: torchtitan {'0.3' if version >= PYTHON_CONFIGS else '0.2 with cp > 1'} replicates "

@@ -137,13 +137,22 @@ def plan_file(tmp_path) -> Path:
     return path
 
 
-def test_cli_exports_every_target(cli, plan_file):
+def test_cli_exports_every_target(cli, plan_file, tmp_path):
     for target in TARGETS:
         r = cli("export", str(plan_file), "--to", target)
+        if target == "torchtitan":  # llama2-13b is no flavor torchtitan registers: refused, exit 2, one line
+            assert r.code == 2 and "registered flavors" in r.stderr and r.stdout == "", r.stderr
+            continue
         assert r.code == 0, (target, r.stderr)
         assert r.stdout.strip() and "Traceback" not in r.stderr
-    r = cli("export", str(plan_file), "--to", "torchtitan")
-    assert "could not express: model shape" in r.stderr  # notes go to stderr, the file to stdout
+    path = tmp_path / "8b.json"
+    make_plan(16, "llama3-8b", tp=8, dp_shard=2, zero_stage=1, micro_batch_size=1, grad_accum_steps=128).save(path)
+    r = cli("export", str(path), "--to", "torchtitan")
+    assert r.code == 0 and "could not express: ZeRO-1" in r.stderr  # notes go to stderr, the file to stdout
+    r = cli("export", str(path), "--to", "torchtitan", "--target-version", "0.3")
+    assert r.code == 0 and "def meshplan_plan():" in r.stdout
+    r = cli("export", str(path), "--to", "torchrun", "--target-version", "0.3")
+    assert r.code == 2 and "--target-version" in r.stderr
 
 
 def test_cli_writes_files_and_hostfile(cli, plan_file, tmp_path):
@@ -175,7 +184,7 @@ def test_cli_usage_errors_exit_2_in_one_line(cli, plan_file, tmp_path):
 
 def test_cli_exports_the_real_plan_verb_output(cli, tmp_path):
     path = tmp_path / "plan.json"
-    r = cli("plan", "--model", "13B", "--gpus", "16", "--json", "-o", str(path))
+    r = cli("plan", "--model", "llama3-8b", "--gpus", "16", "--json", "-o", str(path))
     assert r.code == 0, r.stderr
     for target in TARGETS:
         r = cli("export", str(path), "--to", target)
