@@ -228,19 +228,24 @@ def _python_module(plan: Plan, config_fn: str | None, training: dict[str, Any], 
     name = module_name(plan)
     ac_expr = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[ac]
 
-    def call(cls: str, fields: dict[str, Any]) -> str:
-        return f"{cls}(\n" + "".join(f"        {k}={v!r},\n" for k, v in fields.items()) + "    )"
+    if plan.layout.pp > 1:  # Trainer.Config refuses CUDA graphs with pipeline parallelism (0.3)
+        training = {**training, "disable_cuda_graphs": True}
+        notes.append("CUDA graphs off: torchtitan 0.3 does not capture CUDA graphs with pipeline parallelism "
+                     "(training.disable_cuda_graphs); meshplan's prediction assumed none either")
+        header = summary_lines(plan) + notes_lines(notes)
+
+    def assign(section: str, fields: dict[str, Any]) -> str:
+        return "".join(f"    cfg.{section}.{k} = {v!r}\n" for k, v in fields.items())
 
     text = comment_block(["torchtitan config module (torchtitan 0.3) written by `meshplan export`",
                           f"run: PYTHONPATH=<this folder> torchrun --nproc-per-node {plan.cluster.gpus_per_node} "
                           f"... -m torchtitan.train --module {name} --config meshplan_plan"] + header)
-    text += ("from torchtitan.config import ParallelismConfig, TrainingConfig\n"
-             "from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401\n"
+    text += ("from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401\n"
              f"from torchtitan.models.llama3.config_registry import {config_fn}\n\n\n"
              "def meshplan_plan():\n"
+             f'    """torchtitan\'s registered {config_fn}() with the plan\'s batch, degrees and recompute."""\n'
              f"    cfg = {config_fn}()\n"
-             f"    cfg.training = {call('TrainingConfig', training)}\n"
-             f"    cfg.parallelism = {call('ParallelismConfig', parallelism)}\n"
+             + assign("training", training) + assign("parallelism", parallelism) +
              f"    cfg.activation_checkpoint = {ac_expr}\n"
              "    return cfg\n")
     return ExportResult("torchtitan", text, f"{name}.py", tuple(notes))

@@ -64,6 +64,34 @@ def deepspeed_values(folder: Path, world_size: int) -> dict:
                 "hpz": cfg.zero_config.zero_hpz_partition_size}
 
 
+def deepspeed_pipeline_engine(folder: Path, world_size: int) -> dict:
+    """deepspeed.initialize on a PipelineModule built with the export's topology: the PipelineEngine's own checks.
+
+    The ZeRO/pipeline compatibility check lives in PipelineEngine.__init__,
+    not in the config, so only building the engine shows it. AutoTP needs a
+    Hugging Face model, so the toy Linear stack runs without tensor_parallel.
+    """
+    import json
+
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401  (loaded, so its build_shm_op can be replaced below)
+    from deepspeed.pipe import PipelineModule
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    config = {k: v for k, v in json.loads((folder / "ds_config.json").read_text()).items() if k != "tensor_parallel"}
+    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+    with fake_world(world_size):
+        deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
+        topology = _import_file(folder / "meshplan_ds_mpu.py", "meshplan_ds_mpu").topology()
+        stages = topology.get_dim("pipe")
+        model = PipelineModule(layers=[torch.nn.Linear(8, 8) for _ in range(2 * stages)], topology=topology,
+                               loss_fn=torch.nn.MSELoss())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                          optimizer=torch.optim.AdamW(model.parameters()))
+        return {"engine": type(engine).__name__, "zero": engine.zero_optimization_stage(),
+                "dp": engine.dp_world_size, "global_batch": engine.train_batch_size(), "stages": stages}
+
+
 # ---- accelerate ---------------------------------------------------------------------
 
 def accelerate_values(path: Path) -> dict:

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from consumer_checks import accelerate_values, deepspeed_values, megatron_values, torchtitan_values
+from consumer_checks import (
+    accelerate_values,
+    deepspeed_pipeline_engine,
+    deepspeed_values,
+    megatron_values,
+    torchtitan_values,
+)
 
 from planner.engines import get_engine
 from planner.export import ExportRefused, export_plan
@@ -91,6 +97,10 @@ def test_deepspeed_accepts(name, tmp_path):
         assert got["hpz"] == lay.dp_shard and noted(result, "HSDP", "predicted step")
     if lay.tp * lay.pp * lay.cp > 1:
         assert noted(result, "mpu", "meshplan_ds_mpu.py")
+    if lay.pp > 1 and lay.offload == "none":  # the PipelineEngine itself must take the ZeRO stage and the grid
+        engine = deepspeed_pipeline_engine(tmp_path, plan.world_size)
+        assert engine == {"engine": "PipelineEngine", "zero": got["zero"], "dp": lay.dp,
+                          "global_batch": plan.training.global_batch_size, "stages": lay.pp}
 
 
 @pytest.mark.parametrize("name", PLANS)

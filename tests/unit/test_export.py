@@ -181,7 +181,7 @@ def test_torchtitan_03_is_a_python_config_module():
     assert result.filename == "meshplan_llama3_8b.py"
     compile(result.text, result.filename, "exec")  # valid Python
     assert "from torchtitan.models.llama3.config_registry import llama3_8b" in result.text
-    assert "tensor_parallel_degree=4" in result.text and "FullAC.Config()" in result.text
+    assert "cfg.parallelism.tensor_parallel_degree = 4" in result.text and "FullAC.Config()" in result.text
     with pytest.raises(UsageError, match="target-version"):
         export_plan(plan, "torchtitan", version="0.5")
 
