@@ -108,6 +108,12 @@ def _runnable_layout(plan: Plan, version: tuple[int, ...], notes: list[str]) -> 
                      f"(\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\"); exported as ZeRO-1 "
                      f"(gradients{' and parameters' if lay.zero_stage == 3 else ''} replicated): "
                      + predicted_change(plan, run, "deepspeed"))
+    if run.zero_stage == 0 and dtype_mix(plan) and lay.dp > 1:
+        run = run.replace(zero_stage=1, dp_replicate=1, dp_shard=lay.dp)
+        notes.append(f"ZeRO-0 with {plan.training.dtype} weights and {plan.training.grad_dtype} gradient "
+                     "accumulation: DeepSpeed's engine runs that mix only under ZeRO (\"unsupported mix of "
+                     "model_dtype and grad_accum_dtype\" otherwise); exported as ZeRO-1, which keeps the "
+                     "gradient precision and shards the optimizer state: " + predicted_change(plan, run, "deepspeed"))
     if lay.hsdp and (run.zero_stage < 3 or version >= MICS_REMOVED):
         flat = run.replace(dp_replicate=1, dp_shard=lay.dp)
         why = ("DeepSpeed 0.19.7 removed MiCS (mics_shard_size) and nothing replaces replicate x shard"
@@ -126,11 +132,22 @@ def hostfile(plan: Plan, hosts: tuple[str, ...]) -> str:
     return "".join(f"{host} slots={plan.cluster.gpus_per_node}\n" for host in hosts)
 
 
+def dtype_mix(plan: Plan) -> bool:
+    """bf16/fp16 weights with gradients accumulated in another dtype: DeepSpeed needs ZeRO >= 1 for it."""
+    return plan.training.dtype in ("bf16", "fp16") and plan.training.grad_dtype != plan.training.dtype
+
+
 def _zero(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[str]) -> dict[str, Any]:
     lay = plan.layout
-    zero: dict[str, Any] = {"stage": run.zero_stage}
+    stage = run.zero_stage
+    if stage == 0 and dtype_mix(plan):  # dp 1: ZeRO-1 over one rank shards nothing, and lets the engine run
+        stage = 1
+        notes.append(f"ZeRO-0 with {plan.training.dtype} weights and {plan.training.grad_dtype} gradient "
+                     "accumulation: DeepSpeed's engine runs that mix only under ZeRO; exported as ZeRO-1, which "
+                     "with dp 1 shards nothing: no change in time or memory")
+    zero: dict[str, Any] = {"stage": stage}
     if lay.offload != "none":
-        if run.zero_stage == 0:
+        if stage == 0:
             notes.append("offload: DeepSpeed offloads only under ZeRO 1-3, and the plan uses ZeRO-0")
         else:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

@@ -64,12 +64,27 @@ def deepspeed_values(folder: Path, world_size: int) -> dict:
                 "hpz": cfg.zero_config.zero_hpz_partition_size}
 
 
-def deepspeed_pipeline_engine(folder: Path, world_size: int) -> dict:
-    """deepspeed.initialize on a PipelineModule built with the export's topology: the PipelineEngine's own checks.
+def _reset_deepspeed_groups() -> None:
+    """Forget the process groups and mpu deepspeed.utils.groups kept from an earlier engine (another world)."""
+    from deepspeed.utils import groups
 
-    The ZeRO/pipeline compatibility check lives in PipelineEngine.__init__,
-    not in the config, so only building the engine shows it. AutoTP needs a
-    Hugging Face model, so the toy Linear stack runs without tensor_parallel.
+    groups.mpu = groups.mesh_device = None
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper() and name.endswith(("GROUP", "GROUP_RANKS", "WORLD_SIZE", "RANK")):
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(groups, name, None)
+
+
+def deepspeed_engine(folder: Path, world_size: int) -> dict:
+    """deepspeed.initialize on a toy model with the export's grid: the engine's own checks.
+
+    Some checks live in the engine, not in DeepSpeedConfig: ZeRO-2/3 with a
+    PipelineEngine, the weight / gradient-accumulation dtype mix. With pipeline
+    stages the model is a PipelineModule on the export's topology, else the
+    export's mpu is passed. AutoTP needs a Hugging Face model, so the toy
+    Linear stack runs without tensor_parallel.
     """
     import json
 
@@ -80,14 +95,19 @@ def deepspeed_pipeline_engine(folder: Path, world_size: int) -> dict:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     config = {k: v for k, v in json.loads((folder / "ds_config.json").read_text()).items() if k != "tensor_parallel"}
     os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it
+    _reset_deepspeed_groups()
     with fake_world(world_size):
         deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
-        topology = _import_file(folder / "meshplan_ds_mpu.py", "meshplan_ds_mpu").topology()
-        stages = topology.get_dim("pipe")
-        model = PipelineModule(layers=[torch.nn.Linear(8, 8) for _ in range(2 * stages)], topology=topology,
-                               loss_fn=torch.nn.MSELoss())
+        mpu_path = folder / "meshplan_ds_mpu.py"
+        mpu = _import_file(mpu_path, "meshplan_ds_mpu") if mpu_path.exists() else None
+        stages = mpu.topology().get_dim("pipe") if mpu else 1
+        if stages > 1:
+            model, grid = PipelineModule(layers=[torch.nn.Linear(8, 8) for _ in range(2 * stages)],
+                                         topology=mpu.topology(), loss_fn=torch.nn.MSELoss()), None
+        else:
+            model, grid = torch.nn.Sequential(torch.nn.Linear(8, 8)), (mpu.build_mpu() if mpu else None)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
-                                          optimizer=torch.optim.AdamW(model.parameters()))
+                                          optimizer=torch.optim.AdamW(model.parameters()), mpu=grid)
         return {"engine": type(engine).__name__, "zero": engine.zero_optimization_stage(),
                 "dp": engine.dp_world_size, "global_batch": engine.train_batch_size(), "stages": stages}
 

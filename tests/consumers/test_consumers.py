@@ -23,7 +23,7 @@ import pytest
 from conftest import run_cli
 from consumer_checks import (
     accelerate_values,
-    deepspeed_pipeline_engine,
+    deepspeed_engine,
     deepspeed_values,
     megatron_values,
     torchtitan_values,
@@ -91,15 +91,18 @@ def test_deepspeed_accepts(name, tmp_path):
     assert (got["tp"], got["pp"]) == (lay.tp, lay.pp)
     if lay.pp > 1 and lay.zero_stage >= 2:  # PipelineEngine: ZeRO 0-1 only, stated with its cost
         assert got["zero"] == 1 and noted(result, f"ZeRO-{lay.zero_stage} with pp", "predicted step")
+    elif lay.zero_stage == 0 and plan.training.grad_dtype != plan.training.dtype:  # the engine's dtype rule
+        assert got["zero"] == 1 and noted(result, "ZeRO-0 with", "exported as ZeRO-1")
     else:
         assert got["zero"] == lay.zero_stage
     if lay.hsdp and got["zero"] == 3:
         assert got["hpz"] == lay.dp_shard and noted(result, "HSDP", "predicted step")
     if lay.tp * lay.pp * lay.cp > 1:
         assert noted(result, "mpu", "meshplan_ds_mpu.py")
-    if lay.pp > 1 and lay.offload == "none":  # the PipelineEngine itself must take the ZeRO stage and the grid
-        engine = deepspeed_pipeline_engine(tmp_path, plan.world_size)
-        assert engine == {"engine": "PipelineEngine", "zero": got["zero"], "dp": lay.dp,
+    if lay.offload == "none":  # the engine itself must take the ZeRO stage, the dtypes and the grid
+        engine = deepspeed_engine(tmp_path, plan.world_size)
+        kind = "PipelineEngine" if lay.pp > 1 else "DeepSpeedEngine"
+        assert engine == {"engine": kind, "zero": got["zero"], "dp": lay.dp,
                           "global_batch": plan.training.global_batch_size, "stages": lay.pp}
 
 
