@@ -13,6 +13,7 @@ from planner.layout import Layout
 from planner.plan import Plan, with_stage_layers
 from planner.training import TrainingSpec
 from topologies.errors import MeshplanError, UsageError
+from topologies.hardware import GIB
 
 
 def summary_lines(plan: Plan) -> list[str]:
@@ -53,15 +54,6 @@ def stage_layers(plan: Plan) -> tuple[int, ...]:
     return with_stage_layers(plan.model, plan.layout).layers_per_stage
 
 
-def stage_ranges(plan: Plan) -> list[range]:
-    """Layer indices of each (virtual) stage, in model order."""
-    ranges, start = [], 0
-    for count in stage_layers(plan):
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
-
-
 def predicted_change(plan: Plan, layout: Layout, engine: str | None = None,
                      training: TrainingSpec | None = None) -> str:
     """What running `layout` instead of the plan's costs, as simulate_step predicts it (one clause).
@@ -80,7 +72,7 @@ def predicted_change(plan: Plan, layout: Layout, engine: str | None = None,
         after = simulate_step(plan.model, training or plan.training, layout, plan.cluster, engine=engine)
     except MeshplanError as exc:  # a layout the simulator cannot price: say so rather than guess
         return f"predicted cost unknown ({exc})"
-    gib, cap = 1 << 30, plan.cluster.gpu.memory_bytes
+    gib, cap = GIB, plan.cluster.gpu.memory_bytes
     change = after.step_time_s / before.step_time_s - 1
     fits = "fits" if after.memory.peak_bytes <= cap else "does NOT fit"
     return (f"predicted step {before.step_time_s:.3g} s -> {after.step_time_s:.3g} s ({change:+.1%}), peak memory "

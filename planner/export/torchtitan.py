@@ -40,9 +40,9 @@ from typing import Any
 
 from planner.engines import ENGINE_NAMES
 from planner.export import ExportRefused, ExportResult
-from planner.export.common import comment_block, notes_lines, predicted_change, stage_ranges, summary_lines
+from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
 from planner.export.toml_emit import dumps
-from planner.layout import Layout
+from planner.layout import Layout, stage_ranges
 from planner.plan import Plan
 
 # meshplan pp_schedule -> torch.distributed.pipelining schedule name (get_schedule_class)
@@ -211,7 +211,7 @@ def _parallelism(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[
 
 def _model_parts(plan: Plan) -> list[list[str]]:
     """Module names of each model chunk in model order: embedding first, norm and output last."""
-    parts = [[f"layers.{i}" for i in r] for r in stage_ranges(plan)]
+    parts = [[f"layers.{i}" for i in r] for r in stage_ranges(stage_layers(plan))]
     parts[0].insert(0, "tok_embeddings")
     parts[-1] += ["norm", "output"]
     return parts

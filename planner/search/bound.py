@@ -1,6 +1,6 @@
 """A tight, cheap lower bound of `planner.simulate.step.simulate_step`'s step time, for branch-and-bound.
 
-SIM's `compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
+`planner.simulate.step.compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
 same for almost every layout of a search, so it cannot order or prune them.
 This bound keeps what separates layouts and is still never above the
 simulated time: it follows the simulator's recipe (planner/simulate/step.py) term
@@ -45,11 +45,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
-from planner.layout import Layout, balanced_layers
-from planner.memory.params import StageParams, layer_params_split, pipeline_params, rank_chunks
+from planner.layout import DP_AXES, Layout, balanced_layers, rank_chunks
+from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import DP_AXES, StepComm, group_offsets
+from planner.simulate.comm import StepComm, group_offsets
 from planner.simulate.compute import (
     embedding_times,
     layer_times,

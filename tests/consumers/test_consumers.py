@@ -159,9 +159,10 @@ def test_torchtitan_accepts_or_refuses(name, tmp_path):
 
 
 def _ranges(plan):
-    from planner.export.common import stage_ranges
+    from planner.export.common import stage_layers
+    from planner.layout import stage_ranges
 
-    return stage_ranges(plan)
+    return stage_ranges(stage_layers(plan))
 
 
 @pytest.mark.parametrize("name", PLANS)
