@@ -339,3 +339,36 @@ def test_toml_writer_keeps_comments_and_refuses_what_toml_cannot_hold():
     for bad in (float("inf"), float("nan"), None, {"nested": 1}):
         with pytest.raises(UsageError):
             dumps({"t": {"k": bad}})
+
+
+def test_accelerate_cpu_plan_is_multi_cpu_ddp_with_the_cost():
+    plan = Plan(model=load_model("debug"), cluster=load_cluster("cpu", 4),
+                training=TrainingSpec(seq_len=256, global_batch_size=16),
+                layout=Layout(tp=2, dp_shard=2, zero_stage=3, micro_batch_size=2, grad_accum_steps=4))
+    result = export_plan(plan, "accelerate")
+    cfg = yaml.safe_load(result.text)
+    assert cfg["distributed_type"] == "MULTI_CPU" and cfg["use_cpu"] is True
+    assert "parallelism_config" not in cfg and "fsdp_config" not in cfg and cfg["num_processes"] == 4
+    assert "gradient_accumulation_steps=2 data_parallel_size=4 global_batch_size=16" in result.text
+    assert any("MULTI_CPU" in note and "predicted step" in note for note in result.notes)
+
+
+def test_accelerate_folded_pipeline_keeps_the_batch_identity_and_says_when_it_moves():
+    plan = make_plan(24, tp=4, pp=3, dp_shard=2, zero_stage=1, micro_batch_size=1, grad_accum_steps=128)
+    result = export_plan(plan, "accelerate", hosts=["a", "b", "c"])
+    line = next(x for x in result.text.splitlines() if x.startswith("# batch: per_device"))
+    values = dict(kv.split("=") for kv in line[len("# batch: "):].split())
+    micro, accum, dp, batch = (int(values[k]) for k in ("per_device_batch_size", "gradient_accumulation_steps",
+                                                          "data_parallel_size", "global_batch_size"))
+    assert micro * accum * dp == batch and dp == 6 and batch != 256
+    assert any(f"it becomes {batch}" in note for note in result.notes)
+    assert "--rdzv_backend c10d" in result.text
+
+
+def test_deepspeed_pipeline_with_zero2_becomes_zero1_with_the_cost():
+    plan = make_plan(16, tp=2, pp=2, dp_shard=4, zero_stage=2, micro_batch_size=2, grad_accum_steps=32)
+    result = export_plan(plan, "deepspeed")
+    assert json.loads(result.text)["zero_optimization"]["stage"] == 1
+    assert any(note.startswith("ZeRO-2 with pp 2") and "predicted step" in note for note in result.notes)
+    mpu = dict(result.extra_files)["meshplan_ds_mpu.py"]
+    assert "PP, DP, CP, TP = 2, 4, 1, 2" in mpu

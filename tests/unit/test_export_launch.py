@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_export import make_plan, plan_3d, plan_13b
 
-from planner.export import TARGETS
+from planner.export import TARGETS, export_plan
 from planner.export.launch import slurm_script, torchrun_commands, torchrun_script
 from planner.layout import Layout
 from planner.model.load import load_model
@@ -200,3 +200,16 @@ def test_export_3d_plan_through_cli(cli, tmp_path):
               pp_schedule="interleaved-1f1b", virtual_stages=2).save(path)
     r = cli("export", str(path), "--to", "megatron")
     assert r.code == 0 and "--num-layers-per-virtual-pipeline-stage 5" in r.stdout
+
+
+def test_launch_exports_state_the_executor_refusal_and_the_engine_to_use():
+    from planner.engines import executor_refusal
+
+    cp_plan = make_plan(16, tp=4, cp=2, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128)
+    reason = executor_refusal(cp_plan.model, cp_plan.layout)
+    for target in ("torchrun", "slurm"):
+        result = export_plan(cp_plan, target)
+        (note,) = result.notes
+        assert reason in note and "meshplan export --to megatron" in note
+        assert "could not express: nothing" not in result.text and reason in result.text
+        assert export_plan(plan_13b(), target).notes == ()
