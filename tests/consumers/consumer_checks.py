@@ -237,6 +237,9 @@ def megatron_values(path: Path, world_size: int) -> dict:
     vpp = None
     if "--num-layers-per-virtual-pipeline-stage" in a:
         vpp = layers // (pp * num("--num-layers-per-virtual-pipeline-stage"))
+    layout = a.get("--pipeline-model-parallel-layout", [None])[0]
+    if layout is not None:
+        vpp = None  # Megatron derives it from the layout (and refuses a different one)
     dtype = torch.bfloat16 if "--bf16" in a else torch.float16 if "--fp16" in a else torch.float32
     with fake_world(world_size):
         parallel_state.initialize_model_parallel(
@@ -263,11 +266,21 @@ def megatron_values(path: Path, world_size: int) -> dict:
                 recompute_method=a.get("--recompute-method", [None])[0],
                 recompute_num_layers=num("--recompute-num-layers") if "--recompute-num-layers" in a else None,
                 gated_linear_unit="--swiglu" in a, add_bias_linear="--disable-bias-linear" not in a,
-                normalization=a.get("--normalization", ["LayerNorm"])[0])
+                normalization=a.get("--normalization", ["LayerNorm"])[0], pipeline_model_parallel_layout=layout)
         finally:
             destroy_num_microbatches_calculator()
             parallel_state.destroy_model_parallel()
-    return {"tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
+    chunks = pp * (config.virtual_pipeline_model_parallel_size or 1)
+    if layout is not None:  # Megatron's own parse of the layout: decoder layers of chunk k (rank k % pp)
+        from megatron.core.transformer.enums import LayerType
+
+        parsed = config.pipeline_model_parallel_layout
+        parsed.validate_layer_layout(num_layers=layers, mtp_num_layers=0)
+        per_chunk = [parsed.layout[k % pp][k // pp].count(LayerType.decoder) for k in range(chunks)]
+    else:
+        per_chunk = [layers // chunks] * chunks
+    return {"layers_per_stage": per_chunk,
+            "tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
             "cp": config.context_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size or 1,
             "dp": dp, "accum": accum, "micro": num("--micro-batch-size"),
             "global_batch": num("--global-batch-size"), "recompute": config.recompute_granularity or "none",

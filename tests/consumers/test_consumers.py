@@ -175,6 +175,7 @@ def test_megatron_accepts(name, tmp_path):
     assert (got["dp"], got["micro"], got["accum"], got["global_batch"]) == (
         lay.dp, lay.micro_batch_size, lay.grad_accum_steps, plan.training.global_batch_size)
     assert got["recompute"] == lay.recompute
+    assert got["layers_per_stage"] == [len(r) for r in _ranges(plan)]
     assert got["distributed_optimizer"] == (lay.zero_stage >= 1)
 
 
