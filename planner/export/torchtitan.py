@@ -206,6 +206,8 @@ def _parallelism(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[
         entries["module_fqns_per_model_part"] = _model_parts(plan)
     if lay.ep > 1:
         entries["expert_parallel_degree"] = lay.ep
+    if lay.etp > 1:
+        entries["expert_tensor_parallel_degree"] = lay.etp
     return entries
 
 
