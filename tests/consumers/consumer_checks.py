@@ -246,6 +246,7 @@ def megatron_values(path: Path, world_size: int) -> dict:
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
             expert_model_parallel_size=num("--expert-model-parallel-size"),
+            expert_tensor_parallel_size=num("--expert-tensor-parallel-size", tp),
             num_distributed_optimizer_instances=num("--num-distributed-optimizer-instances"),
             create_gloo_process_groups=False)
         try:
@@ -266,7 +267,13 @@ def megatron_values(path: Path, world_size: int) -> dict:
                 recompute_method=a.get("--recompute-method", [None])[0],
                 recompute_num_layers=num("--recompute-num-layers") if "--recompute-num-layers" in a else None,
                 gated_linear_unit="--swiglu" in a, add_bias_linear="--disable-bias-linear" not in a,
-                normalization=a.get("--normalization", ["LayerNorm"])[0], pipeline_model_parallel_layout=layout)
+                normalization=a.get("--normalization", ["LayerNorm"])[0], pipeline_model_parallel_layout=layout,
+                num_moe_experts=num("--num-experts") if "--num-experts" in a else None,
+                moe_router_topk=num("--moe-router-topk", 2),
+                moe_ffn_hidden_size=num("--moe-ffn-hidden-size") if "--moe-ffn-hidden-size" in a else None,
+                expert_model_parallel_size=num("--expert-model-parallel-size"),
+                expert_tensor_parallel_size=num("--expert-tensor-parallel-size", tp))
+            expert_dp = parallel_state.get_expert_data_parallel_world_size()
         finally:
             destroy_num_microbatches_calculator()
             parallel_state.destroy_model_parallel()
@@ -279,7 +286,8 @@ def megatron_values(path: Path, world_size: int) -> dict:
         per_chunk = [parsed.layout[k % pp][k // pp].count(LayerType.decoder) for k in range(chunks)]
     else:
         per_chunk = [layers // chunks] * chunks
-    return {"layers_per_stage": per_chunk,
+    return {"layers_per_stage": per_chunk, "ep": config.expert_model_parallel_size,
+            "etp": config.expert_tensor_parallel_size, "experts": config.num_moe_experts, "expert_dp": expert_dp,
             "tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
             "cp": config.context_parallel_size, "vpp": config.virtual_pipeline_model_parallel_size or 1,
             "dp": dp, "accum": accum, "micro": num("--micro-batch-size"),

@@ -53,6 +53,7 @@ PLANS = {
                   "--pp-schedule", "1f1b"),
     "cpu": ("--model", "debug", "--cluster", "cpu", "--gpus", "4"),
     "13b-default": ("--model", "13B", "--gpus", "16"),
+    "moe-ep": ("--model", "mixtral-8x7b", "--gpus", "16", "--engine", "megatron"),
 }
 HOSTS = {2: "h0,h1", 3: "h0,h1,h2", 4: "h0,h1,h2,h3"}
 
@@ -176,6 +177,9 @@ def test_megatron_accepts(name, tmp_path):
         lay.dp, lay.micro_batch_size, lay.grad_accum_steps, plan.training.global_batch_size)
     assert got["recompute"] == lay.recompute
     assert got["layers_per_stage"] == [len(r) for r in _ranges(plan)]
+    if plan.model.moe is not None:  # Megatron's expert grid: ep x etp x expert-dp ranks per pipeline stage
+        assert (got["experts"], got["ep"], got["etp"]) == (plan.model.moe.n_experts, lay.ep, lay.etp)
+        assert got["ep"] * got["etp"] * got["expert_dp"] * lay.pp == plan.world_size
     assert got["distributed_optimizer"] == (lay.zero_stage >= 1)
 
 
