@@ -46,8 +46,19 @@ $(CSTAMP): pyproject.toml
 	@DS_BUILD_OPS=0 $(CBIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,consumers]" "$(TORCH_PIN)"
 	@touch $(CSTAMP)
 
-test-consumers: $(CSTAMP)
-	$(CBIN)/python -m pytest -q --durations=10 tests/consumers
+# torchtitan 0.3 shares torchtitan 0.2's distribution name: its own venv, used
+# by tests/consumers/test_torchtitan_03.py through its interpreter.
+TVENV := .venv-consumers-tt03
+TSTAMP := $(TVENV)/.meshplan-installed
+
+$(TSTAMP): pyproject.toml
+	@test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
+	@$(TVENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@$(TVENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[consumers-tt03]" "$(TORCH_PIN)"
+	@touch $(TSTAMP)
+
+test-consumers: $(CSTAMP) $(TSTAMP)
+	MESHPLAN_TT03_PYTHON=$(abspath $(TVENV))/bin/python $(CBIN)/python -m pytest -q --durations=10 tests/consumers
 
 lint: setup
 	$(BIN)/ruff check .
@@ -58,4 +69,4 @@ bench: setup
 	$(BIN)/python bench/validate_memory_1b.py
 
 clean:
-	rm -rf $(VENV) $(CVENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(CVENV) $(TVENV) *.egg-info .pytest_cache
