@@ -7,9 +7,11 @@ others wait at a world barrier, so torchrun's start-up is paid once.
 
 Sizes follow nccl-tests (and `topologies.collectives`): all_reduce the buffer,
 all_gather the FULL gathered output, reduce_scatter the FULL input, send_recv
-the message. A sample's time is the slowest rank's mean over back-to-back
-repetitions after one warm-up, as nccl-tests reports it; send_recv is half of
-a ping-pong round trip between ranks 0 and 1.
+the message. A sample's time is the slowest rank's median over timed
+repetitions after one warm-up (nccl-tests reports a mean; on a shared host a
+median is robust to one descheduled repetition); send_recv is half of a
+ping-pong round trip between ranks 0 and 1. CPU ranks run with the thread
+count the executor gives them (`threads`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,8 +40,8 @@ class CommSample:
     time_s: float
 
 
-def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, reps: int = 5,
-                        on_progress: Callable[[int, int], None] | None = None,
+def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, reps: int = 9,
+                        threads: int = 1, on_progress: Callable[[int, int], None] | None = None,
                         ) -> tuple[list[CommSample], int | None]:
     """Run the benchmark under torchrun with max_ranks local ranks: (samples, other_bytes).
 
@@ -57,7 +60,7 @@ def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, rep
                "-m", "executor.calibrate.comm", "--device", device, "--out", str(out), "--reps", str(reps),
                "--sizes", ",".join(str(s) for s in sizes_bytes)]
         env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.startswith(PROGRESS_PREFIX) and on_progress:
@@ -115,13 +118,15 @@ def _time_collective(fn, reps: int, group, device) -> float:  # noqa: ANN001
     fn()
     sync()
     dist.barrier(group=group)
-    start = time.perf_counter()
+    times = []
     for _ in range(reps):
+        start = time.perf_counter()
         fn()
-    sync()
-    mean = torch.tensor([(time.perf_counter() - start) / reps], dtype=torch.float64, device=device)
-    dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=group)
-    return float(mean.item())
+        sync()
+        times.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median.item())
 
 
 def _worker(device_kind: str, sizes: list[int], reps: int, out: str) -> None:

@@ -16,6 +16,8 @@ measured time), so a 100 us GEMM weighs as much as a 100 ms one.
   link_efficiency,             the topology model's collective times reproduce the
   latency_scale                measured ones (log least squares, see fit_comm); only
                                the link classes of this one node are measured
+  collective_scale             per operation, what the fitted model still misses
+                               (fit_collective_scale), at the plan's message sizes
   other_bytes                  device memory in use beyond PyTorch's allocator on a
                                rank that ran NCCL collectives (CUDA context, NCCL
                                buffers); CUDA only, None on CPU
@@ -134,10 +136,32 @@ def fit_comm(samples: Sequence[CommSample], cluster: Cluster) -> tuple[dict[str,
     return efficiencies(float(fit.x[0])), float(fit.x[1])
 
 
+def fit_collective_scale(samples: Sequence[CommSample], cluster: Cluster, efficiency: dict[str, float],
+                         latency_scale: float, sizes: Sequence[int] | None = None) -> dict[str, float]:
+    """collective_scale: per operation, the geometric mean of measured over modelled time.
+
+    The alpha-beta model with one link efficiency and one latency scale is the
+    same for every operation; a backend's own algorithm is not (gloo's
+    reduce-scatter costs about a full all-reduce). Only samples at `sizes`
+    (the plan's messages, within 1%) count when given, so the factor is right
+    where the plan reads it.
+    """
+    from topologies.collectives import CollectiveModel
+
+    model = CollectiveModel(cluster, efficiency=efficiency, latency_scale=latency_scale)
+    ratios: dict[str, list[float]] = {}
+    for s in samples:
+        if sizes and min(abs(math.log(s.size_bytes / max(z, 1))) for z in sizes) > 0.01:
+            continue
+        ratios.setdefault(s.op, []).append(s.time_s / model.time_s(s.op, s.size_bytes, tuple(range(s.n_ranks))))
+    return {op: _clamp(_geomean(r), 1e-3, 1e3) for op, r in sorted(ratios.items())}
+
+
 def fit_profile(*, gpu: GPUSpec, dtype: str, base: CalibrationProfile, gemm: Sequence[GemmSample],
                 attention: Sequence[AttentionSample], memory: Sequence[MemorySample],
                 adamw: tuple[float, int] | None, layer_overhead_s: float | None, comm: Sequence[CommSample],
-                cluster: Cluster, other_bytes: int | None, source: str, date: str) -> CalibrationProfile:
+                cluster: Cluster, other_bytes: int | None, source: str, date: str,
+                scale_sizes: Sequence[int] | None = None) -> CalibrationProfile:
     """Every fit above, combined into one profile (fields without measurements keep `base`)."""
     peak = gpu.peak_flops(dtype)
     eff, knee = fit_gemm([s for s in gemm if s.dtype == dtype], peak, base)
@@ -158,6 +182,8 @@ def fit_profile(*, gpu: GPUSpec, dtype: str, base: CalibrationProfile, gemm: Seq
     if fitted_comm:
         changes["link_efficiency"] = {**base.link_efficiency, **fitted_comm[0]}
         changes["latency_scale"] = fitted_comm[1]
+        changes["collective_scale"] = fit_collective_scale(comm, cluster, changes["link_efficiency"],
+                                                           fitted_comm[1], scale_sizes)
     if other_bytes is not None:
         changes["other_bytes"] = other_bytes
     return base.replace(**changes)
@@ -170,32 +196,17 @@ def prediction_errors(profile: CalibrationProfile, gpu: GPUSpec, dtype: str,
     return [gemm_time_s(s.m, s.n, s.k, peak, profile) / s.time_s - 1.0 for s in gemm if s.dtype == dtype]
 
 
-COMPUTE_FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")
-
-
-def scale_compute(profile: CalibrationProfile, factor: float) -> CalibrationProfile:
-    """The profile of a machine `factor` times faster at its local work.
-
-    Every compute efficiency is multiplied by factor (capped at 1.5) and the
-    host overhead per layer divided by it; communication is left alone.
-    """
-    changes: dict[str, Any] = {k: min(EFF_BOUNDS[1], getattr(profile, k) * factor) for k in COMPUTE_FIELDS}
-    return profile.replace(layer_overhead_s=profile.layer_overhead_s / factor, **changes)
-
-
 def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa: ANN001
              measured_peak_bytes: int | None) -> tuple[CalibrationProfile, dict[str, Any]]:
     """Fold one measured training step into a profile. The rule:
 
-    1. time: find the factor f such that simulate_step(plan, scale_compute(
-       profile, f)) equals the measured step time: gemm_, attention_ and
-       memory_efficiency multiplied by f, layer_overhead_s divided by it
-       (bisection on log f; the step time falls monotonically as f grows).
-       Communication and the pipeline stay as the profile has them: one run
-       of one layout pins down one number best, "how fast is this machine at
-       its own work", and small models are host-bound, large ones GPU-bound,
-       so both local terms move together. When no f reaches the measurement
-       (a step made of communication), f stops at its bound, `reached` False.
+    1. time: per-part corrections (compute, host overhead, optimizer, each
+       collective the layout issues), weighted by how much each part weighs
+       in this run's simulated step and how uncertain calibrate's measurement
+       of it is, scaled until the simulator reproduces the measured step
+       (`executor.calibrate.fold`). A part the run does not exercise keeps its
+       value, so what is learnt carries over to layouts that use it.
+       `compute_factor` is the compute part's speed factor (< 1: slower).
     2. memory: other_bytes = measured peak - the memory model's tensor bytes
        (its peak without `other`), at least 0: what the run's allocator peak
        holds beyond the modelled tensors (the executor records
@@ -203,22 +214,15 @@ def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa:
        remainder, not the CUDA context). Unchanged when the run recorded no
        peak, and for CPU runs, whose peak is the process's resident set.
     """
+    from executor.calibrate.fold import fold_step
     from planner.memory.estimate import estimate_memory
     from planner.simulate.step import simulate_step
 
-    def step_s(f: float) -> float:
-        return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, scale_compute(profile, f),
-                             engine=plan.engine).step_time_s
+    def step_s(p: CalibrationProfile) -> float:
+        return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, p, engine=plan.engine).step_time_s
 
-    low, high = 1e-3, 1e3
-    reached = step_s(low) >= measured_step_s >= step_s(high)
-    for _ in range(60):
-        mid = math.sqrt(low * high)
-        low, high = (mid, high) if step_s(mid) > measured_step_s else (low, mid)
-    factor = math.sqrt(low * high)
-    new = scale_compute(profile, factor)
-    info: dict[str, Any] = {"compute_factor": factor, "reached": reached, "step_time_s_before": step_s(1.0),
-                            "step_time_s_after": step_s(factor), "measured_step_time_s": measured_step_s}
+    new, info = fold_step(step_s, profile, measured_step_s)
+    info["compute_factor"] = 1.0 / info["levers"].get("compute", 1.0)
     if measured_peak_bytes and plan.cluster.gpu.kind != "cpu":
         est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
         new = new.replace(other_bytes=max(0, int(measured_peak_bytes) - est.peak_bytes))
