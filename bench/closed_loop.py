@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -80,7 +81,7 @@ def load_average() -> str:
 
 
 def run_model(name: str, ranks: int, layouts: dict[str, list[str]], out: Path, steps: int, warmup: int,
-              update_from: str, fallback_from: str) -> dict:
+              update_from: str, fallback_from: str, repeats: int) -> dict:
     """Calibrate, then plan, execute and report every layout; then fold one run and predict the others."""
     model = str(MODELS[name])
     work = out / f"{name}-{ranks}ranks"
@@ -95,15 +96,26 @@ def run_model(name: str, ranks: int, layouts: dict[str, list[str]], out: Path, s
         plan = work / f"{layout}.plan.json"
         meshplan("plan", "--cluster", "cpu", "--gpus", str(ranks), "--model", model, *TRAINING, *flags,
                  "--calibration", str(profile), "--top", "1", "-o", str(plan), "--json")
-        run = work / f"{layout}.run"
-        shutil.rmtree(run, ignore_errors=True)
-        t0 = time.time()
-        meshplan("execute", str(plan), "--steps", str(steps), "--out", str(run), "--log-every", str(steps))
-        doc = json.loads(meshplan("report", str(run), "--json", "--warmup-steps", str(warmup)).stdout)
-        rows[layout] = {"measured_s": doc["measured"]["step_time_s"], "calibrated_s": predict_s(plan, profile),
-                        "plan": str(plan), "run": str(run)}
-        print(f"[{name}] {layout}: measured {rows[layout]['measured_s']:.3f} s, predicted "
-              f"{rows[layout]['calibrated_s']:.3f} s ({time.time() - t0:.0f} s, load {load_average()})", flush=True)
+        rows[layout] = {"calibrated_s": predict_s(plan, profile), "plan": str(plan), "runs": [], "measured": []}
+    # passes alternate the order (forward, backward, ...) so a load that drifts over the minutes
+    # weighs on every layout alike; a layout's figure is the median over its passes
+    order = list(layouts)
+    for p in range(repeats):
+        for layout in (order if p % 2 == 0 else order[::-1]):
+            run = work / f"{layout}.run{p}"
+            shutil.rmtree(run, ignore_errors=True)
+            t0 = time.time()
+            meshplan("execute", rows[layout]["plan"], "--steps", str(steps), "--out", str(run),
+                     "--log-every", str(steps))
+            doc = json.loads(meshplan("report", str(run), "--json", "--warmup-steps", str(warmup)).stdout)
+            rows[layout]["runs"].append(str(run))
+            rows[layout]["measured"].append(doc["measured"]["step_time_s"])
+            print(f"[{name}] {layout} pass {p + 1}: measured {doc['measured']['step_time_s']:.3f} s, predicted "
+                  f"{rows[layout]['calibrated_s']:.3f} s ({time.time() - t0:.0f} s, load {load_average()})",
+                  flush=True)
+    for row in rows.values():
+        row["measured_s"] = statistics.median(row["measured"])
+        row["run"] = row["runs"][0]
     updated: dict[str, Path] = {}
     for source in dict.fromkeys(s for s in (update_from, fallback_from) if s in rows):
         updated[source] = work / f"profile.updated-from-{source}.json"
@@ -148,6 +160,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS_2), help="comma-separated 2-rank layouts")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="leading steps report skips")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per layout, in alternating order")
     parser.add_argument("--update-from", default="tp2", help="the layout whose run updates the profile")
     parser.add_argument("--fallback-from", default="ddp", help="the update source for the --update-from layout")
     parser.add_argument("--four-ranks", action="store_true", help="also dp 2 x tp 2 on 4 ranks (small model)")
@@ -158,11 +171,11 @@ def main() -> None:
     layouts = {k: LAYOUTS_2[k] for k in args.layouts.split(",")}
     for name in args.models.split(","):
         results.append(run_model(name, 2, layouts, args.out, args.steps, args.warmup, args.update_from,
-                                 args.fallback_from))
+                                 args.fallback_from, args.repeats))
         print(render(results[-1]) + "\n", flush=True)
     if args.four_ranks:
         results.append(run_model("small", 4, {**LAYOUT_2D, "ddp": ["--dp", "4", "--zero", "0"]}, args.out,
-                                 args.steps, args.warmup, "ddp", "dp2xtp2"))
+                                 args.steps, args.warmup, "ddp", "dp2xtp2", args.repeats))
         print(render(results[-1]) + "\n", flush=True)
     print(f"closed loop: {time.time() - start:.0f} s in all")
     if args.json:

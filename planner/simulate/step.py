@@ -204,12 +204,38 @@ def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, co
     return out[0], out[1], out[2], out[3]
 
 
+def _ends_tp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, gpu_peak_bw: float,
+                  cal: CalibrationProfile, engine: str) -> tuple[float, float, float, float]:
+    """TP communication of the model's ends per micro-batch (embedding F, B, output F, B).
+
+    A vocabulary-split embedding all-reduces its output (m*h) in the forward;
+    the column-split output layer all-reduces its input gradient in the
+    backward. An engine without a vocabulary-parallel loss (MemoryTraits)
+    all-gathers the logits (m*V) to every TP rank and runs the loss over the
+    full vocabulary there: the gather and the extra (1 - 1/t) of the loss's
+    fp32 passes (`output_times` prices V/t) join the output's forward.
+    """
+    if layout.tp == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    d = training.dtype_bytes
+    m = tokens_per_micro_batch(training.seq_len, layout)
+    act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
+    emb = 0.0 if model.tie_embeddings else act
+    out_f = 0.0
+    if not get_engine(engine).memory.vocab_parallel_loss:
+        loss_extra = 3 * 4 * m * model.vocab * (1 - 1 / layout.tp) / (gpu_peak_bw * cal.memory_efficiency)
+        out_f = comm.time_s("all_gather", m * model.vocab * d, ("tp",)) + loss_extra / 2
+        return emb, 0.0, out_f, act + loss_extra / 2
+    return emb, 0.0, out_f, act
+
+
 def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
-                     split_w: bool, ends_comm: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+                     split_w: bool, ends_comm: dict[str, tuple[float, float, float, float]] | None = None
                      ) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
     """durations[kind][chunk], per-chunk compute and exposed comm by kind for one micro-batch.
 
-    `ends` include their exposed FSDP communication `ends_comm` (fsdp_comm, not compute)."""
+    `ends` include the exposed communication `ends_comm` (by kind: fsdp_comm, tp_comm), counted as such."""
+    ends_comm = ends_comm or {}
     n_chunks = layout.pp * layout.virtual_stages
     durations: list[list[float]] = [[], [], []]
     compute = []
@@ -222,10 +248,11 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
         durations[F].append(f)
         durations[B].append(b - w)
         durations[W].append(w)
-        root = (sum(ends_comm[:2]) if c == 0 else 0.0) + (sum(ends_comm[2:]) if c == n_chunks - 1 else 0.0)
-        compute.append(f + b - layers * (cf + cb) - root)
+        at_end = {k: (sum(v[:2]) if c == 0 else 0.0) + (sum(v[2:]) if c == n_chunks - 1 else 0.0)
+                  for k, v in ends_comm.items()}
+        compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
         for k in LAYER_COMM_KEYS:
-            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]) + (root if k == "fsdp_comm" else 0.0))
+            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]) + at_end.get(k, 0.0))
     return durations, compute, comm_kinds
 
 
@@ -294,8 +321,10 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
     ends = _ends(model, training, layout, peak, cluster, cal)
-    ends_comm = _root_fsdp_comm(model, training, layout, comm, cal, ends)
-    ends = (ends[0] + ends_comm[0], ends[1] + ends_comm[1], ends[2] + ends_comm[2], ends[3] + ends_comm[3])
+    ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
+                 "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
+                                          engine)}
+    ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps
