@@ -20,9 +20,22 @@ from typing import Any
 Step = tuple[str, str, tuple]  # (benchmark kind, dtype, arguments)
 
 
-def threads_per_rank(cores: int, ranks: int) -> int:
-    """Threads the executor gives each CPU rank (executor.launch: cores // ranks, at least 1)."""
+def threads_per_rank(cores: int, ranks: int, omp_num_threads: str | None = None) -> int:
+    """Threads the executor gives each CPU rank: OMP_NUM_THREADS when set, else cores // ranks, at least 1
+    (executor.launch's rule)."""
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
+        return int(omp_num_threads)
     return max(1, cores // max(ranks, 1))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask: a taskset or a container's cpuset), else all."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _adamw_step_s(n_params: int, device) -> float:  # noqa: ANN001

@@ -129,7 +129,7 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
 
     from executor.calibrate.comm import measure_collectives
     from executor.calibrate.fit import fit_profile, prediction_errors
-    from executor.calibrate.kernels import measure_kernels, samples_from_times, threads_per_rank
+    from executor.calibrate.kernels import measure_kernels, samples_from_times, threads_per_rank, usable_cores
     from executor.calibrate.shapes import plan_shapes
     from planner.simulate.calibration import default_calibration
     from planner.training import DTYPE_BYTES
@@ -143,9 +143,9 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
         shapes = plan_shapes(model, seq_len or min(model.max_seq_len, 4096), micro_batches, ranks,
                              DTYPE_BYTES[machine.dtype])
     steps, grid = plan_steps(GRIDS[(machine.device, name)], machine, name, shapes)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     sharing = ranks if machine.device == "cpu" else 1  # GPUs: one rank per device, nothing shared
-    threads = threads_per_rank(cores, ranks) if machine.device == "cpu" else 1
+    threads = threads_per_rank(cores, ranks, os.environ.get("OMP_NUM_THREADS")) if machine.device == "cpu" else 1
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console(stderr=True), transient=False) as progress:

@@ -69,6 +69,7 @@ def test_plan_shapes_are_the_simulators_gemms_at_each_tp_shard():
 
 def test_threads_per_rank_follows_the_executor():
     assert threads_per_rank(2, 2) == 1 and threads_per_rank(2, 4) == 1 and threads_per_rank(16, 2) == 8
+    assert threads_per_rank(16, 2, "1") == 1 and threads_per_rank(16, 2, "") == 8  # OMP_NUM_THREADS wins
 
 
 def test_collective_scale_recovers_per_operation_factors():
@@ -135,6 +136,7 @@ def test_elasticities_name_the_parts_a_layout_exercises():
     ddp = elasticities(lambda p: _step_s(_plan("ddp"), p), base)
     tp = elasticities(lambda p: _step_s(_plan("tp2"), p), base)
     assert ddp["compute"] > 0.5 and ddp["all_gather"] == 0.0 and ddp["reduce_scatter"] == 0.0
+    assert tp["all_gather"] > 0.0 and tp["reduce_scatter"] == 0.0  # meshplan gathers the logits
     assert tp["all_reduce"] > ddp["all_reduce"] > 0.0  # TP all-reduces activations in every layer
 
 
@@ -147,8 +149,8 @@ def test_fold_reproduces_the_run_and_splits_by_weight_and_prior():
     new, info = fold_step(lambda p: _step_s(plan, p), base, measured)
     assert info["reached"] and _step_s(plan, new) == pytest.approx(measured, rel=1e-6)
     assert info["levers"]["compute"] > 1.0 and info["levers"]["all_reduce"] > 1.0
-    assert "all_gather" not in info["levers"] and "reduce_scatter" not in info["levers"]
-    assert new.collective_scale.get("all_gather", 1.0) == 1.0
+    assert "reduce_scatter" not in info["levers"]  # TP without SP never reduce-scatters
+    assert new.collective_scale.get("reduce_scatter", 1.0) == 1.0
     # the corrected profile is closer to the truth on another layout than the base was
     ddp = _plan("ddp")
     assert abs(math.log(_step_s(ddp, new) / _step_s(ddp, truth))) < abs(math.log(_step_s(ddp, base) /
@@ -164,3 +166,18 @@ def test_fold_run_keeps_compute_factor_and_cpu_memory():
     new, info = fold_run(plan, base, 0.5 * _step_s(plan, base), measured_peak_bytes=10**9)
     assert info["reached"] and info["compute_factor"] > 1.0  # a faster run: compute sped up
     assert new.other_bytes == base.other_bytes  # CPU peaks are resident sets, not tensors
+
+
+def test_tp_ends_gather_logits_only_without_a_vocab_parallel_loss():
+    """meshplan's executor all-gathers the logits to every TP rank; Megatron keeps them split."""
+    from planner.engines import get_engine
+
+    assert not get_engine("meshplan").memory.vocab_parallel_loss and get_engine("megatron").memory.vocab_parallel_loss
+    plan = _plan("tp2")
+    base = _cpu_profile()
+    gathers = base.replace(collective_scale={"all_gather": 2.0})
+    for engine, moves in (("meshplan", True), ("megatron", False)):
+        one = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, base, engine=engine)
+        two = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, gathers, engine=engine)
+        assert (two.time_breakdown_s["tp_comm"] > one.time_breakdown_s["tp_comm"]) == moves
+        assert one.time_breakdown_s["tp_comm"] > 0  # the embedding and output all-reduces in both
