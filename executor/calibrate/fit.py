@@ -244,3 +244,66 @@ def update_profile_from_run(plan_path: Path, measured: dict[str, Any], profile_p
     source = profile.source if run in profile.source else f"{profile.source}; folded run {run}"
     new.replace(gpu=plan.cluster.gpu.name, source=source, date=datetime.date.today().isoformat()).save(profile_path)
     return {**info, "profile": str(profile_path)}
+
+
+def fit_blocks(profile: CalibrationProfile, gpu: GPUSpec, dtype: str, model: Any, cluster: Cluster,
+               blocks: dict[str, Any]) -> dict[str, Any]:
+    """Profile changes from one executor block timed plain, under TP and under FSDP (`blocks`).
+
+    The simulator prices a layer's pass as combine(kernels + exposed comm,
+    host, p) with host = layer_overhead_s per pass (1 forward, 2 backward)
+    plus collective_overhead_s per collective issued (TP: 2 in the forward, 2
+    in the backward; ZeRO-3: 1 and 2).
+
+    1. compute level: the plain block at the plan's shapes, with the ranks
+       sharing the cores, is the most faithful measurement of a layer; the
+       kernel fits set the shape dependence, and one factor on gemm_,
+       attention_ and memory_efficiency makes kernels + host (the tiny-block
+       layer_overhead_s) reproduce it (clamped to 5x either way).
+    2. collective_overhead_s: what the TP and FSDP blocks take beyond their
+       kernels, modelled collectives and host time, per collective issued
+       (the median of the two, at least 0): DTensor's redistributions,
+       FSDP2's hooks and copies.
+    """
+    import statistics
+
+    from planner.layout import Layout
+    from planner.memory.params import layer_params_split
+    from planner.simulate.comm import StepComm
+    from planner.simulate.compute import fsdp_copy_times, layer_times
+
+    peak, d = gpu.peak_flops(dtype), DTYPE_BYTES[dtype]
+    mb, seq, world = int(blocks["micro_batch"]), int(blocks["seq_len"]), int(blocks["world"])
+    p, layer = profile.overlap_exponent, profile.layer_overhead_s
+
+    def kernels_s(cal: CalibrationProfile, layout: Layout) -> float:
+        cal = cal.for_engine("meshplan")  # the executor's kernels
+        lt = layer_times(model, seq, d, layout, gpu, peak, cal) + fsdp_copy_times(model, d, 4, layout, gpu, cal)
+        return lt.forward_s + lt.backward_s
+
+    def busy_s(measured: float, host: float) -> float:  # inverse of combine in its first argument
+        return max(measured**p - host**p, 1e-9) ** (1.0 / p)
+
+    def host_s(measured: float, busy: float) -> float:  # inverse of combine in its second argument
+        return max(measured**p - busy**p, 0.0) ** (1.0 / p)
+
+    plain = Layout(micro_batch_size=mb)
+    factor = _clamp(kernels_s(profile, plain) / busy_s(float(blocks["plain"]), 3.0 * layer), 0.2, 5.0)
+    changes: dict[str, Any] = {k: _clamp(getattr(profile, k) * factor, EFF_BOUNDS[0], EFF_BOUNDS[1])
+                               for k in ("gemm_efficiency", "attention_efficiency", "memory_efficiency")}
+    cal = profile.replace(**changes)
+    per_call = []
+    if blocks.get("tp"):
+        tp = Layout(tp=world, micro_batch_size=mb)
+        comm = 4 * StepComm(cluster, tp, cal).tp_point_s(mb * seq * model.hidden * d, False)
+        per_call.append((host_s(float(blocks["tp"]), kernels_s(cal, tp) + comm) - 3.0 * layer) / 4.0)
+    if blocks.get("fsdp"):
+        z3 = Layout(dp_shard=world, zero_stage=3, micro_batch_size=mb)
+        step = StepComm(cluster, z3, cal)
+        params = sum(layer_params_split(model, 1, 1))
+        comm = 2 * step.time_s("all_gather", params * d, ("dp_shard",)) + \
+            step.time_s("reduce_scatter", params * 4, ("dp_shard",))
+        per_call.append((host_s(float(blocks["fsdp"]), kernels_s(cal, z3) + comm) - 3.0 * layer) / 3.0)
+    if per_call:
+        changes["collective_overhead_s"] = max(0.0, statistics.median(per_call))
+    return changes

@@ -154,8 +154,10 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
         times = measure_kernels(steps, machine.device, sharing, threads,
                                 on_progress=lambda done: progress.update(task, completed=done))
         comm_task = progress.add_task(f"collectives over 2..{machine.max_ranks} ranks", total=None)
-        comm, other = measure_collectives(machine.device, grid["comm"], machine.max_ranks, threads=threads,
-                                          on_progress=lambda d, t: progress.update(comm_task, completed=d, total=t))
+        block = (model, micro_batches[-1], seq_len or min(model.max_seq_len, 4096)) if model is not None else None
+        comm, other, blocks = measure_collectives(
+            machine.device, grid["comm"], machine.max_ranks, threads=threads, block=block,
+            on_progress=lambda d, t: progress.update(comm_task, completed=d, total=t))
         if not comm:
             progress.update(comm_task, description="collectives: one rank, nothing to measure", completed=1, total=1)
     results, extra = samples_from_times(steps, times)
@@ -167,8 +169,10 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
     plan_gemm = set(shapes.gemm) if shapes else set()
     fit_gemm = [s for s in results["gemm"] if (s.m, s.n, s.k) in plan_gemm] or results["gemm"]
     base = default_calibration(machine.gpu)
-    if machine.device == "cpu":  # collectives run on the computing cores when every core has a rank
-        base = base.replace(comm_overlap=0.0 if sharing * threads >= cores else 1.0)
+    if machine.device == "cpu":  # collectives and Python run on the computing cores when every core has a rank
+        shared = sharing * threads >= cores
+        base = base.replace(comm_overlap=0.0 if shared else 1.0, overlap_exponent=1.0 if shared else
+                            base.overlap_exponent)
     what = f"{name} grid" + (f" + {model.name} shapes (seq {seq_len}, micro-batches {list(micro_batches)})"
                              if model is not None else "")
     profile = fit_profile(
@@ -178,13 +182,19 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
         other_bytes=other, source=f"meshplan calibrate ({what}, {machine.device}, {sharing} ranks x {threads} "
         f"threads, torch {torch.__version__})", date=date,
         scale_sizes=tuple(shapes.comm_bytes) if shapes else None)
+    if blocks:
+        from executor.calibrate.fit import fit_blocks
+
+        profile = profile.replace(**fit_blocks(profile, machine.gpu, machine.dtype, model,
+                                               local_cluster(machine, ranks), blocks))
     errors = prediction_errors(profile, machine.gpu, machine.dtype, results["gemm"])
     summary = _summary(machine, name, results, comm, errors, profile)
     if out is not None:
         profile.save(out)
         samples = {k: [vars(s) for s in v] for k, v in results.items()}
         samples.update(comm=[vars(s) for s in comm], adamw=extra["adamw"], layer_overhead_s=extra["layer_overhead_s"],
-                       other_bytes=other, summary=summary, sharing_ranks=sharing, threads_per_rank=threads)
+                       other_bytes=other, summary=summary, sharing_ranks=sharing, threads_per_rank=threads,
+                       blocks=blocks)
         Path(out).with_suffix(".samples.json").write_text(json.dumps(samples, indent=1))
     return profile, summary
 
@@ -242,6 +252,7 @@ def render_summary(summary: dict[str, Any], out: str) -> None:
                       f"{summary['hbm_gbytes_per_s_spec']:.0f}", "memory_efficiency", f"{p['memory_efficiency']:.3f}")
     table.add_row("", "", "optimizer_bytes_per_param", f"{p['optimizer_bytes_per_param']:.1f}")
     table.add_row("", "", "layer_overhead_s", f"{p['layer_overhead_s'] * 1e6:.0f} us")
+    table.add_row("", "", "collective_overhead_s", f"{p['collective_overhead_s'] * 1e6:.0f} us")
     for key, bw in summary["comm_best_busbw_gbytes_per_s"].items():
         table.add_row(f"{key} busbw", f"{bw:.2f} GB/s", "", "")
     links = ", ".join(f"{k} {v:.2f}" for k, v in p["link_efficiency"].items())

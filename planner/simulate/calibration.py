@@ -191,10 +191,11 @@ class CalibrationProfile:
 _GENERIC = {
     "a100": dict(gemm_efficiency=0.80, attention_efficiency=0.55),
     "b200": dict(gemm_efficiency=0.65, attention_efficiency=0.35),
-    # CPU ranks get one core each from the executor (OMP threads = cores / ranks) and gloo's
-    # transfers run on those cores: nothing of a collective hides under compute.
+    # CPU ranks get one core each from the executor (OMP threads = cores / ranks): gloo's transfers
+    # and the Python that issues the kernels run on the core that computes, so nothing hides
+    # (comm_overlap 0) and host and kernel time add up (overlap_exponent 1).
     "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0,
-                comm_overlap=0.0),
+                comm_overlap=0.0, overlap_exponent=1.0),
 }
 # Families that share another's profile. H200 is the H100's GH100 die at the same
 # clocks (989 TFLOP/s dense bf16 on both datasheets) with 141 GB of HBM3e at
