@@ -169,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     start, results = time.time(), []
     layouts = {k: LAYOUTS_2[k] for k in args.layouts.split(",")}
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m]:  # --models "" runs only --four-ranks
         results.append(run_model(name, 2, layouts, args.out, args.steps, args.warmup, args.update_from,
                                  args.fallback_from, args.repeats))
         print(render(results[-1]) + "\n", flush=True)

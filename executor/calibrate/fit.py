@@ -21,6 +21,10 @@ measured time), so a 100 us GEMM weighs as much as a 100 ms one.
   other_bytes                  device memory in use beyond PyTorch's allocator on a
                                rank that ran NCCL collectives (CUDA context, NCCL
                                buffers); CUDA only, None on CPU
+  with --model (fit_blocks, from one executor block timed plain, under TP and FSDP):
+  compute level                one factor on the three efficiencies so the plain
+                               block's kernels + host time match its measurement
+  collective_overhead_s        the TP and FSDP blocks' surplus per collective issued
 
 `update_profile_from_run` folds a real training run into a profile (the rule
 is in its docstring).
@@ -111,7 +115,8 @@ def fit_comm(samples: Sequence[CommSample], cluster: Cluster) -> tuple[dict[str,
     and launch latency; both minimize sum(log(t_model / t_measured)^2) with
     t_model = CollectiveModel(cluster, eff, latency_scale).time_s - the
     simulator's own collective model. collective_overhead_s (framework
-    dispatch) is not separable from latency on one node and keeps its value.
+    dispatch) is not separable from latency in bare collectives: `fit_blocks`
+    measures it inside real TP and FSDP blocks.
     """
     import numpy as np
     from scipy.optimize import least_squares

@@ -6,9 +6,13 @@ Recipe (all times per micro-batch unless said otherwise):
    overhead overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
    FSDP gathers beyond what the compute hides, EP all-to-alls
-   (`planner.simulate.comm`);
+   (`planner.simulate.comm`); compute hides at most the calibration's
+   `comm_overlap` share of its own time (0 on CPU ranks sharing their cores);
 2. a chunk (virtual stage) is its layers, plus the embedding on chunk 0 and
-   the output layer and loss on the last chunk: the imbalance is real;
+   the output layer and loss on the last chunk: the imbalance is real; the
+   ends carry their own communication: the FSDP root unit's gather and
+   reduce-scatter, TP's embedding and output all-reduces and, for engines
+   without a vocabulary-parallel loss, the logits all-gather;
 3. the pipeline schedule runs as events (`planner.simulate.pipeline`); each rank's
    busy and idle time come out of it;
 4. after its last backward a rank reduces gradients over data parallel (the
