@@ -121,16 +121,11 @@ class Plan:
             raise PlanError(f"invalid plan: a value has the wrong type ({exc})") from None
 
     def save(self, path: str | Path) -> None:
-        """Write plan.json atomically (temporary file, then rename)."""
+        """Write plan.json through topologies.files: atomic for a regular file, in place for a device or pipe."""
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(dumps_json(self.to_json()) + "\n")
-            tmp.replace(path)
-        except OSError as exc:
-            raise PlanError(f"cannot write plan to {str(path)!r}: {exc.strerror}") from None
+        write_text(path, dumps_json(self.to_json()) + "\n", what="plan")
 
 
 def load_plan(path: str | Path) -> Plan:

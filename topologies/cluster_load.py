@@ -10,6 +10,7 @@ what-if a user can type is one a file can hold, and the other way round.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -39,10 +40,18 @@ def _as_bool(text: str) -> bool:
 
 
 def _as_float(text: Any) -> float:
+    """A finite, non-negative number: NaN would act as infinite bandwidth and inf cannot be saved in JSON."""
+    if isinstance(text, bool):
+        raise ValueError("expected a number, not true/false")
     try:
-        return float(text)
-    except (TypeError, ValueError):
+        value = float(text)
+    except (TypeError, ValueError, OverflowError):
         raise ValueError("expected a number") from None
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number (NaN and infinity are refused)")
+    if value < 0:
+        raise ValueError("expected a number >= 0")
+    return value
 
 
 def _as_int(text: Any) -> int:
@@ -95,7 +104,9 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(fh)
     except OSError as exc:
         raise TopologyError(f"cannot read cluster file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except UnicodeDecodeError:
+        raise TopologyError(f"cluster file {path} is not UTF-8 text (a binary file?); give a TOML file") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise TopologyError(f"cluster file {path} is not valid TOML: {exc}") from None
 
 
@@ -212,7 +223,6 @@ def write_cluster_toml(cluster: Cluster, path: str) -> None:
             lines.append(f"{key} = [")
             lines.extend(f"  {_toml_value(list(row))}," for row in rows)
             lines.append("]")
-    try:
-        Path(path).write_text("\n".join(lines) + "\n")
-    except OSError as exc:
-        raise TopologyError(f"cannot write {path}: {exc.strerror}") from None
+    from topologies.files import write_text
+
+    write_text(path, "\n".join(lines) + "\n", what="cluster TOML")

@@ -32,7 +32,9 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
     The profile is what `plan`, `compare` and `simulate` accept with --calibration.
     """
     from executor.calibrate.run import run_calibration
+    from topologies.files import check_output
 
+    check_output(out, "--out", stdout_ok=False)  # before minutes of measuring, not after
     profile, summary = run_calibration(device=device, quick=quick, max_ranks=max_ranks, out=Path(out),
                                        grid_name=grid_name)
     if as_json:
@@ -56,7 +58,10 @@ def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | Non
            warmup_steps: int | None) -> None:
     """A run's measured step time, tokens/s, MFU and peak memory next to its plan's prediction."""
     from executor.validate.report import build_report, plot_report, render_report
+    from topologies.files import check_output
 
+    check_output(png, "--png", image=True)
+    check_output(profile_path, "--update-calibration", stdout_ok=False)
     doc, rows = build_report(run_dir, warmup_steps)
     if profile_path:
         from executor.calibrate.fit import update_profile_from_run

@@ -224,5 +224,6 @@ def plot_report(report: dict[str, Any], rows: list[dict[str, Any]], path: str | 
     ax_m.set(ylabel="GiB", title="peak memory (worst rank)")
     ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from topologies.files import save_figure
+
+    save_figure(fig, path)

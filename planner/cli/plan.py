@@ -6,11 +6,15 @@ table or a chart is drawn, so `plan` answers in well under two seconds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 
+from planner.cli.inputs import FiniteFloat, config_option, resolve_model_arg
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
+from topologies.errors import UsageError
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
@@ -20,8 +24,12 @@ SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "
 def _common(f):
     """Options shared by plan and compare (model, batch, engine, calibration)."""
     for decorator in reversed([
-        click.option("--model", required=True, help="Preset name, size alias (13B) or config.json path."),
-        click.option("--gpus", type=POSITIVE, required=True, help="Number of GPUs (whole nodes beyond the first)."),
+        config_option,
+        click.option("--model", required=True,
+                     help="Preset name, size alias (13B), config.json path or Hugging Face snapshot directory."),
+        click.option("--gpus", required=True, metavar="N|LO-HI|auto",
+                     help="Number of GPUs (whole nodes beyond the first); `plan` also takes a range (8-512) or "
+                          "auto, to sweep the counts the cluster allows."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override a cluster field, e.g. --set nic_gbit_per_s=200 (repeatable)."),
         click.option("--seq-len", type=POSITIVE, default=None,
@@ -58,30 +66,71 @@ def _common(f):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
+# How many GPUs, how long, how much (planner.search.sweep), and how much memory to leave free.
+@click.option("--memory-headroom", "headroom_pct", type=FiniteFloat(0, 90), default=None, metavar="PCT",
+              help="Percent of GPU memory a plan leaves free [default: 5].")
+@click.option("--tokens", default=None, metavar="COUNT",
+              help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
+@click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
+              help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, top, output, png):
+         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, top, output, png,
+         headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
-    3 when no layout fits, with the smallest shortfall and what would fix it.
+    3 when no layout fits, with the smallest shortfall, how many GPUs would
+    fit, and what else would fix it. `--gpus auto` or a range answers how many
+    GPUs to use instead.
     """
+    from planner.cli.inputs import headroom_fraction
+    from planner.search.sweep import parse_gpus, parse_tokens
+    from topologies.files import check_output
+
+    check_output(output, "-o")
+    check_output(png, "--png", image=True)
+    gpu_range = parse_gpus(gpus)
+    train_tokens = parse_tokens(tokens) if tokens is not None else None
     pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
                 virtual_stages=virtual_stages)
-    the_plan, result = search_plan(model, cluster, gpus, overrides, seq_len, global_batch, pins, engine,
-                                   calibration, top)
+    request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
+                          headroom_fraction(headroom_pct))
+    if gpu_range.is_sweep:
+        from planner.cli.sweep import run_sweep
+
+        run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
+        return
+    the_plan, result = search_plan_request(request, gpu_range.lo)
     if output:
         the_plan.save(output)
     if png:
-        from planner.memory.chart import plot_memory
-        from planner.search.explain import short
+        plot_plan_memory(the_plan, result, png, request.usable_fraction)
+    cost = None
+    if train_tokens is not None:
+        from planner.search.sweep import training_cost
 
-        plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
-                     for i, s in enumerate(result.ranked)], png, capacity_bytes=the_plan.cluster.gpu.memory_bytes)
+        cost = training_cost(train_tokens, result.best.result.tokens_per_s, the_plan.cluster.world_size, price)
     if as_json:
-        emit_json(the_plan.to_json())
+        emit_json({**the_plan.to_json(), **({"training_cost": cost} if cost else {})})
         return
     _print_plan(the_plan, result, output, png)
+    if cost:
+        from planner.search.sweep import describe_cost
+
+        console().print(describe_cost(cost))
+
+
+def plot_plan_memory(the_plan, result, png: str, usable_fraction: float) -> None:
+    """The memory chart of the ranked layouts, titled with model, GPUs and cluster, with the planning limit."""
+    from planner.memory.chart import plot_memory
+    from planner.search.explain import short
+
+    c = the_plan.cluster
+    plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
+                 for i, s in enumerate(result.ranked)], png, capacity_bytes=c.gpu.memory_bytes,
+                title=f"{the_plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): memory per GPU",
+                limit_bytes=int(c.gpu.memory_bytes * usable_fraction))
 
 
 @click.command()
@@ -98,7 +147,16 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
             price_per_gpu_hour, png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
+    from planner.search.sweep import parse_gpus
+    from topologies.files import check_output
 
+    check_output(png, "--png", image=True)
+    gpu_range = parse_gpus(gpus)
+    if gpu_range.is_sweep:
+        raise UsageError(f"compare --gpus {gpus!r}: compare takes one GPU count; sweep counts with "
+                         f"`meshplan plan --gpus {gpus}`")
+    gpus = gpu_range.lo
+    model = resolve_model_arg(model)
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                             price_per_gpu_hour)
     if png:
@@ -109,26 +167,65 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     print_compare(rows, console(), png)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `plan` searches with except the GPU count (so a sweep can vary it)."""
+
+    model: str
+    cluster: str
+    overrides: tuple[str, ...]
+    seq_len: int | None
+    global_batch: int | None
+    pins: Pins
+    engine: str
+    calibration: str | None
+    top: int
+    usable_fraction: float
+
+
 def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
                 global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
     """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
+    from planner.search.search import USABLE_MEMORY_FRACTION
+
+    request = PlanRequest(model_name, cluster_name, tuple(overrides), seq_len, global_batch, pins, engine,
+                          calibration, top, USABLE_MEMORY_FRACTION)
+    return search_plan_request(request, gpus)
+
+
+def search_at(request: PlanRequest, gpus: int, top: int | None = None):
+    """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
     from planner.model.load import load_model
     from planner.search.candidates import check_pins
-    from planner.search.explain import build_plan, no_layout_error
     from planner.search.search import search
     from planner.simulate.calibration import load_calibration
     from planner.training import default_seq_len
     from topologies.cluster_load import load_cluster, parse_overrides
 
-    model = load_model(model_name)
-    cluster = load_cluster(cluster_name, gpus, parse_overrides(overrides))
-    seq = seq_len or default_seq_len(model.max_seq_len)
-    profile = load_calibration(calibration, cluster.gpu)
-    check_pins(cluster.world_size, model, seq, global_batch, pins)
-    result = search(model, cluster, seq, global_batch, pins, engine, profile, top)
+    model = load_model(resolve_model_arg(request.model))
+    cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
+    seq = request.seq_len or default_seq_len(model.max_seq_len)
+    profile = load_calibration(request.calibration, cluster.gpu)
+    check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
+    result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
+                    top or request.top, request.usable_fraction)
+    return model, cluster, result
+
+
+def search_plan_request(request: PlanRequest, gpus: int):
+    """(Plan, SearchResult) on `gpus` GPUs; InfeasibleError naming how many GPUs would fit when none does."""
+    from planner.search.explain import build_plan, no_layout_error
+    from topologies.errors import InfeasibleError
+
+    model, cluster, result = search_at(request, gpus)
     if not result.ranked:
-        raise no_layout_error(result, pins, cluster.world_size)
-    return build_plan(model, cluster, result, engine), result
+        error = no_layout_error(result, request.pins, cluster.world_size)
+        if isinstance(error, InfeasibleError):
+            from planner.cli.sweep import gpus_needed_sentence
+
+            error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
+        raise error
+    return build_plan(model, cluster, result, request.engine), result
 
 
 def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:

@@ -34,7 +34,10 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
+    from topologies.files import check_output
 
+    check_output(trace_path, "--trace")
+    check_output(png_path, "--png", image=True)
     plan = load_plan(plan_path)
     cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)

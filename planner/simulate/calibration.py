@@ -149,9 +149,10 @@ class CalibrationProfile:
             raise UsageError(f"malformed calibration profile: {exc}") from None
 
     def save(self, path: str | Path) -> None:
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        Path(path).write_text(dumps_json(self.to_json()) + "\n")
+        write_text(path, dumps_json(self.to_json()) + "\n", what="calibration profile")
 
 
 # Defaults for GPU kinds without a measured profile file (literature, not fitted

@@ -66,10 +66,9 @@ def trace_json(result: StepResult, schedule: str, pp: int, virtual_stages: int) 
 
 
 def write_trace(result: StepResult, schedule: str, pp: int, virtual_stages: int, path: str | Path) -> None:
-    try:
-        Path(path).write_text(json.dumps(trace_json(result, schedule, pp, virtual_stages)))
-    except OSError as exc:
-        raise UsageError(f"cannot write trace to {str(path)!r}: {exc.strerror}") from None
+    from topologies.files import write_text
+
+    write_text(path, json.dumps(trace_json(result, schedule, pp, virtual_stages)), what="trace")
 
 
 def plot_gantt(result: StepResult, schedule: str, pp: int, virtual_stages: int, path: str | Path,
