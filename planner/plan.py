@@ -140,6 +140,9 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise PlanError(f"plan file {str(path)!r} is nested too deeply to be a plan: regenerate it with "
+                        f"`meshplan plan ... -o {path}`") from None
     return Plan.from_json(data)
 
 

@@ -48,10 +48,12 @@ def _positive_float(ctx, param, value):
               help="Save a checkpoint every K steps (0: never).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=None, help="Keep only the newest N checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out; metrics.jsonl is appended.")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in an existing --out: delete its metrics, summary and checkpoints first.")
 def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, lr: float | None,
             log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
             max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
-            resume: bool) -> None:
+            resume: bool, overwrite: bool) -> None:
     """Train with the layout of PLAN.json on this machine's GPUs (or CPU ranks for a cpu-cluster plan).
 
     One node: runs torchrun itself with one worker per rank. Several nodes:
@@ -69,6 +71,8 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
             f"the plan runs on {nnodes} nodes: give every node --nnodes {nnodes} --node-rank R "
             "--rdzv-endpoint HOST:PORT (node 0's address); --print-launch torchrun prints the commands"
         )
+    if resume and overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
     passed = _passthrough(steps, out, seed, data, lr, log_every, checkpoint_every, keep_checkpoints, resume)
     if print_launch:
@@ -82,7 +86,12 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
 
         run_dry(plan)
         return
-    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, seed, data, passed)
+    if node_rank == 0:  # other nodes may share node 0's directory; node 0 alone decides what it holds
+        from executor.preflight import check_run_dir
+
+        check_run_dir(run_dir, resume, overwrite)
+    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, seed, data, passed,
+         clear=overwrite and node_rank == 0)
 
 
 def _passthrough(steps, out, seed, data, lr, log_every, checkpoint_every, keep_checkpoints, resume) -> list[str]:
@@ -113,15 +122,18 @@ def _shell_word(arg: str) -> str:
 
 
 def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-         max_restarts: int, seed: int, data: str | None, passed: list[str]) -> None:
+         max_restarts: int, seed: int, data: str | None, passed: list[str], clear: bool = False) -> None:
     from executor.launch import launch, run_id, torchrun_argv
     from executor.parallel.mesh import device_type_for
-    from executor.preflight import Found, check_data, check_hardware, prepare_out
+    from executor.preflight import Found, check_data, check_hardware, clear_run_dir, prepare_out
+    from topologies.errors import InterruptedRun
     from topologies.terminal import log
 
     check_hardware(plan, Found.detect(), nnodes)
     source = check_data(plan, data, seed)
     plan_text = plan_path.read_text()
+    if clear:
+        clear_run_dir(run_dir)
     prepare_out(run_dir, plan_text)
     nproc = plan.cluster.gpus_per_node
     on_cpu = device_type_for(plan) == "cpu"
@@ -133,7 +145,27 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "
         f"ZeRO-{lay.zero_stage}); data: {source}; run dir: {run_dir}")
     argv = torchrun_argv(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, run_id(plan_text), worker_args)
-    launch(argv, nproc, on_cpu)
+    try:
+        launch(argv, nproc, on_cpu)
+    except (InterruptedRun, KeyboardInterrupt):
+        raise InterruptedRun(interrupted_line(run_dir)) from None
     summary = run_dir / "summary.json"
     if summary.exists():
         log(f"execute: done; metrics in {run_dir / 'metrics.jsonl'}, summary in {summary}")
+
+
+def interrupted_line(run_dir: Path) -> str:
+    """'interrupted at step N; last checkpoint step-K; continue with --resume', from what the run left."""
+    from executor.components.checkpoint import CHECKPOINTS, latest_step
+    from executor.components.measure import read_metrics
+
+    try:
+        step = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
+    except UsageError:
+        step = 0
+    ckpt = latest_step(run_dir / CHECKPOINTS) if (run_dir / CHECKPOINTS).is_dir() else None
+    if ckpt is None:
+        return (f"interrupted at step {step}; no checkpoint was written (--checkpoint-every K keeps one); "
+                f"summary in {run_dir / 'summary.json'}")
+    return (f"interrupted at step {step}; last checkpoint step-{ckpt}; continue with --resume "
+            f"(--out {run_dir})")

@@ -6,11 +6,10 @@ table or a chart is drawn, so `plan` answers in well under two seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import click
 
 from planner.cli.inputs import FiniteFloat, config_option, resolve_model_arg
+from planner.cli.request import PlanRequest, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
@@ -121,18 +120,6 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
         console().print(describe_cost(cost))
 
 
-def plot_plan_memory(the_plan, result, png: str, usable_fraction: float) -> None:
-    """The memory chart of the ranked layouts, titled with model, GPUs and cluster, with the planning limit."""
-    from planner.memory.chart import plot_memory
-    from planner.search.explain import short
-
-    c = the_plan.cluster
-    plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
-                 for i, s in enumerate(result.ranked)], png, capacity_bytes=c.gpu.memory_bytes,
-                title=f"{the_plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): memory per GPU",
-                limit_bytes=int(c.gpu.memory_bytes * usable_fraction))
-
-
 @click.command()
 @click.option("--cluster", "clusters", default="dgx-h100", show_default=True,
               help="Comma-separated cluster presets or TOML paths, compared side by side.")
@@ -167,22 +154,6 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     print_compare(rows, console(), png)
 
 
-@dataclass(frozen=True)
-class PlanRequest:
-    """Everything `plan` searches with except the GPU count (so a sweep can vary it)."""
-
-    model: str
-    cluster: str
-    overrides: tuple[str, ...]
-    seq_len: int | None
-    global_batch: int | None
-    pins: Pins
-    engine: str
-    calibration: str | None
-    top: int
-    usable_fraction: float
-
-
 def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
                 global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
     """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
@@ -191,41 +162,6 @@ def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[
     request = PlanRequest(model_name, cluster_name, tuple(overrides), seq_len, global_batch, pins, engine,
                           calibration, top, USABLE_MEMORY_FRACTION)
     return search_plan_request(request, gpus)
-
-
-def search_at(request: PlanRequest, gpus: int, top: int | None = None):
-    """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
-    from planner.model.load import load_model
-    from planner.search.candidates import check_pins
-    from planner.search.search import search
-    from planner.simulate.calibration import load_calibration
-    from planner.training import default_seq_len
-    from topologies.cluster_load import load_cluster, parse_overrides
-
-    model = load_model(resolve_model_arg(request.model))
-    cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
-    seq = request.seq_len or default_seq_len(model.max_seq_len)
-    profile = load_calibration(request.calibration, cluster.gpu)
-    check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
-    result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
-                    top or request.top, request.usable_fraction)
-    return model, cluster, result
-
-
-def search_plan_request(request: PlanRequest, gpus: int):
-    """(Plan, SearchResult) on `gpus` GPUs; InfeasibleError naming how many GPUs would fit when none does."""
-    from planner.search.explain import build_plan, no_layout_error
-    from topologies.errors import InfeasibleError
-
-    model, cluster, result = search_at(request, gpus)
-    if not result.ranked:
-        error = no_layout_error(result, request.pins, cluster.world_size)
-        if isinstance(error, InfeasibleError):
-            from planner.cli.sweep import gpus_needed_sentence
-
-            error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
-        raise error
-    return build_plan(model, cluster, result, request.engine), result
 
 
 def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
@@ -237,9 +173,9 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     if not out.is_terminal:  # a pipe or file has no width to respect: do not squeeze the table
         out.width = max(out.width, 120)
     m, c, t = the_plan.model, the_plan.cluster, the_plan.training
-    out.print(f"[bold]{m.name}[/] ({_si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
+    out.print(f"[bold]{m.name}[/] ({si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
-              f"global batch {t.global_batch_size} ({_si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
+              f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)
@@ -254,7 +190,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
                       f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
-                      f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
+                      f"{r.step_time_s:.3f}", si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)
@@ -264,11 +200,3 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     for path, what in ((output, "plan"), (png, "memory chart")):
         if path:
             out.print(f"wrote {what} to {path}")
-
-
-def _si(value: float) -> str:
-    """1234567 -> '1.23M': short numbers for narrow tables."""
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= div:
-            return f"{value / div:.3g}{unit}"
-    return f"{value:.3g}"

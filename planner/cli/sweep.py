@@ -8,7 +8,6 @@ or writes what it found. The best count's plan is what -o and --png get.
 from __future__ import annotations
 
 from planner.search.sweep import (
-    AUTO_MAX_GPUS,
     SCALING_WORTH_IT,
     GpuRange,
     Sweep,
@@ -20,39 +19,14 @@ from planner.search.sweep import (
 from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
-# "needs at least N GPUs" looks this far past the count asked for (and no further
-# than this many seconds), so an infeasible plan answers in a few seconds.
-NEEDED_SEARCH_FACTOR = 1024
-NEEDED_SEARCH_BUDGET_S = 5.0
-
-
-def _node_size(request) -> int:
-    from topologies.cluster_load import load_cluster, parse_overrides
-
-    return load_cluster(request.cluster, None, parse_overrides(request.overrides)).gpus_per_node
-
-
-def gpus_needed_sentence(request, cluster) -> str:
-    """'; needs at least N GPUs of CLUSTER' from a short sweep above the count asked for ('' if none found)."""
-    from planner.cli.plan import search_at
-
-    n = cluster.world_size
-    counts = allowed_counts(_node_size(request), n + 1, min(AUTO_MAX_GPUS, n * NEEDED_SEARCH_FACTOR))
-    found = sweep(counts, lambda count: search_at(request, count, top=1)[2], auto=True,
-                  state_bound=request.pins.offload in (None, "none"), max_fits=1, budget_s=NEEDED_SEARCH_BUDGET_S)
-    fit = found.smallest_fit
-    if fit is None:
-        return ""
-    return f"; needs at least {fit.gpus} GPUs of {cluster.name} with these settings (`--gpus auto` shows how it scales)"
-
 
 def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float | None, as_json: bool,
               output: str | None, png: str | None) -> None:
     """Sweep, print the table (or JSON), and write the best count's plan and chart when asked."""
-    from planner.cli.plan import plot_plan_memory, search_at
+    from planner.cli.request import node_size, plot_plan_memory, search_at
     from planner.search.explain import build_plan
 
-    counts = allowed_counts(_node_size(request), gpu_range.lo, gpu_range.hi)
+    counts = allowed_counts(node_size(request), gpu_range.lo, gpu_range.hi)
     if not counts:
         raise UsageError(f"--gpus {gpu_range.lo}-{gpu_range.hi}: no whole-node or power-of-two count of cluster "
                          f"{request.cluster!r} lies in that range; widen it")
@@ -94,7 +68,7 @@ def _print_sweep(request, found: Sweep, costs: dict, output: str | None) -> None
     from rich import box
     from rich.table import Table
 
-    from planner.cli.plan import _si
+    from planner.cli.request import si
     from planner.search.explain import short
 
     out = console()
@@ -121,7 +95,7 @@ def _print_sweep(request, found: Sweep, costs: dict, output: str | None) -> None
             extra.append(f"{c['days']:.1f}")
             if "cost" in c:
                 extra.append(f"${c['cost']:,.0f}")
-        table.add_row(str(p.gpus), "yes", _si(p.tokens_per_s), _si(p.tokens_per_s_per_gpu), f"{r.mfu:.1%}",
+        table.add_row(str(p.gpus), "yes", si(p.tokens_per_s), si(p.tokens_per_s_per_gpu), f"{r.mfu:.1%}",
                       short(p.result.best.layout), *extra)
     out.print(table)
     out.print(f"Smallest count that fits: {best.gpus} GPUs ({short(winner.layout)})."

@@ -19,8 +19,10 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from planner.search.search import SearchResult
+if TYPE_CHECKING:
+    from planner.search.search import SearchResult
 from topologies.cluster import MAX_WORLD_SIZE
 from topologies.errors import UsageError
 
