@@ -16,7 +16,7 @@ from topologies.errors import UsageError
 from topologies.terminal import emit_json
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n")
 def checkpoint() -> None:
     """Work with the checkpoints `execute --checkpoint-every K` writes under OUT/checkpoints/."""
 

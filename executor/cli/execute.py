@@ -22,7 +22,8 @@ def _positive_float(ctx, param, value):
     return value
 
 
-@click.command("execute", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("execute", context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Optimizer steps to run.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,

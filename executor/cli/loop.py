@@ -14,7 +14,7 @@ import click
 from topologies.terminal import emit_json, log
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan calibrate --quick --out h100.json\n  meshplan plan --model 8B --gpus 8 --calibration h100.json\n")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
               help="Where to write the calibration profile (JSON).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
@@ -45,7 +45,7 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
     render_summary(summary, out)
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan report runs/p\n  meshplan report runs/p --png report.png --update-calibration h100.json\n")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only: predicted, measured, error.")
 @click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
@@ -82,7 +82,7 @@ def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | Non
         render_report(doc)
 
 
-@click.command("validate-memory")
+@click.command("validate-memory", epilog="\b\nExamples:\n  meshplan validate-memory plan.json\n  meshplan validate-memory plan.json --rank 0 --rank 7 --json\n")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @click.option("--rank", "ranks", type=int, multiple=True,

@@ -28,7 +28,7 @@ def _hosts(value: str | None) -> list[str] | None:
     return value.split(",") if value else None
 
 
-@click.command("export")
+@click.command("export", epilog="\b\nExamples:\n  meshplan plan --model 8B --gpus 16 -o plan.json\n  meshplan export plan.json --to torchtitan -o train.toml\n  meshplan export plan.json --to deepspeed > ds_config.json\n")
 @click.argument("plan_file", metavar="PLAN.json")
 @click.option("--to", "target", required=True, metavar="TARGET",
               help="torchtitan | megatron | deepspeed | accelerate | torchrun | slurm")

@@ -80,7 +80,8 @@ def apply_config(ctx: click.Context, param: click.Parameter, value: str | None) 
     for key, raw in data.items():
         name = flag_names.get(str(key).replace("-", "_"))
         if name is None:
-            keys = sorted(k.replace("_", "-") for k in flag_names if len(k) > 1)
+            keys = sorted({opt.lstrip("-") for p in options.values() for opt in getattr(p, "opts", [])
+                           if opt.startswith("--")})
             raise UsageError(f"--config {value!r}: unknown key {key!r}{nearest(str(key), keys)}; keys are the flags "
                              f"of `{ctx.command_path}`: {', '.join(keys)}")
         param_obj = options[name]

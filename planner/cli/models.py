@@ -26,7 +26,7 @@ def model_summary(m: ModelSpec) -> dict:
     }
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan models list\n  meshplan models show 70B\n  meshplan models show ./Llama-3.1-8B/config.json\n")
 def models() -> None:
     """The model catalog: presets, size aliases and config files."""
 

@@ -46,7 +46,7 @@ def _common(f):
     return f
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan plan --model 70B --gpus 64\n  meshplan plan --model 405B --gpus auto --tokens 15T --price-per-gpu-hour 2.5\n  meshplan plan --model ./Llama-3.1-8B --gpus 8-64 --memory-headroom 10\n  meshplan plan --config job.toml -o plan.json --png memory.png\n")
 @click.option("--cluster", default="dgx-h100", show_default=True, help="Cluster preset name or TOML path.")
 @_common
 @click.option("--tp", type=POSITIVE, default=None, help="Pin the tensor-parallel degree.")
@@ -120,7 +120,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
         console().print(describe_cost(cost))
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan compare --model 70B --gpus 64 --cluster dgx-h100,dgx-a100-80g\n  meshplan compare --model 8B --gpus 16 --what-if nic_gbit_per_s=100,200,400 --png nic.png\n  meshplan compare --model 70B --gpus 64 --cluster dgx-h100,dgx-b200 --price-per-gpu-hour 2.5,4\n")
 @click.option("--cluster", "clusters", default="dgx-h100", show_default=True,
               help="Comma-separated cluster presets or TOML paths, compared side by side.")
 @_common

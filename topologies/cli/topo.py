@@ -56,7 +56,7 @@ def cluster_summary(c: Cluster) -> dict:
     }
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan topo list\n  meshplan topo show dgx-h100 --gpus 16\n  meshplan topo bench --op all_reduce --size 1KiB:1GiB --gpus 16\n  meshplan topo detect --save mynode.toml\n")
 def topo() -> None:
     """Clusters: presets, custom TOML files, nvidia-smi detection and collective costs."""
 
