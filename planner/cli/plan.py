@@ -147,7 +147,7 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                             price_per_gpu_hour)
     if png:
-        plot_compare(rows, png)
+        plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:
         emit_json({"model": model, "gpus": gpus, "variants": [r.to_json() for r in rows]})
         return

@@ -52,7 +52,10 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     if png_path:
         from planner.simulate.trace import plot_gantt
 
-        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path)
+        c = plan.cluster
+        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path,
+                   title=f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): tp {layout.tp}, pp "
+                         f"{layout.pp}, dp {layout.dp}, ZeRO-{layout.zero_stage}")
         log(f"wrote {png_path}")
     prediction = result.prediction()
     if as_json:
