@@ -119,6 +119,27 @@ def resolve_model_arg(name: str) -> str:
     return str(config)
 
 
+def load_model_arg(name: str):
+    """--model resolved (snapshot directory -> config.json) and loaded; a malformed file is a ModelError, exit 2.
+
+    The loader names the key for the values it checks; a value of a type or
+    range it does not check (a list where a count belongs, 1e400, NaN) raises
+    a Python error while it converts, which is still the file's fault: this
+    turns it into one line naming the file instead of a traceback.
+    """
+    from planner.model.load import load_model
+    from topologies.errors import ModelError
+
+    path = resolve_model_arg(name)
+    try:
+        return load_model(path)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError, KeyError) as exc:
+        raise ModelError(f"model file {path!r} holds a value of the wrong type or range ({type(exc).__name__}: "
+                         f"{exc}); fix that value or start from `meshplan models show NAME --json`") from None
+    except RecursionError:
+        raise ModelError(f"model file {path!r} is nested too deeply to be a model config") from None
+
+
 def headroom_fraction(headroom_pct: float | None) -> float:
     """--memory-headroom PCT -> the usable share of GPU memory (the search's default when not given)."""
     from planner.search.search import USABLE_MEMORY_FRACTION

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from planner.cli.inputs import FiniteFloat, config_option, resolve_model_arg
+from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
@@ -144,6 +144,7 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
                          f"`meshplan plan --gpus {gpus}`")
     gpus = gpu_range.lo
     model = resolve_model_arg(model)
+    load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                             price_per_gpu_hour)
     if png:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cli.inputs import resolve_model_arg
+from planner.cli.inputs import load_model_arg
 from planner.search.candidates import Pins
 
 # "needs at least N GPUs" looks this far past the count asked for (and no further
@@ -37,14 +37,13 @@ class PlanRequest:
 
 def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
-    from planner.model.load import load_model
     from planner.search.candidates import check_pins
     from planner.search.search import search
     from planner.simulate.calibration import load_calibration
     from planner.training import default_seq_len
     from topologies.cluster_load import load_cluster, parse_overrides
 
-    model = load_model(resolve_model_arg(request.model))
+    model = load_model_arg(request.model)
     cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
     seq = request.seq_len or default_seq_len(model.max_seq_len)
     profile = load_calibration(request.calibration, cluster.gpu)
