@@ -68,6 +68,9 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     if node_rank >= nnodes:
         raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
     if nnodes > 1 and rdzv_endpoint is None and not (print_launch or dry_run):
+        from executor.preflight import Found, check_hardware
+
+        check_hardware(plan, Found.detect(), nnodes)  # no GPU here says more than a missing endpoint
         raise UsageError(
             f"the plan runs on {nnodes} nodes: give every node --nnodes {nnodes} --node-rank R "
             "--rdzv-endpoint HOST:PORT (node 0's address); --print-launch torchrun prints the commands"

@@ -13,7 +13,7 @@ from planner.cli.request import PlanRequest, plot_plan_memory, search_plan_reque
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
-from topologies.errors import UsageError
+from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
@@ -95,12 +95,17 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
                 virtual_stages=virtual_stages)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct))
-    if gpu_range.is_sweep:
-        from planner.cli.sweep import run_sweep
+    try:
+        if gpu_range.is_sweep:
+            from planner.cli.sweep import run_sweep
 
-        run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
-        return
-    the_plan, result = search_plan_request(request, gpu_range.lo)
+            run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
+            return
+        the_plan, result = search_plan_request(request, gpu_range.lo)
+    except InfeasibleError as exc:
+        if as_json:  # a script reading stdout gets an answer too, not an empty string
+            emit_json({"feasible": False, "error": str(exc), "exit_code": exc.exit_code})
+        raise
     if output:
         the_plan.save(output)
     if png:

@@ -212,6 +212,9 @@ def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int) -> MeshplanEr
     """Why the search came back empty: memory (InfeasibleError, exit 3) or the pins and batch (PlanError, exit 2)."""
     s = result.stats
     pinned = ", ".join(f"{k}={v}" for k, v in pins.pinned().items()) or "none"
+    if pins.micro_batch_size is not None and pins.micro_batch_size > result.target_batch:
+        return PlanError(f"--micro-batch {pins.micro_batch_size} is larger than the global batch "
+                         f"({result.target_batch} sequences): lower --micro-batch or raise --global-batch")
     if result.near_miss is not None:
         return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus))
     if s.shapes == 0 and s.unsupported:
