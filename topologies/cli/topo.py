@@ -108,8 +108,8 @@ def show_cluster(name: str, gpus: int | None, sets: tuple[str, ...], as_json: bo
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def detect(from_file: str | None, gpu_name: str | None, save: str | None, as_json: bool) -> None:
     """Read this node's topology from nvidia-smi (or a saved `nvidia-smi topo -m`)."""
-    from topologies.hardware import get_gpu
     from topologies.files import check_output
+    from topologies.hardware import get_gpu
     from topologies.smi_topo import detect_cluster, guess_gpu, parse_topo, query_live
 
     check_output(save, "--save")
