@@ -5,8 +5,9 @@
 
 Each run is a fresh process (`cli.py plan --model M --gpus auto --json`),
 timed from start to exit, so imports count; the sweep's own time is the JSON's
-`elapsed_s`. Figures depend on the CPU and its load: on a shared machine take
-the best run as the figure and the median as the spread.
+`elapsed_s`. Wall time depends on the machine's load, so the process's CPU
+time (user + system, from os.wait4) is printed too: on an idle core the wall
+time is about the CPU time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,11 +31,17 @@ def run_once(model: str, cluster: str) -> tuple[float, dict]:
     argv = [sys.executable, str(REPO / "cli.py"), "plan", "--model", model, "--cluster", cluster, "--gpus", "auto",
             "--json"]
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    stdout, stderr = proc.communicate()
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr}")
-    return wall, json.loads(proc.stdout)
+        raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}): {stderr}")
+    return wall, json.loads(stdout)
+
+
+def cpu_seconds_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -41,9 +49,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     for model, cluster in CASES:
-        walls, sweeps = [], []
+        walls, sweeps, cpus = [], [], []
         for _ in range(args.runs):
+            before = cpu_seconds_of_children()
             wall, doc = run_once(model, cluster)
+            cpus.append(cpu_seconds_of_children() - before)
             walls.append(wall)
             sweeps.append(doc["elapsed_s"])
         counted = [p["gpus"] for p in doc["points"]]
@@ -51,7 +61,9 @@ def main() -> None:
               f"ruled out {doc['ruled_out_by_model_state']}, scaling stops paying after "
               f"{doc['scaling_stops_paying_after']}")
         print(f"  wall (process start to exit): best {min(walls):.2f} s, median {statistics.median(walls):.2f} s; "
-              f"sweep alone: best {min(sweeps):.2f} s, median {statistics.median(sweeps):.2f} s ({args.runs} runs)")
+              f"sweep alone: best {min(sweeps):.2f} s, median {statistics.median(sweeps):.2f} s; "
+              f"CPU time of the process: median {statistics.median(cpus):.2f} s ({args.runs} runs, load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":
