@@ -17,8 +17,8 @@ PRINT_LAUNCH = ("torchrun", "slurm")
 
 
 def _positive_float(ctx, param, value):
-    if value is not None and not value > 0:
-        raise click.BadParameter(f"must be > 0, got {value}")
+    if value is not None and not 0 < value < float("inf"):  # NaN fails both comparisons
+        raise click.BadParameter(f"must be a finite number > 0, got {value}")
     return value
 
 

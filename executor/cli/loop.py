@@ -20,7 +20,7 @@ from topologies.terminal import emit_json, log
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Device to measure; default cuda when a GPU is visible, else cpu.")
 @click.option("--quick", is_flag=True, help="A small grid: under 2 minutes on a 2-core CPU.")
-@click.option("--max-ranks", type=int, default=None,
+@click.option("--max-ranks", type=click.IntRange(min=1, max=1024), default=None,
               help="Largest collective group to measure (default: all local GPUs; on CPU min(cores, 4)).")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON only.")
 @click.option("--grid", "grid_name", type=click.Choice(["tiny", "quick", "full"]), default=None, hidden=True,
@@ -52,7 +52,7 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
               help="Write a chart: step time per step and peak memory, measured against predicted.")
 @click.option("--update-calibration", "profile_path", type=click.Path(dir_okay=False), default=None,
               help="Fold this run into a calibration profile (created from the GPU's defaults if absent).")
-@click.option("--warmup-steps", type=int, default=None,
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
               help="Leading steps to skip (default 2 when at least 3 remain).")
 def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | None,
            warmup_steps: int | None) -> None:

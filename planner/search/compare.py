@@ -130,7 +130,7 @@ def parse_prices(text: str | None, n_variants: int) -> list[float | None]:
         prices = [float(p) for p in text.split(",")]
     except ValueError:
         raise UsageError(f"--price-per-gpu-hour {text!r} must be a number or one number per variant") from None
-    if any(p <= 0 for p in prices) or len(prices) not in (1, n_variants):
+    if any(not 0 < p < float("inf") for p in prices) or len(prices) not in (1, n_variants):  # NaN fails too
         raise UsageError(f"--price-per-gpu-hour {text!r}: give one positive price, or {n_variants} (one per variant)")
     return prices * n_variants if len(prices) == 1 else prices
 

@@ -304,3 +304,43 @@ def test_outputs_never_replace_what_they_were_not_asked_to(tmp_path, kind):
     else:
         assert r.code == 2 and "search:" not in r.stdout  # refused before searching
         assert not (tmp_path / "p.json").exists()
+
+
+# ---- every numeric flag of the light verbs, found by introspection ------------------------
+
+def _numeric_options(argv_prefix: list[str]) -> list[str]:
+    """The long flags taking a number on the command `argv_prefix` names (click introspection)."""
+    import click
+
+    command = cli.meshplan
+    ctx = click.Context(command)
+    for name in argv_prefix:
+        command = command.get_command(ctx, name)
+    numeric = (click.types.IntParamType, click.types.FloatParamType)
+    return [next(o for o in p.opts if o.startswith("--")) for p in command.params
+            if isinstance(p, click.Option) and not p.is_flag and
+            (isinstance(p.type, numeric) or p.type.name in ("number", "integer range", "float range"))]
+
+
+LIGHT_VERBS = {("plan",): ["--model", "8B", "--gpus", "8", "--json"],
+               ("compare",): ["--model", "8B", "--gpus", "8", "--json"],
+               ("topo", "bench"): ["--json"], ("topo", "show"): ["dgx-h100", "--json"],
+               ("execute",): ["{plan}", "--print-launch", "torchrun"],
+               ("report",): ["{run}", "--json"]}
+
+
+@pytest.mark.parametrize("verb", sorted(LIGHT_VERBS), ids=" ".join)
+def test_every_numeric_flag_refuses_non_finite_and_negative_values(plan_text, tmp_path, verb):
+    (tmp_path / "p.json").write_text(plan_text)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "plan.json").write_text(plan_text)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 1.0}\n')
+    base = [a.format(plan="p.json", run="run") for a in LIGHT_VERBS[verb]]
+    flags = _numeric_options(list(verb))
+    assert flags, f"no numeric flags found on {verb}"
+    for flag in flags:
+        for value in ("nan", "inf", "-inf", "1e400", "-1", "99999999999999999999"):
+            r = invoke(*verb, *base, flag, value, cwd=tmp_path)
+            assert_clean(r)
+            if value in ("nan", "inf", "-inf", "1e400"):
+                assert r.code == 2, f"{' '.join(verb)} {flag} {value} was accepted"
