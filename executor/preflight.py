@@ -129,9 +129,11 @@ def check_data(plan: Plan, data: str | None, seed: int) -> str:
 
 def prepare_out(out: Path, plan_text: str) -> None:
     """Create the run directory and write its plan.json copy; UsageError when it cannot."""
+    from topologies.files import write_text
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(plan_text)
+        write_text(out / "plan.json", plan_text, what="the run's plan copy")
     except OSError as exc:
         raise UsageError(f"cannot write the run directory {str(out)!r}: {exc.strerror}; pass a writable --out") from None
 

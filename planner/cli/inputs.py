@@ -132,12 +132,30 @@ def load_model_arg(name: str):
 
     path = resolve_model_arg(name)
     try:
-        return load_model(path)
+        return _named_by_directory(load_model(path), path)
     except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError, KeyError) as exc:
         raise ModelError(f"model file {path!r} holds a value of the wrong type or range ({type(exc).__name__}: "
                          f"{exc}); fix that value or start from `meshplan models show NAME --json`") from None
     except RecursionError:
         raise ModelError(f"model file {path!r} is nested too deeply to be a model config") from None
+
+
+def _named_by_directory(model, path: str):
+    """A Hugging Face config.json without `_name_or_path` is named by its directory (Llama-3.1-8B), not 'llama'."""
+    import dataclasses
+    import json
+
+    p = Path(path)
+    if p.name != "config.json" or not p.is_file():
+        return model
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError):
+        return model
+    if not isinstance(data, dict) or data.get("_name_or_path") or "name" in data:  # named, or a ModelSpec JSON
+        return model
+    directory = p.resolve().parent.name
+    return dataclasses.replace(model, name=directory) if directory else model
 
 
 def headroom_fraction(headroom_pct: float | None) -> float:

@@ -108,6 +108,18 @@ def test_model_files_that_are_not_json_objects(tmp_path, content):
     assert_clean(invoke("plan", "--model", str(tmp_path), "--gpus", "8", cwd=tmp_path))
 
 
+def test_a_snapshot_directory_is_read_and_names_the_model(tmp_path):
+    snap = tmp_path / "Llama-3.1-8B"
+    snap.mkdir()
+    (snap / "config.json").write_text(json.dumps(LLAMA))
+    r = invoke("plan", "--model", str(snap), "--gpus", "8", "--json", cwd=tmp_path)
+    assert r.code == 0, r.stderr
+    assert r.json()["model"]["name"] == "Llama-3.1-8B"
+    (snap / "config.json").write_text(json.dumps({**LLAMA, "_name_or_path": "meta-llama/Llama-3.1-8B"}))
+    assert invoke("plan", "--model", str(snap), "--gpus", "8", "--json", cwd=tmp_path).json()["model"]["name"] == \
+        "meta-llama/Llama-3.1-8B"
+
+
 def test_a_directory_without_config_json_says_so(tmp_path):
     r = invoke("plan", "--model", str(tmp_path), "--gpus", "8", cwd=tmp_path)
     assert r.code == 2 and "without config.json" in r.stderr
