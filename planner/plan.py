@@ -90,6 +90,10 @@ class Plan:
     def from_json(cls, data: Any) -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"plan.json must hold a JSON object, got {type(data).__name__}")
+        bad = _first_non_finite(data)
+        if bad is not None:
+            raise PlanError(f"plan.json key {bad[0]} = {bad[1]!r} is not a finite number (Python's json reads NaN "
+                            "and Infinity): fix the value or re-create the plan with `meshplan plan ... -o`")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanError(
@@ -126,6 +130,18 @@ class Plan:
         from topologies.terminal import dumps_json
 
         write_text(path, dumps_json(self.to_json()) + "\n", what="plan")
+
+
+def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
+    """The dotted key of the first NaN or infinity anywhere in a JSON document, else None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "(top level)", obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:

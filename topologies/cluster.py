@@ -75,6 +75,10 @@ class Cluster:
             )
         if self.nvlink_bridge_pairs and self.gpu.nvlink_links == 0:
             raise TopologyError(f"cluster {self.name!r}: nvlink_bridge_pairs needs NVLink, {self.gpu.name} has none")
+        for key in ("nic_gbit_per_s", "inter_node_oversubscription"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < float("inf"):
+                raise TopologyError(f"cluster {self.name!r}: {key} must be a finite number, got {value!r}")
         if self.nic_gbit_per_s <= 0 or self.inter_node_oversubscription < 1:
             raise TopologyError(
                 f"cluster {self.name!r}: nic_gbit_per_s must be > 0 (got {self.nic_gbit_per_s}) and "

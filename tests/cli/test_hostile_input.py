@@ -244,15 +244,21 @@ def plan_text(tmp_path_factory) -> str:
                       st.text(max_size=12), HOSTILE_VALUES),
        verb=st.sampled_from(["simulate", "export"]))
 def test_plan_files(plan_text, edit, verb):
+    import math
+
     data = json.loads(plan_text)
     section, key, value = edit
-    if isinstance(data.get(section), dict) and data[section]:
+    edited = isinstance(data.get(section), dict) and bool(data[section])
+    if edited:
         key = sorted(data[section])[hash(key) % len(data[section])]
         data[section][key] = value
     with workdir() as tmp:
         (tmp / "p.json").write_text(json.dumps(data, default=str))
         argv = ["simulate", "p.json", "--json"] if verb == "simulate" else ["export", "p.json", "--to", "torchtitan"]
-        assert_clean(invoke(*argv, cwd=tmp))
+        r = invoke(*argv, cwd=tmp)
+        assert_clean(r)
+        if edited and isinstance(value, float) and not math.isfinite(value):
+            assert r.code == 2 and "not a finite number" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("content", ["[" * 200_000, '{"model": NaN}', "\x00\x01", ""])
