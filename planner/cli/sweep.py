@@ -101,11 +101,17 @@ def _print_sweep(request, found: Sweep, costs: dict, output: str | None) -> None
     out.print(f"Smallest count that fits: {best.gpus} GPUs ({short(winner.layout)})."
               + (f" Ruled out without a search (model state alone exceeds memory): {', '.join(map(str, found.ruled_out))}."
                  if found.ruled_out else ""))
+    fits = [p for p in found.points if p.fits]
+    efficient = max(fits, key=lambda p: p.tokens_per_s_per_gpu)
+    line = f"Most tokens/s per GPU: {efficient.gpus} GPUs ({efficient.tokens_per_s_per_gpu:,.0f})"
+    if costs and "cost" in costs[best.gpus]:
+        cheapest = min(fits, key=lambda p: costs[p.gpus]["cost"])
+        line += f"; cheapest to train: {cheapest.gpus} GPUs (${costs[cheapest.gpus]['cost']:,.0f})"
+    out.print(line + ".")
     if found.stopped_paying_at is not None:
         out.print(f"Scaling stops paying after {found.stopped_paying_at} GPUs: the next doubling gives less than "
                   f"{SCALING_WORTH_IT:.0%} of twice the tokens/s.")
     else:
-        fits = [p for p in found.points if p.fits]
         out.print(f"Every doubling evaluated up to {fits[-1].gpus} GPUs still pays (at least "
                   f"{SCALING_WORTH_IT:.0%} scaling efficiency); widen the range to look further.")
     if costs:
