@@ -49,6 +49,15 @@ class Prediction:
         missing = [n for n in names if n not in data]
         if missing:
             raise PlanError(f"plan.json 'prediction' is missing keys: {', '.join(missing)}")
+        for n in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes"):
+            value = data[n]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PlanError(f"plan.json 'prediction'.{n} must be a number >= 0, got {value!r}: re-simulate with "
+                                "`meshplan simulate` or re-create the plan")
+        for n in ("memory_breakdown_bytes", "time_breakdown_s"):
+            if not isinstance(data[n], dict) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in data[n].values()):
+                raise PlanError(f"plan.json 'prediction'.{n} must map names to numbers, got {data[n]!r}")
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{n: data[n] for n in names}, extra=extra)
 

@@ -61,6 +61,16 @@ def _as_int(text: Any) -> int:
     return int(value)
 
 
+MAX_GPU_MEMORY_GIB = 1 << 20  # 1 PiB per GPU: far beyond any device, and int(value * GIB) stays finite
+
+
+def _gib_to_bytes(text: Any) -> int:
+    value = _as_float(text)
+    if value > MAX_GPU_MEMORY_GIB:
+        raise ValueError(f"expected at most {MAX_GPU_MEMORY_GIB} GiB")
+    return int(value * GIB)
+
+
 # Cluster fields a user may set, with the parser of their value.
 CLUSTER_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus_per_node": _as_int, "n_nodes": _as_int, "intra_node": str, "nics_per_node": _as_int,
@@ -70,7 +80,7 @@ CLUSTER_KEYS: dict[str, Callable[[Any], Any]] = {
 }
 # GPU what-ifs: key -> (GPUSpec field, parser that also converts to the field's unit).
 GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "gpu_memory_gib": ("memory_bytes", lambda v: int(_as_float(v) * GIB)),
+    "gpu_memory_gib": ("memory_bytes", lambda v: _gib_to_bytes(v)),
     "gpu_memory_gbytes_per_s": ("memory_gbytes_per_s", _as_float),
     "nvlink_gbytes_per_s": ("nvlink_gbytes_per_s", _as_float),
     "nvlink_links": ("nvlink_links", _as_int),
