@@ -127,11 +127,14 @@ class Plan:
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.
             hash((plan.model, plan.cluster, plan.training, plan.layout))
+            if plan.model.moe is not None and type(plan.model.moe).__name__ != "MoESpec":
+                raise PlanError(f"model.moe must be an object of expert settings or null, got {plan.model.moe!r}")
             return plan
         except MeshplanError as exc:
             raise PlanError(f"invalid plan: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"invalid plan: a value has the wrong type ({exc})") from None
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, ZeroDivisionError) as exc:
+            # a list, number or object where another kind belongs, deeper than the specs check
+            raise PlanError(f"invalid plan: a value has the wrong type ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: str | Path) -> None:
         """Write plan.json through topologies.files: atomic for a regular file, in place for a device or pipe."""

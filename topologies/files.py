@@ -76,6 +76,8 @@ def check_output(path: str | Path | None, flag: str = "-o", *, image: bool = Fal
     p = str(path)
     if p == "":
         raise UsageError(f"{flag} needs a file name, got an empty string")
+    if "\x00" in p:
+        raise UsageError(f"{flag} {p!r}: a file name cannot hold a NUL character")
     if p == STDOUT:
         if not stdout_ok:
             raise UsageError(f"{flag} cannot write to stdout ('-'): give a file name")
@@ -112,8 +114,16 @@ def write_with(path: str | Path, write: Callable[[IO[bytes]], None], *, what: st
     """
     p = str(path)
     if p == STDOUT:
-        write(sys.stdout.buffer)
-        sys.stdout.buffer.flush()
+        binary = getattr(sys.stdout, "buffer", None)
+        if binary is None:  # a text-only stdout (an embedding program's StringIO): decode what is written
+            import io
+
+            sink = io.BytesIO()
+            write(sink)
+            sys.stdout.write(sink.getvalue().decode(errors="replace"))
+            return
+        write(binary)
+        binary.flush()
         return
     target = _target(p)
     try:

@@ -60,9 +60,12 @@ def _read_config(path: str) -> dict[str, Any]:
 def _scalar(key: str, value: Any, path: str) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"--config {path!r}: {key} = {value!r} is not a finite number")
+    if isinstance(value, str) and "\x00" in value:
+        raise UsageError(f"--config {path!r}: {key} holds a NUL character")
     if isinstance(value, (dict, list)):
         raise UsageError(f"--config {path!r}: {key} must be a single value, got {type(value).__name__}")
-    return str(value).lower() if isinstance(value, bool) else value
+    # every value as the command line would type it: the option's own type converts and checks it
+    return None if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def apply_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
