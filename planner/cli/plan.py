@@ -61,6 +61,8 @@ def _common(f):
               help="Pin sequence parallelism (default: both are searched when tp > 1).")
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
+@click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
+@click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
@@ -73,8 +75,8 @@ def _common(f):
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, top, output, png,
-         headroom_pct, tokens, price):
+         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, ep, etp, top, output,
+         png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -92,7 +94,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
     train_tokens = parse_tokens(tokens) if tokens is not None else None
     pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
-                virtual_stages=virtual_stages)
+                virtual_stages=virtual_stages, ep=ep, etp=etp)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct))
     try:

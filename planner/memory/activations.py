@@ -104,6 +104,7 @@ def layer_activation_terms(
     micro_batch: int,
     tp: int = 1,
     cp: int = 1,
+    *,
     sequence_parallel: bool = False,
     dtype_bytes: int = 2,
     fused_attention: bool = True,
@@ -129,7 +130,7 @@ def layer_activation_terms(
         "norm1_input": r * h / sp_div,
         "qkv_input": qkv_casts * d * h / in_div,
         "q_k": d * (model.q_dim + model.kv_dim) / tp,
-        "v": d * model.kv_dim / tp,
+        "v": d * model.n_kv_heads * model.v_head_dim / tp,
         "proj_input": d * model.q_dim / tp,
     }
     if fused_attention:
@@ -150,18 +151,30 @@ def layer_activation_terms(
 
 
 def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
-    """Per-token bytes of the MLP's inner tensors (dense, or MoE experts + router)."""
+    """Per-token bytes of the MLP's inner tensors of an average layer (dense, or MoE experts + router).
+
+    MoE layers keep the fp32 router probabilities and the top-k routing map,
+    the permuted tokens (top_k copies of the hidden state: the experts'
+    input after the dispatch all-to-all), each expert's inner tensors and
+    its output kept for the weighted combine; shared experts as a dense MLP.
+    Models that mix dense and MoE layers (first dense layers, interleaving)
+    are averaged over their layers, as the simulator's average layer is.
+    """
     per_f = 4 if model.mlp == "swiglu" else 2  # saved tensors of width f per token
+    dense = {"mlp_inner": per_f * d * model.ffn_hidden / tp}
     if model.moe is None:
-        return {"mlp_inner": per_f * d * model.ffn_hidden / tp}
+        return dense
     moe = model.moe
+    f = model.n_moe_layers / model.n_layers
     shared_ffn = moe.shared_ffn_hidden or moe.expert_ffn_hidden
-    routed = moe.top_k * (2 * model.hidden + per_f * moe.expert_ffn_hidden)
-    return {
-        "router_probs": FP32_BYTES * moe.n_experts,
-        "experts": d * routed / tp,
-        "shared_experts": per_f * d * moe.n_shared_experts * shared_ffn / tp,
+    terms = {
+        "mlp_inner": (1 - f) * dense["mlp_inner"],
+        "router_probs": f * (FP32_BYTES + 1) * moe.n_experts,  # fp32 probabilities + boolean routing map
+        "moe_permuted": f * d * moe.top_k * model.hidden / tp,  # dispatched copies, the experts' input
+        "experts": f * d * moe.top_k * (model.hidden + per_f * moe.expert_ffn_hidden) / tp,
+        "shared_experts": f * per_f * d * moe.n_shared_experts * shared_ffn / tp,
     }
+    return {k: v for k, v in terms.items() if v > 0}
 
 
 def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[float, float]:
@@ -186,7 +199,7 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str) -> tuple[flo
 
 
 def output_activation_bytes(
-    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, sequence_parallel: bool,
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
@@ -221,7 +234,7 @@ def layer_backward_transient(model: ModelSpec, seq_len: int, micro_batch: int, t
     return tensors * width * dtype_bytes * seq_len * micro_batch / (cp * tp)
 
 
-def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_block_inputs: bool,
+def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, *, cast_block_inputs: bool,
                      recompute: str) -> float:
     """Rotary tables one layer keeps per micro-batch (module docstring; meshplan's executor only).
 
@@ -236,7 +249,7 @@ def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_bloc
     return 0.0 if recompute == "full" else 4.0 * seq_len * model.head_dim * dtype_bytes
 
 
-def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int,
+def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *,
                             sequence_parallel: bool) -> float:
     """The embedding dropout mask (first stage), 1 byte per element when dropout > 0."""
     if model.dropout <= 0:
@@ -255,9 +268,11 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
       warm-up chunk forwards, so 2(pp-r-1) + (v-1)pp + 1 chunks (of 1/v of its
       layers) are alive, capped by the m*v chunks of the step. On rank 0 that
       is pp*(1 + (pp-1)/(pp*v)) micro-batches' worth, Korthikanti's factor.
-    zb-v: assumed to hold pp micro-batches' worth on every rank (Qi et al.
-      2024 design the V shape so each rank's peak equals 1F1B's first stage;
-      deferred weight-gradient passes are taken to fit inside that budget).
+    zb-v (torch's ScheduleZBVZeroBubble order, planner.simulate.pipeline): a
+      chunk's activations live from its F to its W; rank r peaks at
+      min(2 pp, 2m, m + 1 + r) chunks of half its layers, so pp micro-batches'
+      worth once m >= 2 pp - 1 (the V shape matches 1F1B's first stage, Qi et
+      al. 2024), less on the low ranks of a short step.
     """
     m = grad_accum_steps
     if pp == 1:
@@ -271,5 +286,5 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
         chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
         return chunks / v
     if schedule == "zb-v":
-        return float(min(pp, m))
+        return min(2 * pp, 2 * m, m + 1 + rank) / 2
     raise ValueError(f"unknown pipeline schedule {schedule!r}")

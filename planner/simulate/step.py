@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import Layout
+from planner.layout import DP_AXES, Layout
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import DP_AXES, StepComm
+from planner.simulate.comm import StepComm, expert_comm_s
 from planner.simulate.compute import (
     combine,
     embedding_times,
@@ -121,19 +121,19 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
         comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
         calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
-    if model.moe is not None and layout.ep > 1:
-        a2a = 2 * comm.ep_all_to_all_s(model.moe.top_k * act, layout.ep)
-        comm_f["ep_comm"], comm_b["ep_comm"] = a2a, a2a
-        calls_f, calls_b = calls_f + 2, calls_b + 2
+    if model.moe is not None and layout.ep * layout.etp > 1:
+        ep_s, calls = expert_comm_s(model, layout, comm, act)
+        comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
         ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
     if layout.offload == "optimizer+params":  # each pass copies the layer's weights up from host memory
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
         comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
     return comm_f, comm_b, calls_f, calls_b
@@ -169,6 +169,16 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
     host, p = cal.layer_overhead_s, cal.overlap_exponent
     return (combine(emb.forward_s, host, p), combine(emb.backward_s, host, p),
             combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
+
+
+def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, float]
+              ) -> tuple[float, float, float, float]:
+    """The last stage also runs the multi-token-prediction modules: one layer and one more
+    output-layer pass each (DeepSeek-V3's MTP shares the output layer)."""
+    if not model.mtp_layers:
+        return ends
+    k = model.mtp_layers
+    return ends[0], ends[1], ends[2] * (1 + k) + k * unit.f, ends[3] * (1 + k) + k * unit.b
 
 
 def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
@@ -210,8 +220,10 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     sp = stage_params(model, layout, rank)
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.dp_shard if layout.zero_stage >= 1 else 1
-    if layout.zero_stage <= 1:
-        reduce_bytes, reduce_s = sp.total * g, comm.time_s("all_reduce", sp.total * g, DP_AXES)
+    if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
+        reduce_bytes = sp.total * g
+        reduce_s = comm.time_s("all_reduce", sp.dense * g, DP_AXES) + \
+            comm.expert_time_s("all_reduce", sp.experts * g, "edp")
     else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
         reduce_bytes = sp.total * g / layout.dp_shard
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
@@ -220,7 +232,8 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
         reduce_s = max(last_bucket, reduce_s - last_backward_s)
     gather = 0.0
     if layout.zero_stage in (1, 2):
-        gather = comm.time_s("all_gather", sp.total * d, ("dp_shard",))
+        gather = comm.time_s("all_gather", sp.dense * d, ("dp_shard",)) + \
+            comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0
     if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output):
@@ -234,6 +247,22 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     else:
         out["optimizer"] = offloaded_optimizer_time_s(local, training.optimizer, g, d, cluster.gpu, cal)
     return out
+
+
+def step_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
+                calibration: CalibrationProfile | None = None, engine: str = "meshplan",
+                traits: TimeTraits | None = None) -> MemoryEstimate:
+    """The memory of `layout` as a prediction reports it; the search checks fit with this same call.
+
+    One call site for both, so the search never prunes a layout its own
+    prediction calls feasible: same stage split (balanced when empty), same
+    fixed overhead (the calibration's, else the memory model's default), same
+    attention kernel (the engine's, or `traits`).
+    """
+    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
+    fused = (traits or get_engine(engine).time).fused_attention
+    return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, engine, cal.other_bytes,
+                           fused_attention=fused)
 
 
 def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
@@ -256,7 +285,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
-    ends = _ends(model, training, layout, peak, cluster, cal)
+    ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps
@@ -274,8 +303,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
-    memory = estimate_memory(model, training, layout, cluster.gpu, engine, cal.other_bytes,
-                             fused_attention=traits.fused_attention)
+    memory = step_memory(model, training, layout, cluster, cal, engine, traits)
     tokens_per_s = training.tokens_per_step / step
     model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
     step_events = None

@@ -1,7 +1,7 @@
 """Memory model: precision recipes against published tables, parameter placement, properties.
 
 References:
-- Seed notes (../shared/seeds/000_*.txt), mixed-precision table: model (4+2) +
+- The mixed-precision table of Rajbhandari et al. 2020 (sec. 3.1): model (4+2) +
   optimizer 8 + gradients (2+) = (16+) bytes per parameter; fp32 4 + 8 + 4 = 16.
 - Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
   Trillion Parameter Models", figure 1: 7.5B parameters, 64 GPUs, K = 12:
@@ -327,7 +327,9 @@ def test_more_tp_never_raises_weights(name, engine, zero, pp):
     m = load_model(name)
     tps = [t for t in (1, 2, 4, 8) if m.n_kv_heads % t == 0]
     dp = dict(dp_replicate=4) if zero == 0 else dict(dp_shard=4, zero_stage=zero)
-    weights = [_states(m, BF16, Layout(tp=t, pp=pp, grad_accum_steps=4, **dp), engine)["params"] for t in tps]
+    # MoE: experts split over TP only when expert TP follows it (etp = tp, Megatron-Core's default)
+    weights = [_states(m, BF16, Layout(tp=t, etp=t if m.moe else 1, pp=pp, grad_accum_steps=4, **dp),
+                       engine)["params"] for t in tps]
     assert weights == sorted(weights, reverse=True)
 
 
