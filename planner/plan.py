@@ -49,6 +49,15 @@ class Prediction:
         missing = [n for n in names if n not in data]
         if missing:
             raise PlanError(f"plan.json 'prediction' is missing keys: {', '.join(missing)}")
+        for n in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes"):
+            value = data[n]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PlanError(f"plan.json 'prediction'.{n} must be a number >= 0, got {value!r}: re-simulate with "
+                                "`meshplan simulate` or re-create the plan")
+        for n in ("memory_breakdown_bytes", "time_breakdown_s"):
+            if not isinstance(data[n], dict) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in data[n].values()):
+                raise PlanError(f"plan.json 'prediction'.{n} must map names to numbers, got {data[n]!r}")
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{n: data[n] for n in names}, extra=extra)
 
@@ -90,6 +99,10 @@ class Plan:
     def from_json(cls, data: Any) -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"plan.json must hold a JSON object, got {type(data).__name__}")
+        bad = _first_non_finite(data)
+        if bad is not None:
+            raise PlanError(f"plan.json key {bad[0]} = {bad[1]!r} is not a finite number (Python's json reads NaN "
+                            "and Infinity): fix the value or re-create the plan with `meshplan plan ... -o`")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanError(
@@ -114,23 +127,33 @@ class Plan:
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.
             hash((plan.model, plan.cluster, plan.training, plan.layout))
+            if plan.model.moe is not None and type(plan.model.moe).__name__ != "MoESpec":
+                raise PlanError(f"model.moe must be an object of expert settings or null, got {plan.model.moe!r}")
             return plan
         except MeshplanError as exc:
             raise PlanError(f"invalid plan: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"invalid plan: a value has the wrong type ({exc})") from None
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, ZeroDivisionError) as exc:
+            # a list, number or object where another kind belongs, deeper than the specs check
+            raise PlanError(f"invalid plan: a value has the wrong type ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: str | Path) -> None:
-        """Write plan.json atomically (temporary file, then rename)."""
+        """Write plan.json through topologies.files: atomic for a regular file, in place for a device or pipe."""
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(dumps_json(self.to_json()) + "\n")
-            tmp.replace(path)
-        except OSError as exc:
-            raise PlanError(f"cannot write plan to {str(path)!r}: {exc.strerror}") from None
+        write_text(path, dumps_json(self.to_json()) + "\n", what="plan")
+
+
+def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
+    """The dotted key of the first NaN or infinity anywhere in a JSON document, else None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "(top level)", obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -145,6 +168,9 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise PlanError(f"plan file {str(path)!r} is nested too deeply to be a plan: regenerate it with "
+                        f"`meshplan plan ... -o {path}`") from None
     return Plan.from_json(data)
 
 

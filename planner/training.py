@@ -17,6 +17,9 @@ OPTIMIZERS = ("adamw", "sgd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Sequences per step or tokens per sequence beyond 2^24 (16.7M) are typos, not runs.
 MAX_SIZE = 1 << 24
+# Tokens per optimizer step: 256x the largest published batch (16M tokens, Llama 3
+# 405B); beyond it the search would enumerate millions of data-parallel shapes.
+MAX_TOKENS_PER_STEP = 1 << 32
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -41,6 +44,10 @@ class TrainingSpec:
                 raise PlanError(f"training: {key} must be a positive integer, got {value!r}")
             if value > MAX_SIZE:
                 raise PlanError(f"training: {key} = {value} is absurd (at most {MAX_SIZE}); check the value")
+        if self.seq_len * self.global_batch_size > MAX_TOKENS_PER_STEP:
+            raise PlanError(f"training: seq_len ({self.seq_len}) x global_batch_size ({self.global_batch_size}) = "
+                            f"{self.seq_len * self.global_batch_size:,} tokens per step, more than "
+                            f"{MAX_TOKENS_PER_STEP:,}: use a smaller --global-batch")
         if self.dtype not in DTYPES:
             raise PlanError(f"training: dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.grad_dtype not in DTYPES:

@@ -24,6 +24,11 @@ from topologies.errors import TopologyError
 from topologies.hardware import GPUSpec, get_gpu
 
 INTRA_NODE_KINDS = ("nvswitch", "pcie", "host")
+# Sizes beyond any machine built (the largest 2025 clusters hold ~2^17 GPUs; the
+# largest NVLink domain, NVL576, 576): a larger number is a typo, and bounding it
+# keeps every per-rank table the planner and `topo bench` build small.
+MAX_WORLD_SIZE = 2**20
+MAX_GPUS_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,13 @@ class Cluster:
         for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 0, got {getattr(self, key)!r}")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE or self.nics_per_node > MAX_GPUS_PER_NODE:
+            raise TopologyError(f"cluster {self.name!r}: gpus_per_node ({self.gpus_per_node}) and nics_per_node "
+                                f"({self.nics_per_node}) must be at most {MAX_GPUS_PER_NODE}")
+        if self.n_nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise TopologyError(f"cluster {self.name!r}: {self.n_nodes} nodes x {self.gpus_per_node} GPUs = "
+                                f"{self.n_nodes * self.gpus_per_node:,} GPUs exceeds the {MAX_WORLD_SIZE:,} meshplan "
+                                "models; use fewer nodes")
         if self.intra_node not in INTRA_NODE_KINDS:
             raise TopologyError(
                 f"cluster {self.name!r}: intra_node must be one of {INTRA_NODE_KINDS}, got {self.intra_node!r}"
@@ -63,6 +75,10 @@ class Cluster:
             )
         if self.nvlink_bridge_pairs and self.gpu.nvlink_links == 0:
             raise TopologyError(f"cluster {self.name!r}: nvlink_bridge_pairs needs NVLink, {self.gpu.name} has none")
+        for key in ("nic_gbit_per_s", "inter_node_oversubscription"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < float("inf"):
+                raise TopologyError(f"cluster {self.name!r}: {key} must be a finite number, got {value!r}")
         if self.nic_gbit_per_s <= 0 or self.inter_node_oversubscription < 1:
             raise TopologyError(
                 f"cluster {self.name!r}: nic_gbit_per_s must be > 0 (got {self.nic_gbit_per_s}) and "
@@ -132,6 +148,9 @@ class Cluster:
         per = self.gpus_per_node
         if not isinstance(n_gpus, int) or n_gpus < 1:
             raise TopologyError(f"--gpus must be a positive integer, got {n_gpus!r}")
+        if n_gpus > MAX_WORLD_SIZE:
+            raise TopologyError(f"--gpus {n_gpus:,} exceeds the {MAX_WORLD_SIZE:,} GPUs meshplan models; "
+                                "use a smaller count")
         if n_gpus <= per:
             links = tuple(row[:n_gpus] for row in self.gpu_links[:n_gpus])
             return dataclasses.replace(self, gpus_per_node=n_gpus, n_nodes=1, gpu_links=links,

@@ -47,6 +47,12 @@ class GPUSpec:
     pcie_p2p: bool = True  # False where the driver disables GPU peer-to-peer over PCIe (GeForce 40xx)
 
     def __post_init__(self) -> None:
+        for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
+                    "fp8_flops", "nvlink_gbytes_per_s"):
+            value = getattr(self, key)
+            # NaN passes every comparison below and would price a link or a GEMM as free
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise TopologyError(f"GPU {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
         if self.memory_bytes <= 0 or self.memory_gbytes_per_s <= 0:
             raise TopologyError(f"GPU {self.name!r}: memory_bytes and memory_gbytes_per_s must be positive")
         if self.pcie_gen not in PCIE_X16_RAW_GBYTES_PER_S:

@@ -190,12 +190,15 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
     errors = prediction_errors(profile, machine.gpu, machine.dtype, results["gemm"])
     summary = _summary(machine, name, results, comm, errors, profile)
     if out is not None:
+        from topologies.files import is_regular_destination, write_text
+
         profile.save(out)
         samples = {k: [vars(s) for s in v] for k, v in results.items()}
         samples.update(comm=[vars(s) for s in comm], adamw=extra["adamw"], layer_overhead_s=extra["layer_overhead_s"],
                        other_bytes=other, summary=summary, sharing_ranks=sharing, threads_per_rank=threads,
                        blocks=blocks)
-        Path(out).with_suffix(".samples.json").write_text(json.dumps(samples, indent=1))
+        if is_regular_destination(out):  # beside a file; a device or pipe gets the profile only
+            write_text(Path(out).with_suffix(".samples.json"), json.dumps(samples, indent=1), what="samples")
     return profile, summary
 
 

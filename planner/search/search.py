@@ -83,6 +83,7 @@ class NearMiss:
     needed_bytes: int
     capacity_bytes: int
     what: str  # "model state" or "peak memory"
+    usable_fraction: float = USABLE_MEMORY_FRACTION  # of the GPU's memory, from --memory-headroom
 
 
 @dataclass
@@ -126,14 +127,15 @@ class _Context:
     engine: str
     calibration: CalibrationProfile
     bound: StepBound
+    usable_fraction: float = USABLE_MEMORY_FRACTION
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
 
     @property
     def capacity_bytes(self) -> int:
-        """What a plan may use: USABLE_MEMORY_FRACTION of the GPU's memory."""
-        return int(self.cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION)
+        """What a plan may use: usable_fraction (default USABLE_MEMORY_FRACTION) of the GPU's memory."""
+        return int(self.cluster.gpu.memory_bytes * self.usable_fraction)
 
     @property
     def other_bytes(self) -> int:
@@ -157,24 +159,25 @@ class _Context:
 
     def miss(self, layout: Layout, needed: int, what: str) -> None:
         if self.near_miss is None or needed < self.near_miss.needed_bytes:
-            self.near_miss = NearMiss(layout, needed, self.capacity_bytes, what)
+            self.near_miss = NearMiss(layout, needed, self.capacity_bytes, what, self.usable_fraction)
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
            pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
-           top_k: int = 5) -> SearchResult:
+           top_k: int = 5, usable_memory_fraction: float = USABLE_MEMORY_FRACTION) -> SearchResult:
     """The top_k layouts for training `model` on `cluster`, best first.
 
     Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
     into an InfeasibleError) or when no layout satisfies the pins and batch
     (`stats.shapes` is 0; `stats.batch_rejected` > 0 when the batch is why).
+    `usable_memory_fraction` is `plan --memory-headroom` (1 - PCT/100).
     """
     started = time.perf_counter()
     calibration = calibration or load_calibration(None, cluster.gpu)
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine))
+                   bound=StepBound(model, cluster, calibration, engine), usable_fraction=usable_memory_fraction)
     ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -104,6 +105,17 @@ class CalibrationProfile:
     date: str = ""  # when they were measured or fitted (ISO date)
 
     def __post_init__(self) -> None:
+        for key in ("gpu", "source", "date"):
+            if not isinstance(getattr(self, key), str):
+                raise UsageError(f"calibration: {key} must be a string, got {getattr(self, key)!r}")
+        for key in ("link_efficiency", "engine_factors"):
+            if not isinstance(getattr(self, key), dict):
+                raise UsageError(f"calibration: {key} must be an object, got {getattr(self, key)!r}")
+        for key in (*_FRACTIONS, *_NON_NEGATIVE, "overlap_exponent"):
+            value = getattr(self, key)
+            # JSON's NaN and Infinity parse as floats, and NaN passes every range test below
+            if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+                raise UsageError(f"calibration: {key} must be a finite number, got {value!r}")
         for key in _FRACTIONS:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not 0.0 < value <= 1.5:
@@ -189,9 +201,10 @@ class CalibrationProfile:
             raise UsageError(f"malformed calibration profile: {exc}") from None
 
     def save(self, path: str | Path) -> None:
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        Path(path).write_text(dumps_json(self.to_json()) + "\n")
+        write_text(path, dumps_json(self.to_json()) + "\n", what="calibration profile")
 
 
 # Defaults for GPU kinds without a measured profile file (literature, not fitted
@@ -273,4 +286,12 @@ def _read(path: Path) -> CalibrationProfile:
         raise UsageError(f"cannot read calibration file {str(path)!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"calibration file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    return CalibrationProfile.from_json(data)
+    except UnicodeDecodeError:
+        raise UsageError(f"calibration file {str(path)!r} is not UTF-8 text: give the JSON `meshplan calibrate` "
+                         "writes") from None
+    except RecursionError:
+        raise UsageError(f"calibration file {str(path)!r} is nested too deeply to be a profile") from None
+    try:
+        return CalibrationProfile.from_json(data)
+    except UsageError as exc:
+        raise UsageError(f"calibration file {str(path)!r}: {exc}") from None
