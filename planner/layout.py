@@ -26,7 +26,10 @@ from typing import Any
 from topologies.errors import PlanError
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-RECOMPUTE_KINDS = ("none", "selective", "full")
+# Lightest first. selective: Megatron's core-attention recomputation; op:
+# torchtitan's per-op selective checkpointing (planner.memory.activations);
+# full: whole blocks.
+RECOMPUTE_KINDS = ("none", "selective", "op", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.
@@ -46,7 +49,7 @@ class Layout:
     zero_stage: int = 0  # 0 DDP, 1 optimizer, 2 + grads, 3 + params sharded over dp_shard
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step per replica
-    recompute: str = "none"  # activation recomputation: none | selective | full
+    recompute: str = "none"  # activation recomputation: none | selective | op | full
     sequence_parallel: bool = False  # shard norms/dropout along the sequence over tp
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-v
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zb-v: 2)

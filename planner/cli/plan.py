@@ -6,11 +6,14 @@ table or a chart is drawn, so `plan` answers in well under two seconds.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import click
 
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
+from planner.training import ATTENTION_KINDS, PRECISIONS
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
@@ -49,17 +52,29 @@ def _common(f):
 @click.option("--cp", type=POSITIVE, default=None, help="Pin the context-parallel degree.")
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0: DDP, dp_shard 1).")
 @click.option("--micro-batch", type=POSITIVE, default=None, help="Pin the micro-batch size (sequences).")
-@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None, help="Pin activation recomputation.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Pin sequence parallelism (default: both are searched when tp > 1).")
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
+# ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
+                   "Blackwell) around a bf16 model.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
+              help="Pin activation recomputation: selective = attention core (Megatron), op = per-op "
+                   "selective checkpointing (torchtitan), full = whole blocks. Default: searched.")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default=None,
+              help="Attention kernel: fused (flash/cuDNN) or eager (softmax over materialized scores). "
+                   "Default: the engine's.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile per block (torchtitan, meshplan).")
+# ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, top, output, png):
+         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, precision, recompute,
+         attention, compile_, top, output, png):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -69,7 +84,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
                 virtual_stages=virtual_stages)
     the_plan, result = search_plan(model, cluster, gpus, overrides, seq_len, global_batch, pins, engine,
-                                   calibration, top)
+                                   calibration, top, TrainingOptions(precision, attention or "", compile_))
     if output:
         the_plan.save(output)
     if png:
@@ -109,8 +124,37 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     print_compare(rows, console(), png)
 
 
+class TrainingOptions(NamedTuple):
+    """--precision, --attention, --compile: how the model trains, given by the user, never searched."""
+
+    precision: str = "bf16"
+    attention: str = ""  # "" = the engine's kernel
+    compile: bool = False
+
+
+def check_training_options(options: TrainingOptions, engine: str, gpu, recompute: str | None) -> None:
+    """UsageErrors for options this engine or GPU cannot honour, naming what would."""
+    from planner.engines import get_engine
+    from topologies.errors import TopologyError, UsageError
+
+    eng = get_engine(engine)
+    if options.precision in ("fp8", "mxfp8") and gpu.kind != "cpu":
+        try:
+            gpu.peak_flops(options.precision)
+        except TopologyError:
+            have = "fp8 (per-tensor scaling)" if gpu.fp8_flops else "no 8-bit tensor cores"
+            raise UsageError(f"--precision {options.precision}: {gpu.name} has {have}; mxfp8 needs Blackwell "
+                             "(b200, b300, gb200, gb300), fp8 Hopper or later") from None
+    if options.compile and not eng.compiles:
+        raise UsageError(f"--compile: engine {engine} does not compile blocks with torch.compile; use "
+                         "--engine torchtitan or meshplan, or drop --compile")
+    if recompute is not None and recompute not in eng.recompute_kinds:
+        raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
+
+
 def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
-                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
+                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int,
+                options: TrainingOptions = TrainingOptions()):
     """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
     from planner.model.load import load_model
     from planner.search.candidates import check_pins
@@ -125,7 +169,8 @@ def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[
     seq = seq_len or default_seq_len(model.max_seq_len)
     profile = load_calibration(calibration, cluster.gpu)
     check_pins(cluster.world_size, model, seq, global_batch, pins)
-    result = search(model, cluster, seq, global_batch, pins, engine, profile, top)
+    check_training_options(options, engine, cluster.gpu, pins.recompute)
+    result = search(model, cluster, seq, global_batch, pins, engine, profile, top, *options)
     if not result.ranked:
         raise no_layout_error(result, pins, cluster.world_size)
     return build_plan(model, cluster, result, engine), result
@@ -142,7 +187,8 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     m, c, t = the_plan.model, the_plan.cluster, the_plan.training
     out.print(f"[bold]{m.name}[/] ({_si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
-              f"global batch {t.global_batch_size} ({_si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
+              f"global batch {t.global_batch_size} ({_si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
+              f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}")
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)

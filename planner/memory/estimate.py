@@ -114,6 +114,7 @@ from planner.memory.activations import (
     layer_activation_bytes,
     layer_activation_terms,
     layer_backward_transient,
+    op_saved_terms,
     output_activation_bytes,
     rope_table_bytes,
 )
@@ -219,8 +220,12 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     traits = get_engine(engine).memory
     path = dp_path(layout) if traits.step_phases else "published"
     autocast = path in ("none", "ddp") and d < FP32_BYTES
-    terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered)
-    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute)
+    eng = get_engine(engine)
+    fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
+    terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered,
+                                   fp8_inputs)
+    op_saved = op_saved_terms(model, s, b, t, cp, d, fused) if layout.recompute == "op" else None
+    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if traits.rope_buffers:
         per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
     saved, logits_saved, logits_transient = output_activation_bytes(
@@ -245,7 +250,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     (Korthikanti's accounting).
     """
     eng = get_engine(engine)
-    fused = eng.time.fused_attention if fused_attention is None else fused_attention
+    fused = eng.fused_attention(training) if fused_attention is None else fused_attention
     other = default_other_bytes(gpu) if other_bytes is None else other_bytes
     acts = _activations(model, training, layout, engine, fused)
     comm = _activation_comm(model, training, layout, engine)

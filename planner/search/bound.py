@@ -51,7 +51,9 @@ from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
 from planner.simulate.comm import DP_AXES, StepComm, group_offsets
 from planner.simulate.compute import (
+    COMPILE_HOST_FACTOR,
     embedding_times,
+    fp8_peak_flops,
     layer_times,
     optimizer_time_s,
     output_times,
@@ -126,7 +128,7 @@ class StepBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
         shape_key = shape.mesh_shape
         key = (shape_key, shape.zero_stage, shape.ep, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
-               training.dtype, training.grad_dtype, training.optimizer)
+               training.dtype, training.grad_dtype, training.optimizer, training.precision)
         kinds = self._tails.get(key)
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
@@ -157,15 +159,16 @@ class StepBound:
     def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str
              ) -> tuple[float, float, float, float]:
         """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch."""
-        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel,
-               recompute, shape.ep)
+        key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
+               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, recompute, shape.ep)
         hit = self._units.get(key)
         if hit is None:
             layout = shape.replace(micro_batch_size=micro_batch_size, recompute=recompute)
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
-                             self.traits.fused_attention)
+                             training.fused_attention(self.traits.fused_attention),
+                             fp8_peak_flops(training.precision, gpu), training.compile)
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
@@ -183,7 +186,8 @@ class StepBound:
         dense, experts = layer_params_split(self.model, shape.tp, shape.ep)
         unit = dense + experts
         rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
-        ag = self._time("all_gather", unit * training.dtype_bytes, shape_key, ("dp_shard",)) \
+        gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
+        ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
             if shape.zero_stage == 3 else 0.0
         return ag, ag + rs
 
@@ -235,7 +239,7 @@ class ShapeBound:
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
         ag, ag_rs = self.fsdp
-        host = p.cal.layer_overhead_s
+        host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
         f_layer = max(max(f, ag) + tp_f, host)
         b_layer = max(max(b, ag_rs) + tp_b, host * (3.0 if recompute == "full" else 2.0))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)

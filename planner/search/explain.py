@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.engines import get_engine
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
@@ -212,7 +213,9 @@ def alternative_json(scored: Scored, winner: Scored) -> dict[str, Any]:
 def build_plan(model: ModelSpec, cluster: Cluster, result: SearchResult, engine: str) -> Plan:
     """The plan.json document of the winner, with alternatives and explanation."""
     best = result.best
-    return Plan(model=model, cluster=cluster, training=best.training, layout=best.layout, engine=engine,
+    eng = get_engine(engine)  # plan.json names the attention kernel: no engine default left to resolve
+    training = best.training.replace(attention="fused" if eng.fused_attention(best.training) else "eager")
+    return Plan(model=model, cluster=cluster, training=training, layout=best.layout, engine=engine,
                 prediction=best.result.prediction(),
                 alternatives=tuple(alternative_json(s, best) for s in result.ranked[1:]),
                 explanation=explanation(result, cluster))

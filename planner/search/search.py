@@ -126,6 +126,9 @@ class _Context:
     engine: str
     calibration: CalibrationProfile
     bound: StepBound
+    precision: str = "bf16"  # how block GEMMs run (TrainingSpec.precision); given, never searched
+    attention: str = ""  # fused | eager | "" (the engine's)
+    compile: bool = False
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
@@ -147,13 +150,23 @@ class _Context:
 
     @property
     def dtype(self) -> str:
-        """bf16 on GPUs; fp32 on CPU ranks, which compute in fp32 whatever a plan says."""
-        return "bf16" if self.on_gpu else "fp32"
+        """bf16 on GPUs (also under fp8/mxfp8 GEMMs); fp32 on CPU ranks, which compute in fp32 whatever a plan says."""
+        if not self.on_gpu:
+            return "fp32"
+        return self.precision if self.precision in ("fp16", "fp32") else "bf16"
 
     def training(self, batch: int) -> TrainingSpec:
         if batch not in self._trainings:
-            self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype)
+            precision = self.precision if self.on_gpu else "fp32"
+            self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype,
+                                                  precision=precision, attention=self.attention,
+                                                  compile=self.compile)
         return self._trainings[batch]
+
+    def recompute_kinds(self) -> tuple[str, ...]:
+        """The pinned or searched recompute kinds this engine implements, lightest first."""
+        kinds = get_engine(self.engine).recompute_kinds
+        return tuple(r for r in recompute_options(self.pins) if r in kinds)
 
     def miss(self, layout: Layout, needed: int, what: str) -> None:
         if self.near_miss is None or needed < self.near_miss.needed_bytes:
@@ -162,7 +175,7 @@ class _Context:
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
            pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
-           top_k: int = 5) -> SearchResult:
+           top_k: int = 5, precision: str = "bf16", attention: str = "", compile: bool = False) -> SearchResult:
     """The top_k layouts for training `model` on `cluster`, best first.
 
     Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
@@ -174,7 +187,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine))
+                   bound=StepBound(model, cluster, calibration, engine), precision=precision,
+                   attention=attention, compile=compile)
     ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
@@ -205,7 +219,7 @@ def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
 
     out = []
     for shape in shapes(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, offload, dp_ok):
-        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu)
+        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu, ctx.training(batches[shape.dp]))
         if refusal:  # the plan must run on our executor (planner.engines)
             ctx.stats.unsupported += 1
             ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
@@ -229,8 +243,13 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     when popped; if it needs heavier recomputation than its bound assumed, it
     goes back with the bound of that recomputation.
     """
-    recomputes = recompute_options(ctx.pins)
+    recomputes = ctx.recompute_kinds()
+    if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
+        recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
+            ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
     queue = []
+    if not recomputes:
+        return []
     for i, sh in enumerate(shape_list):
         mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
         for mb in mbs:

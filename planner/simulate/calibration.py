@@ -12,6 +12,9 @@ How each field enters the time model (see `planner.simulate.compute`):
       A dimension equal to `gemm_knee` doubles the time a large GEMM of the same
       FLOPs would take: tile quantization and pipeline fill of small dimensions
       (TP shrinks n or k by the TP degree, a micro-batch of 1 shrinks m).
+  8-bit GEMMs:       the same formula at the GPU's FP8 (MXFP8) peak with
+      `fp8_gemm_efficiency` in place of gemm_efficiency (a fraction of the 8-bit peak),
+      plus the operand casts as memory-bound work (planner.simulate.compute)
   fused attention:   t = executed FLOPs / (peak * attention_efficiency)
   memory-bound work: t = bytes / (HBM bandwidth * memory_efficiency)
   host overhead:     every layer costs `layer_overhead_s` of host time per forward
@@ -54,7 +57,8 @@ from topologies.hardware import GPUSpec
 # Shipped profiles are package data beside this loader; a source checkout and an
 # installed wheel both expose them as a directory on disk.
 CALIBRATION_DIR = Path(str(resources.files(__package__) / "calibrations"))
-_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")  # also what engine_factors scale
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
+              "fp8_gemm_efficiency")  # also what engine_factors scale
 _NON_NEGATIVE = ("gemm_knee", "layer_overhead_s", "latency_scale", "collective_overhead_s",
                  "optimizer_bytes_per_param")
 
@@ -66,6 +70,8 @@ class CalibrationProfile:
     gpu: str = ""  # GPU name the profile was measured on ("" = generic defaults)
     gemm_efficiency: float = 0.80  # fraction of dense peak large GEMMs reach
     gemm_knee: float = 64.0  # GEMM dimension at which that dimension doubles the time
+    # fraction of the 8-bit dense peak large FP8/MXFP8 GEMMs reach (cuBLASLt FP8 on H100: ~60-70%)
+    fp8_gemm_efficiency: float = 0.60
     attention_efficiency: float = 0.55  # fused (flash) attention, fraction of peak on executed FLOPs
     memory_efficiency: float = 0.80  # fraction of HBM bandwidth memory-bound kernels reach
     # Host overhead describes the software stack, not the silicon: ~50-100 eager PyTorch kernels per

@@ -35,8 +35,10 @@ from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.comm import DP_AXES, StepComm
 from planner.simulate.compute import (
+    COMPILE_HOST_FACTOR,
     combine,
     embedding_times,
+    fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
     layer_gemms,
@@ -100,9 +102,12 @@ class _Unit:
 
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
-                bwd_s: float, attention_s: float, tp_hidden_s: float
+                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int
                 ) -> tuple[dict[str, float], dict[str, float], int, int]:
-    """Exposed communication of one layer pass (forward, backward) and the collectives each issues."""
+    """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
+
+    gather_bytes: bytes per parameter FSDP all-gathers (1 for float8 all-gathers, else the dtype's).
+    """
     d = training.dtype_bytes
     m = tokens_per_micro_batch(training.seq_len, layout)
     act = m * model.hidden * d
@@ -128,7 +133,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, ("dp_shard",)) \
+            if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
@@ -140,22 +146,24 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
-                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits) -> _Unit:
+                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
     kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
-                     traits.fused_attention)
+                     training.fused_attention(traits.fused_attention),
+                     fp8_peak_flops(training.precision, cluster.gpu), training.compile)
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
+    gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
-                                                   lt.backward_s, attention, tp_hidden)
+                                                   lt.backward_s, attention, tp_hidden, gather_bytes)
     passes_b = 3.0 if layout.recompute == "full" else 2.0
     p = cal.overlap_exponent
-    f = combine(lt.forward_s + sum(comm_f.values()), cal.layer_overhead_s + calls_f * cal.collective_overhead_s, p)
-    b = combine(lt.backward_s + sum(comm_b.values()),
-                passes_b * cal.layer_overhead_s + calls_b * cal.collective_overhead_s, p)
+    host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
+    f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)
+    b = combine(lt.backward_s + sum(comm_b.values()), passes_b * host + calls_b * cal.collective_overhead_s, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
     return _Unit(f, b, w, comm_f, comm_b)
 
@@ -255,7 +263,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
-    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _ends(model, training, layout, peak, cluster, cal)
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
@@ -275,7 +283,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
     memory = estimate_memory(model, training, layout, cluster.gpu, engine, cal.other_bytes,
-                             fused_attention=traits.fused_attention)
+                             fused_attention=training.fused_attention(traits.fused_attention))
     tokens_per_s = training.tokens_per_step / step
     model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
     step_events = None
@@ -312,6 +320,8 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
     """
     cal = calibration or load_calibration(None, cluster.gpu)
     peak = cluster.gpu.peak_flops(training.dtype) * cal.gemm_efficiency
+    if training.fp8:  # the faster of the two GEMM rates bounds the block GEMMs
+        peak = max(peak, fp8_peak_flops(training.precision, cluster.gpu) * cal.fp8_gemm_efficiency)
     m = tokens_per_micro_batch(training.seq_len, layout)
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
