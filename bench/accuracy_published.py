@@ -176,9 +176,10 @@ FIT_PARAMETERS = (
     ("eager.memory_efficiency", 1.0, 0.05, 1.0),
 )
 # Engines whose layers are eager PyTorch modules: meshplan's executor (FSDP2,
-# SDPA) as measured through LLM Foundry's FSDP stack, and DeepSpeed, assumed
-# alike (no published H100 DeepSpeed table was found).
-EAGER_ENGINES = ("meshplan", "deepspeed")
+# SDPA) as measured through LLM Foundry's FSDP stack, and DeepSpeed and
+# torchtitan, assumed alike (no published H100 DeepSpeed table was found;
+# torchtitan's rows here ran on parts of unpublished peak).
+EAGER_ENGINES = ("meshplan", "deepspeed", "torchtitan")
 
 
 def profile_from(values, base: CalibrationProfile) -> CalibrationProfile:

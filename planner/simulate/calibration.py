@@ -176,7 +176,11 @@ _GENERIC = {
 # 4.8 TB/s instead of 80 GB at 3.35: the efficiencies carry over, and the faster
 # memory enters through the GPU spec (memory-bound work, the optimizer step).
 # No published bf16 H200 training table was found to check it against.
-_DERIVED = {"h200": "h100"}
+# H800 is the H100 die with fewer NVLinks: its compute profile is the H100's. B200, B300 and
+# GB300 share GB200's Blackwell tensor cores (B300/GB300 raise FP4, not BF16/FP8; B200 runs at
+# 1,000 W against GB200's 1,200 W, so its profile from GB200 runs is an upper bound) until
+# published runs on them are fitted.
+_DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
 
 
 def _family(gpu_name: str) -> str:

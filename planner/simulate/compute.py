@@ -43,7 +43,7 @@ Three kinds of GPU work, each priced by its own roofline term (parameters in
   optimizer stay in the 16-bit model (planner.engines.Fp8Recipe).
 * torch.compile per block (TrainingSpec.compile): Inductor fuses the norms,
   rotary, activation and residual adds of a block into a few kernels, so the
-  memory-bound work moves COMPILE_ELEMENTWISE_FACTOR of the eager bytes and
+  memory-bound work (and the FP8 casts) moves COMPILE_ELEMENTWISE_FACTOR of the eager bytes and
   the block issues fewer kernels (COMPILE_HOST_FACTOR of the host time).
 
 Recomputation redoes forward work before the backward: full = the whole
@@ -209,9 +209,9 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     act_passes = 3.0 if model.mlp == "swiglu" else 2.0
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
     elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal)
-    if compile:
-        elementwise *= COMPILE_ELEMENTWISE_FACTOR
     cast_f, cast_b = memory_time_s(cast_f, gpu, cal), memory_time_s(cast_b, gpu, cal)
+    if compile:  # Inductor fuses the casts into the kernels around them as well
+        elementwise, cast_f, cast_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in (elementwise, cast_f, cast_b))
     forward = gemms + cast_f + core_f + elementwise
     if layout.recompute == "op":
         skipped = _op_recomputed_gemms(model, m, layout)
