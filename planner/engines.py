@@ -67,6 +67,8 @@ class MemoryTraits:
     fp32_params: bool  # parameters stored in fp32 and cast for compute (autocast / FSDP2 mixed precision)
     fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
     zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
+    fused_swiglu: bool = False  # one fused SwiGLU kernel saves its 2f-wide input only (Megatron): 3f kept, not 4f
+    shard_over_cp: bool = False  # ZeRO/FSDP shards over dp_shard * cp (Megatron's dp-cp group, torchtitan's dp_shard_cp)
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ ENGINES: dict[str, Engine] = {
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
-                       MemoryTraits(fp32_grads=True, **_PUBLISHED_MEMORY), executes=False, fp8=TE_FP8),
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
+                       executes=False, fp8=TE_FP8),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -199,7 +202,7 @@ ENGINES: dict[str, Engine] = {
         "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True),
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True),
     "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),

@@ -27,6 +27,7 @@ because (bytes per token, "sp" = split by t only with sequence parallel,
                fc1 input       D*h       sp   (2)
                GELU in, out    2*D*f     tp   (16 when f = 4h)
                SwiGLU          4*D*f     tp   (w1 out, w3 out, silu out, product)
+                               3*D*f     tp   fused (Megatron: fc1's 2f output, the product)
                dropout mask    1*h       sp   (1)      dropout > 0
 Fused (flash) attention, the meshplan engine's default because our executor
 calls SDPA, keeps no s^2 term: it saves Q, K, V, its output (which is also the
@@ -129,6 +130,7 @@ def layer_activation_terms(
     autocast: bool = False,
     sp_saves_gathered: bool = False,
     fp8_inputs: bool = False,
+    fused_swiglu: bool = False,
 ) -> dict[str, float]:
     """Bytes of each saved tensor of one layer for one micro-batch (no recomputation).
 
@@ -167,6 +169,8 @@ def layer_activation_terms(
     terms["norm2_input"] = r * h / sp_div
     terms["mlp_input"] = mlp_casts * li * h / in_div
     terms.update(_mlp_terms(model, d, tp))
+    if fused_swiglu and model.mlp == "swiglu" and model.moe is None:  # fc1's 2f output, the product: 3f
+        terms["mlp_inner"] -= d * model.ffn_hidden / tp
     if fp8_inputs and model.moe is None:  # fc2's saved input is one of the f-wide tensors
         terms["mlp_inner"] -= (d - li) * model.ffn_hidden / tp
     return {k: v * tokens for k, v in terms.items()}

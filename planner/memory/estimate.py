@@ -223,7 +223,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     eng = get_engine(engine)
     fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
     terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered,
-                                   fp8_inputs)
+                                   fp8_inputs, traits.fused_swiglu)
     op_saved = op_saved_terms(model, s, b, t, cp, d, fused) if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if traits.rope_buffers:

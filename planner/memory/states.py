@@ -55,6 +55,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage)
     d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
+    if eng.memory.shard_over_cp and layout.zero_stage >= 1:  # the sharding group takes in the cp ranks
+        n *= layout.cp
 
     def shard(bytes_per_param: int) -> int:
         return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, sp.expert_shard)
