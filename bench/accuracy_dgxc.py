@@ -68,9 +68,12 @@ def profiles() -> dict[str, CalibrationProfile]:
     return {fam: load_calibration(None, get_gpu(gpu)) for gpu, fam in FAMILY.items()}
 
 
+def simulate(row: DgxcRow, profile: CalibrationProfile):
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+
+
 def predict(row: DgxcRow, profile: CalibrationProfile) -> float:
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile,
-                         engine=row.engine).step_time_s
+    return simulate(row, profile).step_time_s
 
 
 def error(row: DgxcRow, profs: dict[str, CalibrationProfile]) -> float:
@@ -81,9 +84,13 @@ def summary(rows: list[DgxcRow], profs: dict[str, CalibrationProfile], show_rows
             ) -> dict[tuple[str, str, str, str], tuple[float, float, int]]:
     """Print per row and per (source, gpu, precision, split); return {group: (MAPE, bias, rows)}."""
     errs: dict[str, float] = {}
+    over: list[str] = []  # expressible rows whose predicted peak exceeds the GPU's memory
     for r in rows:
         if r.expressible:
-            errs[r.id] = error(r, profs)
+            result = simulate(r, profs[FAMILY[r.gpu]])
+            errs[r.id] = result.step_time_s / r.measured_s - 1.0
+            if result.memory.peak_bytes > r.cluster().gpu.memory_bytes:
+                over.append(r.id)
         if show_rows:
             shown = f"{100 * errs[r.id]:+6.1f}%" if r.expressible else f"  -     ({r.reason})"
             print(f"{r.id:<48} {split(r):<13} {r.measured_s:8.2f} s {shown}")
@@ -108,6 +115,8 @@ def summary(rows: list[DgxcRow], profs: dict[str, CalibrationProfile], show_rows
     print(f"expressible: {100 * expressible:.1f}% of {len(unfitted)} rows not fitted (target >= "
           f"{100 * TARGET_EXPRESSIBLE:.0f}%); {left} inconsistent rows left out of fit and MAPE; "
           f"MAPE target <= {100 * TARGET_MAPE:.0f}% on rows not fitted")
+    print(f"memory: {len(over)} of {len(errs)} expressible rows predicted above the GPU's memory (they ran): "
+          f"{', '.join(sorted({i.rsplit('-', 2)[0] for i in over})) or 'none'}")
     return out
 
 

@@ -13,6 +13,10 @@ what the source states:
   as engine "torchtitan" (FSDP = ZeRO-3 over fsdp_degree, else over dp;
   their "selective" rematerialization saves the matmul outputs, as per-op
   SAC does; XLA fuses the elementwise work, as compile does);
+* gradients: the v25 releases run NeMo 2.0's performance scripts, which
+  turn off fp32 gradient reduction (grad_reduce_in_fp32 False: bf16
+  gradient buffers); v24.11.1 ran NeMo 1.0's launcher with Megatron's fp32
+  main gradients;
 * fp8: per-tensor FP8 on H100; on GB200 the v25.05 recipes run MXFP8 (same
   peak: the choice only matters for what is kept in memory);
 * models: Llama as SwiGLU/RMSNorm/RoPE; GPT-3 with GELU, LayerNorm,
@@ -112,8 +116,9 @@ def _row(rec: dict) -> DgxcRow:
     dp, mb, gbs = rec["gpus"] // (tp * pp * cp), rec["micro_batch"], rec["global_batch"]
     precision = rec["precision"] if gpu != "gb200" or rec["precision"] != "fp8" else "mxfp8"
     jax = source != "nemo"
+    nemo2 = not jax and not rec["id"].startswith("dgxc-v24")
     training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
-                            attention="fused", compile=jax)
+                            attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32")
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
                   training=training, engine="torchtitan" if jax else "megatron", gpus=rec["gpus"],
                   measured_s=rec["step_time_s"])

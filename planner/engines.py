@@ -109,8 +109,10 @@ class Engine:
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
 
-    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
-        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage)
+    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
+        """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
+        16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes)."""
+        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes)
 
     def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
                 training: TrainingSpec | None = None) -> str | None:
@@ -132,11 +134,12 @@ class Engine:
 
 
 @lru_cache(maxsize=256)
-def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
+def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int,
+            grad_bytes: int = FP32_BYTES) -> Recipe:
     moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
     shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
                   shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
-    grad = FP32_BYTES if traits.fp32_grads else dtype_bytes
+    grad = (grad_bytes if not traits.fp32_params else FP32_BYTES) if traits.fp32_grads else dtype_bytes
     if traits.fp32_params:  # the fp32 parameters are the master weights
         return Recipe(FP32_BYTES, grad, moments, **shards)
     master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0

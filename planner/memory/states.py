@@ -15,7 +15,7 @@ from planner.engines import FP32_BYTES, dp_path, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
 from planner.model.spec import ModelSpec
-from planner.training import TrainingSpec
+from planner.training import DTYPE_BYTES, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
                  engine: str) -> ModelStates:
     """The model states of one rank of the stage holding `sp` (module docstring table)."""
     eng = get_engine(engine)
-    recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage)
+    recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
+                        DTYPE_BYTES[training.grad_dtype])
     d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
     if eng.memory.shard_over_cp and layout.zero_stage >= 1:  # the sharding group takes in the cp ranks
         n *= layout.cp
