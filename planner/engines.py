@@ -108,6 +108,7 @@ class Engine:
     fp8: Fp8Recipe = Fp8Recipe(0.0, False, False)
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
+    partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -195,7 +196,7 @@ ENGINES: dict[str, Engine] = {
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
-                       executes=False, fp8=TE_FP8),
+                       executes=False, fp8=TE_FP8, partial_recompute=True),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block

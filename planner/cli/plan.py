@@ -202,7 +202,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
             f"v{lay.virtual_stages}" if lay.pp_schedule == "interleaved-1f1b" else "")
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
-                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
+                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute + (f":{lay.recompute_layers}" if lay.recompute_layers else ""), sched,
                       f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
     out.print(table)
     for sentence in the_plan.explanation:

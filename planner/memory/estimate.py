@@ -106,7 +106,7 @@ from functools import cached_property
 from typing import Any
 
 from planner.engines import dp_path, get_engine
-from planner.layout import Layout
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.activations import (
     FP32_BYTES,
     embedding_dropout_bytes,
@@ -226,6 +226,9 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
                                    fp8_inputs, traits.fused_swiglu)
     op_saved = op_saved_terms(model, s, b, t, cp, d, fused) if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
+    if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
+        share = recomputed_fraction(layout, model.n_layers)
+        per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
     if traits.rope_buffers:
         per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
     saved, logits_saved, logits_transient = output_activation_bytes(

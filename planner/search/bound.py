@@ -45,7 +45,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
-from planner.layout import Layout, balanced_layers
+from planner.layout import Layout, balanced_layers, recomputed_fraction, recomputed_share
 from planner.memory.params import StageParams, layer_params_split, pipeline_params, rank_chunks
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
@@ -122,7 +122,8 @@ class StepBound:
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
-        return self.for_shape(layout, training).seconds(layout.micro_batch_size, layout.recompute)
+        return self.for_shape(layout, training).seconds(layout.micro_batch_size,
+                                                        (layout.recompute, layout.recompute_layers))
 
     def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
@@ -156,14 +157,19 @@ class StepBound:
                 self.collectives.time_s(op, size_bytes, group)
         return hit
 
-    def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str
+    def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str | tuple[str, int]
              ) -> tuple[float, float, float, float]:
-        """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch."""
+        """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch.
+
+        recompute: a kind, or (kind, recompute_layers) for partial full recomputation.
+        """
+        kind, n = recompute_level(recompute)
         key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
-               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, recompute, shape.ep)
+               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n,
+               shape.pp * shape.virtual_stages if n else 0, shape.ep)
         hit = self._units.get(key)
         if hit is None:
-            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=recompute)
+            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
@@ -174,7 +180,7 @@ class StepBound:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
                 point = StepComm(self.cluster, Layout(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
             hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
-            recomputed = 2 * point if recompute == "full" else 0.0
+            recomputed = 2 * point * recomputed_fraction(layout, self.model.n_layers)
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
                                       recomputed + max(0.0, 2 * point - hidden))
         return hit
@@ -224,6 +230,11 @@ class StepBound:
         return hit
 
 
+def recompute_level(recompute: str | tuple[str, int]) -> tuple[str, int]:
+    """(kind, recompute_layers) of a search level: a kind alone recomputes every layer it names."""
+    return (recompute, 0) if isinstance(recompute, str) else recompute
+
+
 class ShapeBound:
     """The bound of one shape for any micro-batch and recomputation (see StepBound.for_shape)."""
 
@@ -234,14 +245,16 @@ class ShapeBound:
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
 
-    def seconds(self, micro_batch_size: int, recompute: str) -> float:
+    def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
         f_layer = max(max(f, ag) + tp_f, host)
-        b_layer = max(max(b, ag_rs) + tp_b, host * (3.0 if recompute == "full" else 2.0))
+        kind, n = recompute_level(recompute)
+        share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
+        b_layer = max(max(b, ag_rs) + tp_b, host * (2.0 + share))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
         n = self.per_replica // micro_batch_size
         overlap = p.traits.overlap_dp

@@ -36,7 +36,8 @@ def describe(layout: Layout) -> str:
         parts.append(f"cp {layout.cp}")
     text = " x ".join(parts) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
     if layout.recompute != "none":
-        text += f", {layout.recompute} recompute"
+        text += f", {layout.recompute} recompute" + (
+            f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f", {layout.pp_schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     if layout.offload != "none":
@@ -55,7 +56,7 @@ def short(layout: Layout) -> str:
     text = f"tp{layout.tp} pp{layout.pp} {dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
     text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
-        text += f" rc-{layout.recompute}"
+        text += f" rc-{layout.recompute}" + (f":{layout.recompute_layers}" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f" {layout.pp_schedule}" + (f"/v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     return text

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from planner.engines import get_engine
-from planner.layout import Layout, divisors
+from planner.layout import Layout, divisors, partial_recompute_options
 from planner.memory.estimate import default_other_bytes, estimate_memory
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
@@ -230,7 +230,7 @@ def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
     return out
 
 
-def _bound(sh: _Shape, mb: int, recompute: str) -> float:
+def _bound(sh: _Shape, mb: int, recompute: tuple[str, int]) -> float:
     """Lower bound of the step time per token."""
     return sh.bound.seconds(mb, recompute) / sh.training.tokens_per_step
 
@@ -250,12 +250,24 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     queue = []
     if not recomputes:
         return []
+    partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
+    by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
+
+    def levels_of(sh: _Shape) -> tuple[tuple[str, int], ...]:
+        """(kind, recompute_layers) from lightest to heaviest; partial full recomputation before full."""
+        key = (sh.layout.pp, sh.layout.virtual_stages)
+        if key not in by_pipeline:
+            extra = partial_recompute_options(ctx.model.n_layers, *key) if partial else ()
+            by_pipeline[key] = tuple(lv for kind in recomputes for lv in (
+                [("full", n) for n in extra] + [("full", 0)] if kind == "full" else [(kind, 0)]))
+        return by_pipeline[key]
+
     for i, sh in enumerate(shape_list):
         mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
         for mb in mbs:
             accum = sh.per_replica // mb
             if pipeline_allows(sh.layout, accum):
-                queue.append((_bound(sh, mb, recomputes[0]), len(queue), i, mb, 0, False))
+                queue.append((_bound(sh, mb, levels_of(sh)[0]), len(queue), i, mb, 0, False))
     ctx.stats.candidates += len(queue)
     heapq.heapify(queue)
     best: list[Scored] = []  # sorted by key, at most top_k
@@ -267,15 +279,16 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
             break
         sh = shape_list[i]
         if not fits:
-            found = _lightest_fit(ctx, sh, mb, level, recomputes)
+            found = _lightest_fit(ctx, sh, mb, level, levels_of(sh))
             if found is None:
                 continue
             if found != level:
                 counter += 1
-                heapq.heappush(queue, (_bound(sh, mb, recomputes[found]), counter, i, mb, found, True))
+                heapq.heappush(queue, (_bound(sh, mb, levels_of(sh)[found]), counter, i, mb, found, True))
                 continue
         layout = with_stage_layers(ctx.model, sh.layout.replace(
-            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=recomputes[level]))
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels_of(sh)[level][0],
+            recompute_layers=levels_of(sh)[level][1]))
         tick = time.perf_counter()
         result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
         ctx.stats.simulate_s += time.perf_counter() - tick
@@ -286,7 +299,8 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     return best
 
 
-def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tuple[str, ...]) -> int | None:
+def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int,
+                  recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
     if sh.state_fits is None:
         state = model_state_bytes(ctx.model, sh.training, sh.layout, ctx.engine) + ctx.other_bytes
@@ -300,7 +314,7 @@ def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tu
     level = max([level, *smaller])
     while level < len(recomputes):
         layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
-                                   recompute=recomputes[level])
+                                   recompute=recomputes[level][0], recompute_layers=recomputes[level][1])
         memory = estimate_memory(ctx.model, sh.training, layout, ctx.cluster.gpu, ctx.engine, ctx.other_bytes)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.layout import Layout
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.params import layer_params_split
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
@@ -218,7 +218,8 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
         redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
         recompute = redo + memory_time_s(redo_cast, gpu, cal) + elementwise
     else:
-        recompute = {"none": 0.0, "selective": core_f, "full": forward}[layout.recompute]
+        share = recomputed_fraction(layout, model.n_layers)
+        recompute = {"none": 0.0, "selective": core_f, "full": share * forward}[layout.recompute]
     # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
     return PassTimes(forward, gemms + cast_b + core_b + 2.0 * elementwise, gemms, recompute)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import Layout
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
@@ -115,12 +115,12 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     calls_f = calls_b = 0
     if layout.tp > 1:
         per_point = 2 if layout.sequence_parallel else 1
-        points_b = 4 if layout.recompute == "full" else 2
+        points_b = 2 + 2 * recomputed_fraction(layout, model.n_layers)
         point = comm.tp_point_s(act, layout.sequence_parallel)
         # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
         comm_f["tp_comm"] = 2 * point
         comm_b["tp_comm"] = (points_b - 2) * point + max(0.0, 2 * point - tp_hidden_s)
-        calls_f, calls_b = 2 * per_point, points_b * per_point
+        calls_f, calls_b = 2 * per_point, round(points_b * per_point)
     if layout.cp > 1:  # the ring hides under the attention core of the same pass
         ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
@@ -159,7 +159,7 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes)
-    passes_b = 3.0 if layout.recompute == "full" else 2.0
+    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
     f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)

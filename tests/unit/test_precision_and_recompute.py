@@ -157,3 +157,28 @@ def test_version_1_plans_load_with_defaults():
         del data["training"][key]
     old = Plan.from_json(data)
     assert (old.training.precision, old.training.attention, old.training.compile) == ("bf16", "eager", False)
+
+
+def test_partial_full_recompute_sits_between_none_and_full():
+    """Megatron's --recompute-method block --recompute-num-layers N: the first N layers of each chunk."""
+    model, cluster = load_model("llama3-70b"), load_cluster("dgx-h100", 64)
+    base = Layout(tp=8, pp=4, dp_shard=2, zero_stage=1, grad_accum_steps=8, sequence_parallel=True)
+    training = TrainingSpec(seq_len=8192, global_batch_size=16)
+    runs = {n: simulate_step(model, training, base.replace(recompute="full", recompute_layers=n), cluster,
+                             engine="megatron") for n in (0, 5, 10)}
+    none = simulate_step(model, training, base, cluster, engine="megatron")
+    times = [none.step_time_s, runs[5].step_time_s, runs[10].step_time_s, runs[0].step_time_s]
+    memory = [none.memory.peak_bytes, runs[5].memory.peak_bytes, runs[10].memory.peak_bytes, runs[0].memory.peak_bytes]
+    assert times == sorted(times) and memory == sorted(memory, reverse=True)
+    with pytest.raises(PlanError, match="applies to recompute 'full'"):
+        Layout(recompute="selective", recompute_layers=2)
+
+
+def test_search_tries_partial_recompute_only_where_the_engine_has_it():
+    model, cluster = load_model("405B"), load_cluster("dgx-h100", 8192)
+    pins = Pins(tp=8, pp=16, dp=64, pp_schedule="interleaved-1f1b")
+    mega = search(model, cluster, 8192, 2048, pins, "megatron", top_k=3)
+    assert mega.best.layout.recompute == "full" and mega.best.layout.recompute_layers > 0
+    pinned = search(model, cluster, 8192, 2048, dataclasses.replace(pins, recompute="full"), "megatron", top_k=1)
+    assert pinned.best.layout.recompute_layers == 0
+    assert pinned.best.result.step_time_s > mega.best.result.step_time_s
