@@ -124,6 +124,9 @@ def _recompute_args(plan: Plan) -> list[Arg]:
     """selective recomputes the attention core (Megatron's default module core_attn), full every layer."""
     if plan.layout.recompute == "selective":
         return [("--recompute-granularity", "selective")]
+    if plan.layout.recompute == "full" and plan.layout.recompute_layers:  # the first N layers of each chunk
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                ("--recompute-num-layers", str(plan.layout.recompute_layers))]
     if plan.layout.recompute == "full":
         return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                 ("--recompute-num-layers", "1")]

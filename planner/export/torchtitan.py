@@ -130,6 +130,8 @@ def _model_parts(plan: Plan) -> list[list[str]]:
 
 def _activation_checkpoint(plan: Plan, notes: list[str]) -> dict[str, Any]:
     mode = plan.layout.recompute
+    if mode == "op":  # torchtitan's own per-op selective checkpointing, what meshplan models
+        return {"mode": "selective", "selective_ac_option": "op"}
     if mode != "selective":
         return {"mode": mode}
     notes.append("recompute 'selective': torchtitan's per-op selective AC saves matmul and attention outputs "
