@@ -79,6 +79,9 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             params, copy = 0, (0 if layout.zero_stage == 3 else d * total)
             if recipe.shard_grads:
                 host, grads = host + grads, 0
+    # 8-bit weight copies kept between steps (Transformer Engine's fp8 workspaces), for every block
+    # weight this rank multiplies with: the blocks' parameters, unsharded (planner.engines.Fp8Recipe)
+    params += int(eng.fp8_weight_bytes(training) * sp.block * sp.layers)
     if traits.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)

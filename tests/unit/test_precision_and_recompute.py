@@ -182,3 +182,15 @@ def test_search_tries_partial_recompute_only_where_the_engine_has_it():
     pinned = search(model, cluster, 8192, 2048, dataclasses.replace(pins, recompute="full"), "megatron", top_k=1)
     assert pinned.best.layout.recompute_layers == 0
     assert pinned.best.result.step_time_s > mega.best.result.step_time_s
+
+
+def test_transformer_engine_keeps_fp8_weight_copies_torchao_does_not():
+    layout, gpu = Layout(tp=8, pp=2, grad_accum_steps=8, sequence_parallel=True), get_gpu("h100-sxm")
+    model = load_model("llama3-70b")
+    for engine, copies in (("megatron", True), ("torchtitan", False)):
+        fp8, bf16 = (estimate_memory(model, training_for(4096, 8, p), layout, gpu, engine).per_stage[0]["params"]
+                     for p in ("fp8", "bf16"))
+        assert (fp8 > bf16) is copies
+    fp8, bf16 = (estimate_memory(model, training_for(4096, 8, p), layout, gpu, "megatron").per_stage[0]["params"]
+                 for p in ("fp8", "bf16"))
+    assert fp8 - bf16 == pytest.approx(get_engine("megatron").fp8.weight_copy_bytes / 2 * bf16, rel=0.1)
