@@ -194,3 +194,14 @@ def test_transformer_engine_keeps_fp8_weight_copies_torchao_does_not():
     fp8, bf16 = (estimate_memory(model, training_for(4096, 8, p), layout, gpu, "megatron").per_stage[0]["params"]
                  for p in ("fp8", "bf16"))
     assert fp8 - bf16 == pytest.approx(get_engine("megatron").fp8.weight_copy_bytes / 2 * bf16, rel=0.1)
+
+
+def test_new_parts_take_their_familys_fitted_profile():
+    from planner.simulate.calibration import default_calibration
+
+    h100, gb200 = default_calibration(get_gpu("h100-sxm")), default_calibration(get_gpu("gb200"))
+    assert "accuracy_dgxc" in gb200.source and gb200.fp8_gemm_efficiency < 1.0
+    for part, family in (("h800", h100), ("h200", h100), ("gb300", gb200), ("b300", gb200), ("b200", gb200)):
+        profile = default_calibration(get_gpu(part))
+        assert (profile.gemm_efficiency, profile.fp8_gemm_efficiency) == \
+            (family.gemm_efficiency, family.fp8_gemm_efficiency), part
