@@ -90,3 +90,15 @@ def test_korthikanti_first_stage_activations_and_model_states(recompute, per_lay
     assert stage0["activations"] == pytest.approx(paper, rel=0.06)
     states = stage0["params"] + stage0["grads"] + stage0["optimizer"]
     assert states == pytest.approx(18 * stage_params(GPT175, layout, 0, "megatron").total, rel=0.06)
+
+
+@pytest.mark.parametrize("gpus,dp,published_tflops", [(8192, 64, 430), (16384, 128, 400)])
+def test_llama3_405b_published_layout_fits_and_lands_within_10_percent(gpus, dp, published_tflops):
+    """Dubey et al. 2024 ("The Llama 3 Herd of Models"), table 4: TP 8, CP 1, PP 16, seq 8192, 16M tokens
+    a batch, BF16 on H100s, 430 and 400 TFLOP/s per GPU. Interleaved 1F1B as the paper's schedule; the
+    planner picks micro-batch, ZeRO and recomputation (partial full recompute fits it in 80 GB)."""
+    pins = Pins(tp=8, pp=16, dp=dp, cp=1, pp_schedule="interleaved-1f1b")
+    result = search(load_model("405B"), load_cluster("dgx-h100", gpus), 8192, 2048, pins, "megatron", top_k=1)
+    best = result.best
+    assert best.layout.recompute == "full" and best.layout.recompute_layers > 0
+    assert best.result.model_tflops_per_gpu == pytest.approx(published_tflops, rel=0.10)
