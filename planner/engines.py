@@ -109,6 +109,7 @@ class Engine:
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -121,6 +122,9 @@ class Engine:
         if layout.recompute not in self.recompute_kinds:
             return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
                     f"{', '.join(self.recompute_kinds)}")
+        if layout.zero_stage not in self.zero_stages:
+            return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
+                    f"{', '.join(map(str, self.zero_stages))}")
         if not self.executes:
             return None
         return executor_refusal(model, layout, dtype, on_gpu, training)
@@ -209,7 +213,8 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True),
-        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True),
+        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True,
+        zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
     "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }

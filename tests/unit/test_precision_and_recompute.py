@@ -205,3 +205,10 @@ def test_new_parts_take_their_familys_fitted_profile():
         profile = default_calibration(get_gpu(part))
         assert (profile.gemm_efficiency, profile.fp8_gemm_efficiency) == \
             (family.gemm_efficiency, family.fp8_gemm_efficiency), part
+
+
+def test_torchtitan_has_no_optimizer_only_sharding():
+    tt = get_engine("torchtitan")
+    assert "ZeRO-1" in tt.refusal(LLAMA8, Layout(dp_shard=8, zero_stage=1), "bf16", True)
+    result = search(LLAMA8, load_cluster("dgx-h100", 8), 4096, 256, Pins(), "torchtitan", top_k=5)
+    assert result.ranked and all(s.layout.zero_stage != 1 for s in result.ranked)
