@@ -79,6 +79,11 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     entries["mixed_precision_reduce"] = "float32"
     if tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype}: torchtitan reduces gradients in float32 only")
+    if tr.fp8:  # torchao float8 / MX converters: their TOML keys differ between torchtitan releases
+        notes.append(f"precision {tr.precision}: enable torchtitan's {'float8' if tr.precision == 'fp8' else 'mx'} "
+                     "model converter with FSDP float8 all-gathers (what the plan assumed); not written here")
+    if tr.compile:
+        notes.append("compile: enable torchtitan's torch.compile of the model (per block); not written here")
     if lay.offload != "none":
         entries["enable_cpu_offload"] = True
         if lay.offload == "optimizer":
