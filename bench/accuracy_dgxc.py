@@ -23,6 +23,8 @@ in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
 
     python bench/accuracy_dgxc.py          # per row, then per source/GPU/precision/split
     python bench/accuracy_dgxc.py --fit    # refit and write planner/simulate/calibrations/{h100,gb200}.json
+    python bench/accuracy_dgxc.py --swap   # fit on the held-out NeMo models instead, score the fit ones
+                                           # (2026-11-24: 6.6% MAPE, bias -0.8% on those 68 rows)
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ FIT_PARAMETERS = {
 }
 
 
-def split(row: DgxcRow) -> str:
-    """fit | validate | inconsistent | inexpressible."""
+def split(row: DgxcRow, swapped: bool = False) -> str:
+    """fit | validate | inconsistent | inexpressible; swapped: the NeMo models' roles exchanged (--swap)."""
     if not row.expressible:
         return "inexpressible"
     if row.id in INCONSISTENT:
         return "inconsistent"
-    return "fit" if row.source == "nemo" and row.model.split(" proxy")[0] in FIT_MODELS else "validate"
+    if row.source != "nemo":
+        return "validate"
+    return "fit" if (row.model.split(" proxy")[0] in FIT_MODELS) != swapped else "validate"
 
 
 def profiles() -> dict[str, CalibrationProfile]:
@@ -134,14 +138,14 @@ def _apply(family: str, base: CalibrationProfile, values) -> CalibrationProfile:
     return base.replace(**fields)
 
 
-def fit(rows: list[DgxcRow]) -> dict[str, CalibrationProfile]:
+def fit(rows: list[DgxcRow], swapped: bool = False) -> dict[str, CalibrationProfile]:
     """Least squares on the relative errors of the fit rows, one family at a time."""
     import numpy as np
     from scipy.optimize import least_squares
 
     profs = profiles()
     for gpu, family in FAMILY.items():
-        mine = [r for r in rows if split(r) == "fit" and r.gpu == gpu]
+        mine = [r for r in rows if split(r, swapped) == "fit" and r.gpu == gpu]
         if family == "h100":
             mine = [r for r in mine if r.training.fp8]  # the bf16 parameters are not refitted here
         base, params = profs[family], FIT_PARAMETERS[family]
@@ -174,8 +178,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit and write the H100 and GB200 profiles")
     parser.add_argument("--quiet", action="store_true", help="only the per-group lines")
+    parser.add_argument("--swap", action="store_true",
+                        help="robustness: fit on the held-out NeMo models, score the usual fit models (writes nothing)")
     args = parser.parse_args()
     rows = load_dense_rows()
+    if args.swap:
+        profs = fit(rows, swapped=True)
+        e = [error(r, profs) for r in rows if split(r, swapped=True) == "validate" and r.source == "nemo"]
+        print(f"swapped split: fitted on {', '.join(sorted({r.model for r in rows if split(r, True) == 'fit'}))}; "
+              f"{len(e)} NeMo rows of {', '.join(FIT_MODELS)} scored: MAPE {100 * sum(map(abs, e)) / len(e):.1f}%, "
+              f"bias {100 * sum(e) / len(e):+.1f}%")
+        return
     profs = fit(rows) if args.fit else profiles()
     if args.fit:
         save(profs)
