@@ -53,7 +53,7 @@ TRAITS = {"meshplan": get_engine("meshplan").time, "megatron-core": get_engine("
           "torchtitan": get_engine("torchtitan").time}
 # Validation models are never seen by the fit: whole model families held out.
 FIT_MODELS = ("mpt-760m", "mpt-3b", "mpt-13b", "mpt-70b", "llama3.1-8b", "llama3.1-405b-nemo", "nemotron4-15b")
-# Per source and split. The A100 multi-node target of issue 5 (10%), tighter than
+# Per source and split. The A100 multi-node target (10%, as tests/unit/test_accuracy.py), tighter than
 # the 15% a planner can afford: the stacks differ by 1.3x in MFU on the same
 # GPU, so this can only be met with the engine factors, and it leaves ~2.5x
 # margin over the fitted values for the next refit.

@@ -38,7 +38,7 @@ from topologies.cluster_load import load_cluster  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "vtrain"
 FILES = ("single", "multi")
-TARGETS = {"single": 0.08, "multi": 0.10}  # issue 5: MAPE <= 8% on one node, <= 10% across nodes
+TARGETS = {"single": 0.08, "multi": 0.10}  # MAPE <= 8% on one node, <= 10% across nodes
 VOCAB = 50257
 
 

@@ -1,4 +1,4 @@
-"""Speed of the layout search (issue 5). Prints figures for the note; nothing here is asserted in tests.
+"""Speed of the layout search. Prints figures for the README; nothing here is asserted in tests.
 
     python bench/search_speed.py            # every measurement
     python bench/search_speed.py --quick    # skip the 1T / 16,384-GPU searches

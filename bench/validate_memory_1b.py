@@ -1,4 +1,4 @@
-"""The memory model against PyTorch's tracker for a 1B-class Llama on 64 GPUs (issue 8's target).
+"""The memory model against PyTorch's tracker for a 1B-class Llama on 64 GPUs (the README's validation figure).
 
 Llama 3.2 1B (16 layers, hidden 2048, 32/8 heads, 128k vocabulary, tied
 embeddings) on 8 DGX H100 nodes, bf16, sequence 2048, micro-batch 1, one rank

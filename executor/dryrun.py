@@ -20,8 +20,7 @@ import torch.distributed as dist
 from executor.model import build_model
 from executor.parallel.mesh import build_mesh, dp_flat
 from executor.parallel.parallelize import compute_dtype, shard
-from executor.parallel.pipeline import stage_ids, stage_layers
-from planner.layout import MESH_AXES
+from planner.layout import MESH_AXES, stage_ranges
 from planner.plan import Plan
 from topologies.terminal import console
 
@@ -65,8 +64,8 @@ def _print_modules(out, plan: Plan, dp_kind: str) -> None:
     for col in ("pp rank", "stages", "layers", "also holds"):
         table.add_column(col)
     for pp_rank in range(layout.pp):
-        ids = stage_ids(layout, pp_rank) if layout.pp > 1 else [0]
-        layers = [stage_layers(layout, s) for s in ids] if layout.pp > 1 else [range(spec.n_layers)]
+        ids = layout.stages_of(pp_rank) if layout.pp > 1 else (0,)
+        layers = [stage_ranges(layout.layers_per_stage)[s] for s in ids] if layout.pp > 1 else [range(spec.n_layers)]
         extras = (["embeddings"] if 0 in ids else []) + (["final norm, output"] if n_stages - 1 in ids else [])
         table.add_row(str(pp_rank), ", ".join(map(str, ids)),
                       ", ".join(f"{r.start}-{r.stop - 1}" for r in layers), ", ".join(extras))

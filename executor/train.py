@@ -16,26 +16,22 @@ The reported loss is that global-batch mean: every rank holding the last
 pipeline stage has its local mean; one all-reduce of loss / (world / pp)
 over the world averages them (TP ranks of a replica hold equal copies).
 
-Checkpoints (executor/components/checkpoint.py, CKPT's): on --resume or after a
+Checkpoints (executor/components/checkpoint.py): on --resume or after a
 torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the latest checkpoint is
 loaded; every --checkpoint-every steps one is saved. `app_state` is
 {"model": [parts], "optim": [one optimizer per part], "train": TrainState}.
 
-Test-only hook: MESHPLAN_TEST_KILL_AFTER_STEP="STEP:RANK" makes that rank
-SIGKILL itself right after step STEP (after its checkpoint, if one is due),
-on the first attempt only (TORCHELASTIC_RESTART_COUNT 0): the failure tests
-use it to stand for a crashed worker.
+Test-only hook after every step (after its checkpoint, if one is due):
+executor.faults.kill_after_step, which the failure tests use to stand for a
+crashed worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,28 +55,16 @@ from executor.components.optim import (
     default_lr,
     unique_params,
 )
+from executor.faults import kill_after_step
 from executor.model import build_model
 from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import build_schedule, make_stages
 from planner.plan import Plan
+from planner.run_flags import RunFlags
 
-KILL_ENV = "MESHPLAN_TEST_KILL_AFTER_STEP"
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What `meshplan execute` passes to every worker."""
-
-    out_dir: Path
-    steps: int
-    seed: int = 0
-    data: str | None = None
-    lr: float | None = None  # None: executor.components.optim.default_lr(hidden)
-    log_every: int = 10
-    checkpoint_every: int = 0  # 0: never
-    keep_checkpoints: int | None = None
-    resume: bool = False
+# What `meshplan execute` passes to every worker: one codec for the CLI, the launch and the worker.
+RunOptions = RunFlags
 
 
 class TrainState(Stateful):
@@ -164,21 +148,12 @@ class PipelineStep:
 
 
 def _checkpoint_manager(opts: RunOptions, restarted: bool):
-    """CKPT's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
+    """executor.components.checkpoint's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
     if not (opts.checkpoint_every or opts.resume or restarted):
         return None
     from executor.components.checkpoint import CheckpointManager
 
     return CheckpointManager(opts.out_dir, keep=opts.keep_checkpoints)
-
-
-def _kill_hook(step: int) -> None:
-    spec = os.environ.get(KILL_ENV)
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    kill_step, kill_rank = (int(x) for x in spec.split(":"))
-    if step == kill_step and dist.get_rank() == kill_rank:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Trainer:
@@ -237,7 +212,7 @@ class Trainer:
                     progress.update(record)
                 if self.manager is not None and opts.checkpoint_every and record["step"] % opts.checkpoint_every == 0:
                     self.manager.save(record["step"], self.app_state)
-                _kill_hook(record["step"])
+                kill_after_step(record["step"], dist.get_rank())
         finally:
             if progress is not None:
                 progress.close()

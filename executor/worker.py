@@ -20,30 +20,22 @@ import os
 import sys
 import warnings
 from datetime import timedelta
-from pathlib import Path
+
+from planner.run_flags import RunFlags
+from topologies.errors import UsageError
 
 TIMEOUT_ENV = "MESHPLAN_COLLECTIVE_TIMEOUT_S"
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, object]:
-    from executor.train import RunOptions
-
+def parse_args(argv: list[str] | None = None) -> tuple[str, RunFlags]:
+    """PLAN, then the run flags as `RunFlags.to_argv` wrote them (--out always given by the launcher)."""
     p = argparse.ArgumentParser(prog="executor.worker")
     p.add_argument("plan")
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--keep-checkpoints", type=int, default=None)
-    p.add_argument("--resume", action="store_true")
-    a = p.parse_args(argv)
-    opts = RunOptions(out_dir=Path(a.out), steps=a.steps, seed=a.seed, data=a.data, lr=a.lr,
-                      log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-                      keep_checkpoints=a.keep_checkpoints, resume=a.resume)
-    return a.plan, opts
+    a, rest = p.parse_known_args(argv)
+    flags = RunFlags.from_argv(rest)
+    if flags.out is None:
+        raise UsageError("executor.worker needs --out DIR (meshplan execute always passes it)")
+    return a.plan, flags
 
 
 def _quiet_known_warnings() -> None:

@@ -35,6 +35,10 @@ OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.
 MAX_DEGREE = 1 << 24
 
+# The data-parallel axes, flattened in mesh order: the group that averages gradients
+# (priced by planner.simulate, flattened to "dp" by executor.parallel.mesh).
+DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -128,6 +132,10 @@ class Layout:
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, axis) for axis in MESH_AXES)
 
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The pipeline stages pipeline rank `pp_rank` holds, in execution order (`rank_chunks`)."""
+        return rank_chunks(self.pp_schedule, self.pp, self.virtual_stages, pp_rank)
+
     def mesh_json(self) -> dict[str, Any]:
         """plan.json's `mesh`: axis names and sizes in rank-grid order."""
         return {"axis_names": list(MESH_AXES), "shape": list(self.mesh_shape)}
@@ -197,6 +205,33 @@ def balanced_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
     for i in order[:extra]:
         counts[i] += 1
     return tuple(counts)
+
+
+@lru_cache(maxsize=4096)
+def rank_chunks(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
+    """Model chunks (pipeline stages, 0-based in model order) that pipeline rank `rank` holds, in execution order.
+
+    1f1b / gpipe: r; interleaved-1f1b: r, r + pp, ..., r + (v-1)*pp (looped);
+    zb-v: r and 2*pp - 1 - r (the V shape: rank 0 holds the first and the last
+    chunk). The memory model, the simulator and the executor's stage builder
+    all ask this one function.
+    """
+    if schedule == "zb-v":
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(rank + i * pp for i in range(virtual_stages))
+
+
+def stage_ranges(layers_per_stage: tuple[int, ...]) -> tuple[range, ...]:
+    """Transformer layer indices of every (virtual) pipeline stage, in model order.
+
+    Stage s owns layers [sum(lps[:s]), sum(lps[:s+1])); the first stage also
+    owns the embedding, the last the final norm and output layer.
+    """
+    out, start = [], 0
+    for count in layers_per_stage:
+        out.append(range(start, start + count))
+        start += count
+    return tuple(out)
 
 
 # ---- the rank grid ---------------------------------------------------------

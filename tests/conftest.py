@@ -16,6 +16,22 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
 
+def shared_data(relative: str) -> Path:
+    """A file of the project's shared data (`../shared/` beside the checkout).
+
+    CI runs in a fresh clone with shared/ beside it, so there a missing file is
+    a failure, never a skip; a developer's checkout without it skips, naming
+    the path.
+    """
+    path = SHARED / relative
+    if not path.exists():
+        message = f"shared data not found at {path} (../shared/{relative} beside the checkout)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 @dataclass
 class CliResult:
     code: int

@@ -30,3 +30,22 @@ def execute(plan: Path, out: Path, *flags: str, steps: int = 4, timeout: float =
                   timeout=timeout)
     assert res.code == 0, f"execute {plan.name} failed ({res.code}):\n{res.stderr[-4000:]}"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# name -> (model, pinned `meshplan plan` flags). Eight layouts (DDP, ZeRO-1/2/3, HSDP, TP, PP, PP+TP), with gradient
+# accumulation and recomputation folded into some, plus the paths they do not reach:
+# GPT-style (tied embeddings, learned positions, biases) under TP+SP with FSDP2's replicate,
+# and the interleaved pipeline schedule with FSDP (pp2_dp2 pins ZeRO-0: replicate under PP).
+DETERMINISM_LAYOUTS = {
+    "ddp": ("debug", ["--dp", "4", "--zero", "0", "--micro-batch", "1", "--recompute", "selective"]),
+    "zero1": ("debug", ["--dp-shard", "4", "--zero", "1"]),
+    "zero2": ("debug", ["--dp-shard", "4", "--zero", "2", "--micro-batch", "1"]),
+    "zero3": ("debug", ["--dp-shard", "4", "--zero", "3", "--recompute", "full"]),
+    "hsdp_2x2": ("debug", ["--dp", "4", "--dp-shard", "2", "--zero", "3"]),
+    "tp2_dp2": ("debug", ["--tp", "2", "--dp", "2"]),
+    "pp2_dp2": ("debug", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1", "--pp-schedule", "1f1b"]),
+    "pp2_tp2": ("debug", ["--pp", "2", "--tp", "2", "--micro-batch", "2", "--pp-schedule", "1f1b"]),
+    "gpt_tp2_dp2_replicate": ("debug-gpt", ["--tp", "2", "--dp", "2", "--zero", "0", "--sequence-parallel"]),
+    "pp2_interleaved_dp2": ("debug", ["--pp", "2", "--dp", "2", "--micro-batch", "1",
+                                      "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2"]),
+}

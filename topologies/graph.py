@@ -1,10 +1,23 @@
 """The cluster as a networkx graph: GPUs, NVSwitch, PCIe switches, host bridges, NICs, fabric.
 
-The graph is the physical picture; `topologies.links` holds the same facts as
-small tables for the cost model's hot path (no networkx there). Tests check
-that both agree: the label nvidia-smi would print for a pair is the deepest
-PCIe level its path climbs, and the bottleneck bandwidth and latency of the
-widest path equal `link_between`.
+The graph is what the planner prices links from. A preset, a custom TOML, an
+`nvidia-smi topo -m` tree or a rack-scale NVLink domain becomes vertices and
+edges here (each edge priced by `topologies.links` for its link class), and
+every figure the cost model reads is a widest path through it: the GPU x GPU
+table of a node (`node_link_table`), each GPU's way to its rail NIC
+(`gpu_nic_paths`, NCCL's PXN over NVLink included), and the path between any
+two ranks (`link_between`). Those tables are a cache: built once per cluster
+(lru_cache on the frozen Cluster), never per layout or candidate, so the
+search reads tuples, not networkx. tests/unit/test_topo_graph.py checks the
+cache against fresh path queries on the whole cluster's graph.
+
+The label nvidia-smi would print for a pair is the deepest PCIe level its
+path climbs (`path_label`).
+
+Rack-scale NVLink domains (a "node" of several compute trays on one NVLink
+switch fabric, `Cluster.gpus_per_tray`, when the cluster has it): the
+NVSwitch vertex spans the domain, while each tray has its own PCIe tree,
+sockets and NICs, with no PCIe path between trays.
 
 Vertices are named "n{node}/gpu{i}", "n{node}/nvswitch", "n{node}/sw{s}"
 (PCIe switch), "n{node}/root{r}" (root port with cascaded switches),
@@ -25,19 +38,23 @@ from __future__ import annotations
 import heapq
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import networkx as nx
 
+from topologies.errors import TopologyError
 from topologies.links import (
     HOST_SHM_GBYTES_PER_S,
     LATENCY_S,
     NET_HOP_LATENCY_S,
     SPINE_EXTRA_LATENCY_S,
+    crosses_spine,
     derive_labels,
     label_gbytes_per_s,
     label_latency_s,
     nic_anchor_gpu,
     nic_label,
+    nic_of_gpu,
 )
 
 _LEVEL_ORDER = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
@@ -45,6 +62,11 @@ _LEVEL_ORDER = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
 
 def gpu_vertex(node: int, gpu: int) -> str:
     return f"n{node}/gpu{gpu}"
+
+
+def gpus_per_tray(c) -> int:
+    """GPUs per host (compute tray) of a node; the whole node unless the cluster says otherwise."""
+    return getattr(c, "gpus_per_tray", 0) or c.gpus_per_node
 
 
 def _edge(g: nx.Graph, a: str, b: str, bw: float, lat: float, kind: str, level: str = "") -> None:
@@ -73,7 +95,10 @@ def _add_pcie_tree(g: nx.Graph, c, p: str) -> None:
             _edge(g, f"{p}root{r}", f"{p}cpu{r * root // numa}", label_gbytes_per_s("NODE", gpu),
                   half["NODE"] - half["PXB"], "pcie", "NODE")
     sockets = -(-n // numa)
+    tray = gpus_per_tray(c)
     for u in range(sockets - 1):  # sockets in a chain (two-socket boxes: one UPI/xGMI link)
+        if (u + 1) * numa % tray == 0:
+            continue  # the next socket is in another compute tray: no PCIe or socket link between trays
         _edge(g, f"{p}cpu{u}", f"{p}cpu{u + 1}", label_gbytes_per_s("SYS", gpu),
               LATENCY_S["SYS"] - LATENCY_S["NODE"], "pcie", "SYS")
 
@@ -147,32 +172,51 @@ def cluster_graph(c) -> nx.Graph:
     return g
 
 
-def widest_path(g: nx.Graph, a: str, b: str) -> tuple[float, float, list[str]]:
+def widest_path(g: nx.Graph, a: str, b: str, max_transit: int = 0) -> tuple[float, float, list[str]]:
     """(bottleneck GB/s, latency s, path) of the path with the most bandwidth; ties go to the lower latency.
+
+    See `widest_paths_from` for the rules of a path.
+    """
+    found = widest_paths_from(g, a, max_transit).get(b)
+    if found is None:
+        raise nx.NetworkXNoPath(f"no path from {a} to {b}")
+    return found
+
+
+def widest_paths_from(g: nx.Graph, a: str, max_transit: int = 0) -> dict[str, tuple[float, float, list[str]]]:
+    """The widest path from `a` to every vertex it reaches: {vertex: (bottleneck GB/s, latency s, path)}.
 
     A max-bottleneck Dijkstra: a path's key is (-min bandwidth, latency sum).
     A NIC is not a shortcut between two devices of its node: a path may only
-    cross it between the node and the fabric.
+    cross it between the node and the fabric. A GPU forwards nothing by
+    itself: a path passes through at most `max_transit` other GPUs (0 between
+    two GPUs; 1 from a GPU to a NIC, NCCL's PXN: NVLink to a peer nearer the
+    NIC).
     """
-    start = (a, False)
-    best = {start: (-math.inf, 0.0)}
-    heap = [(-math.inf, 0.0, a, False, [a])]
+    best = {(a, False, 0): (-math.inf, 0.0)}
+    heap = [(-math.inf, 0.0, a, False, 0, [a])]
+    out: dict[str, tuple[float, float, list[str]]] = {}
     while heap:
-        neg_bw, lat, v, via_net, path = heapq.heappop(heap)
-        if v == b:
-            return -neg_bw, lat, path
-        if (neg_bw, lat) > best.get((v, via_net), (math.inf, math.inf)):
+        neg_bw, lat, v, via_net, hops, path = heapq.heappop(heap)
+        if (neg_bw, lat) > best[(v, via_net, hops)]:
             continue
-        at_nic = g.nodes[v].get("kind") == "nic" and v != a
+        if v not in out:
+            out[v] = (-neg_bw, lat, path)
+        kind = g.nodes[v].get("kind")
+        if v != a and kind in ("gpu", "cpu-rank"):
+            if hops == max_transit:
+                continue
+            hops += 1
+        at_nic = kind == "nic" and v != a
         for w, e in g[v].items():
             to_net = e["kind"] == "net"
             if at_nic and to_net == via_net:
                 continue
             key = (max(neg_bw, -e["gbytes_per_s"]), lat + e["latency_s"])
-            if key < best.get((w, to_net), (math.inf, math.inf)):
-                best[(w, to_net)] = key
-                heapq.heappush(heap, (*key, w, to_net, path + [w]))
-    raise nx.NetworkXNoPath(f"no path from {a} to {b}")
+            if key < best.get((w, to_net, hops), (math.inf, math.inf)):
+                best[(w, to_net, hops)] = key
+                heapq.heappush(heap, (*key, w, to_net, hops, path + [w]))
+    return out
 
 
 def path_label(g: nx.Graph, path: list[str], nvlink_links: int) -> str:
@@ -196,10 +240,93 @@ def rank_path(c, rank_a: int, rank_b: int) -> tuple[float, float, list[str]]:
     """
     g = c.gpus_per_node
     node_a, node_b = rank_a // g, rank_b // g
-    graph = _node_graph(c, node_a) if node_a == node_b else cluster_graph(c)
-    return widest_path(graph, gpu_vertex(node_a, rank_a % g), gpu_vertex(node_b, rank_b % g))
+    if node_a == node_b:
+        return widest_path(_node_graph(c, node_a), gpu_vertex(node_a, rank_a % g), gpu_vertex(node_b, rank_b % g))
+    # across nodes each side may reach its NIC through one peer GPU (PXN)
+    return widest_path(cluster_graph(c), gpu_vertex(node_a, rank_a % g), gpu_vertex(node_b, rank_b % g), 2)
 
 
 @lru_cache(maxsize=64)
 def _node_graph(c, node: int) -> nx.Graph:
     return node_graph(c, node)
+
+
+# ---- the tables the cost model reads: a cache of the graph, one per cluster --------------
+
+
+class LinkTable(NamedTuple):
+    """One node's pairwise labels, raw bandwidths (GB/s per direction) and latencies."""
+
+    labels: tuple[tuple[str, ...], ...]
+    gbytes_per_s: tuple[tuple[float, ...], ...]
+    latency_s: tuple[tuple[float, ...], ...]
+
+
+@lru_cache(maxsize=256)
+def node_link_table(cluster) -> LinkTable:
+    """Every GPU pair of a node: its widest path's label, bottleneck bandwidth and latency (nodes are alike)."""
+    g, n = _node_graph(cluster, 0), cluster.gpus_per_node
+    labels, bws, lats = [], [], []
+    for i in range(n):
+        reach = widest_paths_from(g, gpu_vertex(0, i))
+        row = [reach[gpu_vertex(0, j)] if j != i else (0.0, 0.0, []) for j in range(n)]
+        labels.append(tuple("X" if j == i else path_label(g, row[j][2], cluster.gpu.nvlink_links) for j in range(n)))
+        bws.append(tuple(bw for bw, _, _ in row))
+        lats.append(tuple(lat for _, lat, _ in row))
+    return LinkTable(tuple(labels), tuple(bws), tuple(lats))
+
+
+@lru_cache(maxsize=256)
+def gpu_nic_paths(cluster) -> tuple[tuple[float, float], ...]:
+    """(raw GB/s, latency s) from each GPU of a node to its rail NIC: the widest path in the node's graph.
+
+    Either straight over PCIe, or first over NVLink to a peer nearer the NIC
+    (NCCL's PXN); the widest wins, then the quickest. The NIC's edge carries
+    its line rate, so the path is capped by it.
+    """
+    if cluster.nics_per_node == 0:
+        return tuple((0.0, 0.0) for _ in range(cluster.gpus_per_node))
+    g = _node_graph(cluster, 0)
+    out = []
+    for i in range(cluster.gpus_per_node):
+        bw, lat, _ = widest_path(g, gpu_vertex(0, i), f"n0/nic{nic_of_gpu(cluster, i)}", 1)
+        out.append((bw, lat))
+    return tuple(out)
+
+
+def nic_share_gbytes_per_s(cluster) -> float:
+    """Raw fabric bandwidth per GPU when every GPU of the node talks across nodes at once.
+
+    nics * line rate / gpus_per_node, capped by the slowest GPU-to-NIC path:
+    the fair share a parallel group gets, since all groups of an axis
+    communicate together in training.
+    """
+    per_gpu = cluster.nics_per_node * cluster.nic_gbytes_per_s / cluster.gpus_per_node
+    return min([per_gpu] + [bw for bw, _ in gpu_nic_paths(cluster)])
+
+
+def link_between(cluster, rank_a: int, rank_b: int) -> tuple[float, float]:
+    """(raw GB/s per direction, latency s) of the uncontended path between two global ranks.
+
+    Inside a node: the pair's widest path. Across nodes: GPU -> its NIC ->
+    leaf (-> spine -> leaf) -> NIC -> GPU; the slowest piece sets the
+    bandwidth, latencies add (what `rank_path` finds on the whole cluster's
+    graph, read from the per-node cache). Oversubscription only bites when
+    many nodes talk at once, so it is priced in the collective model's fair
+    shares, not here.
+    """
+    world = cluster.world_size
+    for r in (rank_a, rank_b):
+        if not 0 <= r < world:
+            raise TopologyError(f"rank {r} is outside cluster {cluster.name!r} of {world} ranks")
+    if rank_a == rank_b:
+        return float("inf"), 0.0
+    g = cluster.gpus_per_node
+    node_a, node_b = rank_a // g, rank_b // g
+    if node_a == node_b:
+        table = node_link_table(cluster)
+        return table.gbytes_per_s[rank_a % g][rank_b % g], table.latency_s[rank_a % g][rank_b % g]
+    paths = gpu_nic_paths(cluster)
+    (bw_a, lat_a), (bw_b, lat_b) = paths[rank_a % g], paths[rank_b % g]
+    lat = lat_a + lat_b + NET_HOP_LATENCY_S + (SPINE_EXTRA_LATENCY_S if crosses_spine(cluster, node_a, node_b) else 0.0)
+    return min(bw_a, bw_b), lat

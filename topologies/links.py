@@ -8,6 +8,11 @@ socket interconnect), and SHM for CPU ranks sharing one host. Between nodes a
 GPU reaches the fabric through its NIC (rail-aligned: GPU i uses NIC
 i * nics / gpus).
 
+These are the facts of one link class. What a pair of GPUs or a GPU and
+its NIC actually get is read off the cluster's graph (`topologies.graph`:
+the widest path through NVSwitch, PCIe switches, host bridges, NICs and the
+fabric), which is built from these prices.
+
 Raw bandwidths are per direction, in 1e9 bytes/s, the physical bottleneck of
 the path; latencies are one-way per hop as NCCL's low-latency protocol sees
 them. `EFFICIENCY` is the share of the raw bandwidth a collective reaches on
@@ -18,8 +23,6 @@ comments for the measurements they come from).
 from __future__ import annotations
 
 import re
-from functools import lru_cache
-from typing import NamedTuple
 
 from topologies.errors import TopologyError
 
@@ -126,22 +129,6 @@ def label_latency_s(label: str) -> float:
     return LATENCY_S["NV"] if _NV.match(label) else LATENCY_S[label]
 
 
-class LinkTable(NamedTuple):
-    """One node's pairwise labels, raw bandwidths (GB/s per direction) and latencies."""
-
-    labels: tuple[tuple[str, ...], ...]
-    gbytes_per_s: tuple[tuple[float, ...], ...]
-    latency_s: tuple[tuple[float, ...], ...]
-
-
-@lru_cache(maxsize=256)
-def node_link_table(cluster) -> LinkTable:
-    labels = derive_labels(cluster)
-    bw = tuple(tuple(0.0 if lab == "X" else label_gbytes_per_s(lab, cluster.gpu) for lab in row) for row in labels)
-    lat = tuple(tuple(0.0 if lab == "X" else label_latency_s(lab) for lab in row) for row in labels)
-    return LinkTable(labels, bw, lat)
-
-
 def nic_of_gpu(cluster, gpu: int) -> int:
     """Rail alignment: GPU i uses NIC i * nics // gpus (NIC i when there are as many NICs as GPUs)."""
     return gpu * cluster.nics_per_node // cluster.gpus_per_node
@@ -163,66 +150,5 @@ def nic_label(cluster, gpu: int, nic: int) -> str:
     return "PIX" if gpu // switch == anchor // switch else pcie_label(cluster, gpu, anchor)
 
 
-@lru_cache(maxsize=256)
-def gpu_nic_paths(cluster) -> tuple[tuple[float, float], ...]:
-    """(raw GB/s, latency s) from each GPU of a node to its rail NIC.
-
-    Either straight over PCIe, or first over NVLink to a peer nearer the NIC
-    (NCCL's PXN); the widest wins, then the quickest. Capped by the line rate.
-    """
-    if cluster.nics_per_node == 0:
-        return tuple((0.0, 0.0) for _ in range(cluster.gpus_per_node))
-    table, n = node_link_table(cluster), cluster.gpus_per_node
-    out = []
-    for i in range(n):
-        nic = nic_of_gpu(cluster, i)
-        best = (-1.0, 0.0)
-        for r in range(n):
-            label = nic_label(cluster, r, nic)
-            bw = min(label_gbytes_per_s(label, cluster.gpu), cluster.nic_gbytes_per_s)
-            lat = label_latency_s(label)
-            if r != i:
-                bw, lat = min(bw, table.gbytes_per_s[i][r]), lat + table.latency_s[i][r]
-            if (bw, -lat) > (best[0], -best[1]):
-                best = (bw, lat)
-        out.append(best)
-    return tuple(out)
-
-
-def nic_share_gbytes_per_s(cluster) -> float:
-    """Raw fabric bandwidth per GPU when every GPU of the node talks across nodes at once.
-
-    nics * line rate / gpus_per_node, capped by the slowest GPU-to-NIC path:
-    the fair share a parallel group gets, since all groups of an axis
-    communicate together in training.
-    """
-    per_gpu = cluster.nics_per_node * cluster.nic_gbytes_per_s / cluster.gpus_per_node
-    return min([per_gpu] + [bw for bw, _ in gpu_nic_paths(cluster)])
-
-
 def crosses_spine(cluster, node_a: int, node_b: int) -> bool:
     return node_a // cluster.nodes_per_leaf != node_b // cluster.nodes_per_leaf
-
-
-def link_between(cluster, rank_a: int, rank_b: int) -> tuple[float, float]:
-    """(raw GB/s per direction, latency s) of the uncontended path between two global ranks.
-
-    Inside a node: the pair's label. Across nodes: GPU -> its NIC -> leaf
-    (-> spine -> leaf) -> NIC -> GPU; the slowest piece sets the bandwidth,
-    latencies add. Oversubscription only bites when many nodes talk at once,
-    so it is priced in the collective model's fair shares, not here.
-    """
-    world = cluster.world_size
-    for r in (rank_a, rank_b):
-        if not 0 <= r < world:
-            raise TopologyError(f"rank {r} is outside cluster {cluster.name!r} of {world} ranks")
-    if rank_a == rank_b:
-        return float("inf"), 0.0
-    g = cluster.gpus_per_node
-    node_a, node_b = rank_a // g, rank_b // g
-    if node_a == node_b:
-        table = node_link_table(cluster)
-        return table.gbytes_per_s[rank_a % g][rank_b % g], table.latency_s[rank_a % g][rank_b % g]
-    (bw_a, lat_a), (bw_b, lat_b) = gpu_nic_paths(cluster)[rank_a % g], gpu_nic_paths(cluster)[rank_b % g]
-    lat = lat_a + lat_b + NET_HOP_LATENCY_S + (SPINE_EXTRA_LATENCY_S if crosses_spine(cluster, node_a, node_b) else 0.0)
-    return min(bw_a, bw_b), lat

@@ -12,6 +12,8 @@ import math
 import sys
 from typing import Any
 
+from topologies.hardware import GIB
+
 
 def _clean(obj: Any) -> Any:
     """Make an object strict-JSON safe: non-finite floats become null, tuples lists."""
@@ -49,4 +51,4 @@ def log(message: str) -> None:
 
 def gib(n_bytes: float) -> str:
     """Bytes as GiB with two decimals, for tables."""
-    return f"{n_bytes / 2**30:.2f} GiB"
+    return f"{n_bytes / GIB:.2f} GiB"

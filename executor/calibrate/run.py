@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from topologies.errors import UsageError
-from topologies.hardware import GPUSpec, get_gpu
+from topologies.hardware import GIB, GPUSpec, get_gpu
 from topologies.smi_topo import gpu_from_smi_name
 
 # (gemm (m, n, k) list, attention (b, heads, s, d) list, copy sizes, adamw params, comm sizes)
@@ -254,5 +254,5 @@ def render_summary(summary: dict[str, Any], out: str) -> None:
     links = ", ".join(f"{k} {v:.2f}" for k, v in p["link_efficiency"].items())
     table.add_row("", "", "link_efficiency / latency_scale", f"{links or 'defaults'} / {p['latency_scale']:.2f}")
     if p.get("other_bytes") is not None:
-        table.add_row("", "", "other_bytes", f"{p['other_bytes'] / 2**30:.2f} GiB")
+        table.add_row("", "", "other_bytes", f"{p['other_bytes'] / GIB:.2f} GiB")
     console().print(table)

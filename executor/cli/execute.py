@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from planner.run_flags import DEFAULT_RUN, RunFlags
 from topologies.errors import UsageError
 
 PRINT_LAUNCH = ("torchrun", "slurm")
@@ -24,16 +25,17 @@ def _positive_float(ctx, param, value):
 
 @click.command("execute", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("plan_path", metavar="PLAN.json")
-@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Optimizer steps to run.")
+@click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_RUN.steps, show_default=True,
+              help="Optimizer steps to run.")
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="Run directory: metrics.jsonl, plan.json, summary.json, checkpoints/. Default runs/<plan name>.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=int, default=DEFAULT_RUN.seed, show_default=True,
               help="Seeds initialization and data: same seed, same model and data on every layout.")
 @click.option("--data", type=click.Path(dir_okay=False), default=None,
               help="Token file: .npy, .bin (uint16/uint32) or text (bytes). Default: synthetic Markov tokens.")
 @click.option("--lr", type=float, default=None, callback=_positive_float,
               help="Peak learning rate. Default min(3e-3, 0.02/sqrt(hidden)).")
-@click.option("--log-every", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--log-every", type=click.IntRange(min=1), default=DEFAULT_RUN.log_every, show_default=True,
               help="Print a progress line every K steps.")
 @click.option("--dry-run", is_flag=True, help="Build rank 0 under a fake process group and print the mesh, "
               "modules and parameter shards; train nothing.")
@@ -44,7 +46,7 @@ def _positive_float(ctx, param, value):
               help="Restart the worker group this many times when a worker dies (resumes from the latest checkpoint).")
 @click.option("--print-launch", type=click.Choice(PRINT_LAUNCH), default=None,
               help="Print the per-node torchrun commands or an sbatch script, and run nothing.")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_RUN.checkpoint_every, show_default=True,
               help="Save a checkpoint every K steps (0: never).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=None, help="Keep only the newest N checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out; metrics.jsonl is appended.")
@@ -70,9 +72,10 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
             "--rdzv-endpoint HOST:PORT (node 0's address); --print-launch torchrun prints the commands"
         )
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
-    passed = _passthrough(steps, out, seed, data, lr, log_every, checkpoint_every, keep_checkpoints, resume)
-    if print_launch:
-        click.echo(_launch_text(plan, plan_path, print_launch, nnodes, rdzv_endpoint, passed))
+    flags = RunFlags(steps=steps, out=out, seed=seed, data=data, lr=lr, log_every=log_every,
+                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume)
+    if print_launch:  # every node repeats the run flags (--out only when given)
+        click.echo(_launch_text(plan, plan_path, print_launch, nnodes, rdzv_endpoint, flags))
         return
     from executor.parallel.parallelize import check_supported
 
@@ -82,28 +85,17 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
 
         run_dry(plan)
         return
-    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, seed, data, passed)
+    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, flags.replace(out=str(run_dir)))
 
 
-def _passthrough(steps, out, seed, data, lr, log_every, checkpoint_every, keep_checkpoints, resume) -> list[str]:
-    """The run flags every node repeats (in --print-launch output); --out is left out when defaulted."""
-    args = ["--steps", str(steps), "--seed", str(seed), "--log-every", str(log_every)]
-    for flag, value in (("--out", out), ("--data", data), ("--lr", lr), ("--keep-checkpoints", keep_checkpoints)):
-        if value is not None:
-            args += [flag, str(value)]
-    if checkpoint_every:
-        args += ["--checkpoint-every", str(checkpoint_every)]
-    return args + (["--resume"] if resume else [])
-
-
-def _launch_text(plan, plan_path: str, kind: str, nnodes: int, rdzv_endpoint: str | None, passed: list[str]) -> str:
-    """EXPORT's single implementation of the launch commands (planner/export/launch.py)."""
+def _launch_text(plan, plan_path: str, kind: str, nnodes: int, rdzv_endpoint: str | None, flags: RunFlags) -> str:
+    """The launch commands' single implementation (planner/export/launch.py)."""
     from planner.export import launch as export_launch
 
     if kind == "slurm":
-        return export_launch.slurm_script(plan, plan_path, execute_args=passed)
+        return export_launch.slurm_script(plan, plan_path, run=flags)
     kwargs = {"rdzv_endpoint": rdzv_endpoint} if rdzv_endpoint else {}
-    commands = export_launch.torchrun_commands(plan, plan_path, nnodes=nnodes, execute_args=passed, **kwargs)
+    commands = export_launch.torchrun_commands(plan, plan_path, nnodes=nnodes, run=flags, **kwargs)
     return "\n".join(" ".join(_shell_word(arg) for arg in cmd) for cmd in commands)
 
 
@@ -113,21 +105,19 @@ def _shell_word(arg: str) -> str:
 
 
 def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-         max_restarts: int, seed: int, data: str | None, passed: list[str]) -> None:
+         max_restarts: int, flags: RunFlags) -> None:
     from executor.launch import launch, run_id, torchrun_argv
     from executor.parallel.mesh import device_type_for
     from executor.preflight import Found, check_data, check_hardware, prepare_out
     from topologies.terminal import log
 
     check_hardware(plan, Found.detect(), nnodes)
-    source = check_data(plan, data, seed)
+    source = check_data(plan, flags.data, flags.seed)
     plan_text = plan_path.read_text()
     prepare_out(run_dir, plan_text)
     nproc = plan.cluster.gpus_per_node
     on_cpu = device_type_for(plan) == "cpu"
-    worker_args = [str(run_dir / "plan.json"), *passed]
-    if "--out" not in passed:
-        worker_args += ["--out", str(run_dir)]
+    worker_args = [str(run_dir / "plan.json"), *flags.to_argv()]
     lay = plan.layout
     log(f"execute: {plan.model.name} on {plan.world_size} {'CPU ranks' if on_cpu else plan.cluster.gpu.name} "
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "

@@ -22,9 +22,7 @@ No code runs on load: DCP's reader unpickles .metadata with plain pickle and val
 with torch.load(weights_only=False); here the metadata goes through an allow-list of
 DCP's classes, torch.Size and dtypes, and every value through weights_only=True.
 
-Test-only hook: MESHPLAN_TEST_CRASH_IN_SAVE="STEP:RANK[:raise]" makes that rank SIGKILL
-itself (or raise) between dcp.save of step STEP and the rename, on the first attempt
-only (TORCHELASTIC_RESTART_COUNT unset or 0).
+Test-only fault hook between dcp.save and the rename: executor.faults.crash_in_save.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,13 +51,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from executor.faults import crash_in_save
 from topologies.errors import ExecutionError, UsageError
+from topologies.hardware import GIB
 from topologies.terminal import log
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d+)$")
-CRASH_ENV = "MESHPLAN_TEST_CRASH_IN_SAVE"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -103,7 +101,7 @@ class CheckpointManager:
                 f"cannot write checkpoint step-{step} to {str(self.root)!r}: {_reason(exc)}; "
                 f"{_free_space(self.root)}: free space or pass another --out"
             ) from None
-        _crash_hook(step)
+        crash_in_save(step, _rank())
         _barrier()
         _agree(_on_rank0(lambda: self._publish(step, tmp, final)), f"cannot publish checkpoint step-{step}")
         return final
@@ -385,7 +383,7 @@ def _reason(exc: BaseException) -> str:
 
 def _free_space(path: Path) -> str:
     try:
-        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free there"
+        return f"{shutil.disk_usage(path).free / GIB:.2f} GiB free there"
     except OSError:
         return "free space unknown"
 
@@ -404,16 +402,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _crash_hook(step: int) -> None:
-    """Test-only fault injection, off unless CRASH_ENV is set: see the module docstring."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    fields = spec.split(":")  # STEP[:RANK[:raise]]
-    if int(fields[0]) != step or int(fields[1] if len(fields) > 1 else 0) != _rank():
-        return
-    if fields[2:] == ["raise"]:
-        raise RuntimeError(f"{CRASH_ENV}: rank {_rank()} raises after writing step {step}")
-    os.kill(os.getpid(), signal.SIGKILL)

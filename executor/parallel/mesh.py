@@ -18,10 +18,8 @@ import os
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from planner.layout import MESH_AXES
+from planner.layout import DP_AXES, MESH_AXES
 from planner.plan import Plan
-
-DP_AXES = ("dp_replicate", "dp_shard")
 
 
 def device_type_for(plan: Plan) -> str:

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from executor.model import Block, init_weights
 from executor.parallel.mesh import DP_AXES, dp_flat
-from executor.parallel.pipeline import check_pipeline, split_stage, stage_ids
+from executor.parallel.pipeline import check_pipeline, split_stage
 from planner.engines import dp_path
 from planner.plan import Plan
 from topologies.errors import PlanError
@@ -121,7 +121,7 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh,
     """
     check_supported(plan)
     layout = plan.layout
-    stages = stage_ids(layout, mesh.get_local_rank("pp")) if layout.pp > 1 else [0]
+    stages = list(layout.stages_of(mesh.get_local_rank("pp"))) if layout.pp > 1 else [0]
     parts = [split_stage(model, layout, s) for s in stages] if layout.pp > 1 else [model]
     dp_kind = dp_path(layout)
     for part in parts:

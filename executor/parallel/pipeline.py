@@ -1,16 +1,14 @@
 """Pipeline parallelism: cut the model into stages, wrap them as PipelineStages, pick the schedule.
 
-Stage s owns layers [sum(lps[:s]), sum(lps[:s+1])) where lps is the plan's
-`layers_per_stage` (pp * virtual_stages entries); the first stage also owns
-the embeddings, the last the final norm and output layer. A stage is the full
+Which layers a stage owns (`planner.layout.stage_ranges` of the plan's
+`layers_per_stage`, pp * virtual_stages entries) and which stages a pipeline
+rank holds (`Layout.stages_of`, i.e. `planner.layout.rank_chunks`) are the
+planner's rules, imported here so the stages that run are the stages the
+memory model and simulator priced; the first stage also owns the embeddings,
+the last the final norm and output layer. A stage is the full
 model with everything else deleted (torchtitan's way), so parameter names
 stay those of the single-process model and checkpoints reshard across
 layouts.
-
-Which stages a pipeline rank holds: with V virtual stages, looped
-(interleaved-1f1b, V >= 1) gives rank r the stages r, r + pp, r + 2pp, ...;
-zb-v's V shape gives rank r the stages r and 2pp - 1 - r, so rank 0 holds the
-first and the last stage.
 
 Micro-batches: the schedule cuts each data-parallel rank's local batch
 (micro_batch_size * grad_accum_steps sequences) into grad_accum_steps
@@ -27,22 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.layout import Layout
+from planner.layout import Layout, stage_ranges
 from topologies.errors import PlanError
-
-
-def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
-    """Global stage indices held by pipeline rank `pp_rank`, in execution order."""
-    pp, v = layout.pp, layout.virtual_stages
-    if layout.pp_schedule == "zb-v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(v)]
-
-
-def stage_layers(layout: Layout, stage: int) -> range:
-    """Global layer indices owned by `stage`."""
-    start = sum(layout.layers_per_stage[:stage])
-    return range(start, start + layout.layers_per_stage[stage])
 
 
 def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
@@ -54,7 +38,7 @@ def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
     """
     n_stages = layout.pp * layout.virtual_stages
     part = copy.deepcopy(model)
-    keep = {str(i) for i in stage_layers(layout, stage)}
+    keep = {str(i) for i in stage_ranges(layout.layers_per_stage)[stage]}
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
@@ -69,17 +53,6 @@ def split_stage(model: nn.Module, layout: Layout, stage: int) -> nn.Module:
 
 def check_pipeline(layout: Layout, tie_embeddings: bool) -> None:
     """Refuse what the executor cannot pipeline, before any rank starts."""
-    if layout.pp > 1 and tie_embeddings:
-        raise PlanError(
-            f"pp ({layout.pp}) > 1 with tied embeddings: the first and last stages would share the "
-            "embedding weight, which the executor does not synchronize; use pp 1 or an untied model"
-        )
-    if layout.pp_schedule == "zb-v" and layout.dp > 1:
-        raise PlanError(
-            f"zb-v with dp ({layout.dp}) > 1: its split weight-gradient pass bypasses the DDP/FSDP gradient "
-            "hooks in torch.distributed.pipelining, so replicas would not be averaged; use interleaved-1f1b, "
-            "or zb-v with dp 1"
-        )
     if not layout.layers_per_stage:
         raise PlanError("plan.parallel.layers_per_stage is empty: re-create the plan with `meshplan plan`")
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from planner.plan import MEMORY_CATEGORIES, Plan, load_plan
 from topologies.errors import PlanError
+from topologies.hardware import GIB
 
 TOLERANCE = 0.10  # |predicted - tracked| / tracked the memory model must meet
 _TRACKER_CATEGORY = {
@@ -139,8 +140,8 @@ def render_validation(doc: dict[str, Any]) -> None:
     for rep in doc["ranks"]:
         err = rep["error"]
         table = Table(title=f"{doc['model']}, rank {rep['rank']} (stage {rep['stage']}) of {doc['world_size']}: "
-                            f"predicted {rep['predicted_peak_bytes'] / 2**30:.2f} GiB, tracked "
-                            f"{rep['tracked_peak_bytes'] / 2**30:.2f} GiB ({100 * err:+.1f}%)")
+                            f"predicted {rep['predicted_peak_bytes'] / GIB:.2f} GiB, tracked "
+                            f"{rep['tracked_peak_bytes'] / GIB:.2f} GiB ({100 * err:+.1f}%)")
         for col in ("category", "predicted", "tracked", "difference"):
             table.add_column(col, justify="left" if col == "category" else "right")
         for cat, row in rep["by_category"].items():

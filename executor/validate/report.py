@@ -37,6 +37,7 @@ from typing import Any
 
 from planner.plan import Plan, Prediction, load_plan
 from topologies.errors import UsageError
+from topologies.hardware import GIB
 
 DEFAULT_WARMUP_STEPS = 2
 COMPARED = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes")
@@ -165,7 +166,7 @@ def _fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if key == "peak_memory_bytes":
-        return f"{value / 2**30:.2f} GiB"
+        return f"{value / GIB:.2f} GiB"
     if key == "step_time_s":
         return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
     if key == "mfu":
@@ -217,10 +218,10 @@ def plot_report(report: dict[str, Any], rows: list[dict[str, Any]], path: str | 
     breakdown = report["predicted"].get("memory_breakdown_bytes") or {}
     bottom = 0.0
     for i, (category, value) in enumerate(breakdown.items()):
-        ax_m.bar("predicted", value / 2**30, bottom=bottom, color=f"C{i}", label=category)
-        bottom += value / 2**30
+        ax_m.bar("predicted", value / GIB, bottom=bottom, color=f"C{i}", label=category)
+        bottom += value / GIB
     measured = report["measured"]["peak_memory_bytes"]
-    ax_m.bar("measured", (measured or 0) / 2**30, color="0.4")
+    ax_m.bar("measured", (measured or 0) / GIB, color="0.4")
     ax_m.set(ylabel="GiB", title="peak memory (worst rank)")
     ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

@@ -48,12 +48,3 @@ def notes_lines(notes: Iterable[str]) -> list[str]:
 def stage_layers(plan: Plan) -> tuple[int, ...]:
     """Transformer layers per (virtual) pipeline stage, in model order (balanced when the plan leaves it empty)."""
     return with_stage_layers(plan.model, plan.layout).layers_per_stage
-
-
-def stage_ranges(plan: Plan) -> list[range]:
-    """Layer indices of each (virtual) stage, in model order."""
-    ranges, start = [], 0
-    for count in stage_layers(plan):
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges

@@ -10,21 +10,21 @@ endpoint is the only address a node needs.
 API (signatures others call):
 
   torchrun_commands(plan, plan_path, nnodes=None, rdzv_endpoint=f"$HEAD_NODE:{RDZV_PORT}",
-                    execute_args=()) -> list[list[str]]
+                    run=None) -> list[list[str]]
       One argv per node, node 0 first:
-        meshplan execute PLAN [execute_args] --nnodes N --node-rank R --rdzv-endpoint HOST:PORT
+        meshplan execute PLAN [run flags] --nnodes N --node-rank R --rdzv-endpoint HOST:PORT
       A single-node plan gives one argv without the rendezvous flags.
       nnodes defaults to the plan's node count; any other count is refused.
-  torchrun_script(plan, plan_path, hosts=(), port=RDZV_PORT, execute_args=()) -> str
+  torchrun_script(plan, plan_path, hosts=(), port=RDZV_PORT, run=None) -> str
       A bash script to run on every node as `bash SCRIPT NODE_RANK`; node 0
       is hosts[0], or $HEAD_NODE when no hosts are given.
-  slurm_script(plan, plan_path, hosts=(), port=RDZV_PORT, execute_args=(), job_name=None) -> str
+  slurm_script(plan, plan_path, hosts=(), port=RDZV_PORT, run=None, job_name=None) -> str
       An sbatch script: one task per node (srun), each running meshplan
       execute with --node-rank $SLURM_NODEID; the rendezvous host is the
       first node of the allocation (scontrol show hostnames).
 
-execute_args are extra `meshplan execute` flags (e.g. ["--steps", "100",
-"--out", "runs/x"]), passed unchanged on every node.
+run is the run's flags (planner.run_flags.RunFlags: steps, out, seed, ...),
+written with `RunFlags.to_argv` on every node; None adds none.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from planner.export import ExportResult, check_hosts
 from planner.export.common import comment_block, notes_lines, summary_lines
 from planner.plan import Plan
+from planner.run_flags import RunFlags
 from topologies.errors import UsageError
 
 RDZV_PORT = 29500
@@ -50,24 +51,24 @@ def _check_nnodes(plan: Plan, nnodes: int | None) -> int:
     return n
 
 
-def _base(plan_path: str, execute_args: Sequence[str]) -> list[str]:
-    return ["meshplan", "execute", str(plan_path), *execute_args]
+def _base(plan_path: str, run: RunFlags | None) -> list[str]:
+    return ["meshplan", "execute", str(plan_path), *(run.to_argv() if run else ())]
 
 
 def torchrun_commands(plan: Plan, plan_path: str, nnodes: int | None = None,
                       rdzv_endpoint: str = f"$HEAD_NODE:{RDZV_PORT}",
-                      execute_args: Sequence[str] = ()) -> list[list[str]]:
+                      run: RunFlags | None = None) -> list[list[str]]:
     """One `meshplan execute` argv per node (see the module docstring)."""
     n = _check_nnodes(plan, nnodes)
     if n == 1:
-        return [_base(plan_path, execute_args)]
-    return [_base(plan_path, execute_args) + ["--nnodes", str(n), "--node-rank", str(rank),
+        return [_base(plan_path, run)]
+    return [_base(plan_path, run) + ["--nnodes", str(n), "--node-rank", str(rank),
                                               "--rdzv-endpoint", rdzv_endpoint] for rank in range(n)]
 
 
-def _node_line(plan: Plan, plan_path: str, execute_args: Sequence[str], rank_var: str, port: int) -> str:
+def _node_line(plan: Plan, plan_path: str, run: RunFlags | None, rank_var: str, port: int) -> str:
     """The per-node command with shell variables for node rank and head node, quoted for bash."""
-    line = shlex.join(_base(plan_path, execute_args))
+    line = shlex.join(_base(plan_path, run))
     if plan.cluster.n_nodes > 1:
         line += (f' --nnodes {plan.cluster.n_nodes} --node-rank "${rank_var}"'
                  f' --rdzv-endpoint "$HEAD_NODE:{port}"')
@@ -75,7 +76,7 @@ def _node_line(plan: Plan, plan_path: str, execute_args: Sequence[str], rank_var
 
 
 def torchrun_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: int = RDZV_PORT,
-                    execute_args: Sequence[str] = ()) -> str:
+                    run: RunFlags | None = None) -> str:
     """Bash script for every node: `bash SCRIPT NODE_RANK` (see the module docstring)."""
     hosts = check_hosts(plan, hosts)
     n, per_node = plan.cluster.n_nodes, plan.cluster.gpus_per_node
@@ -86,7 +87,7 @@ def torchrun_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port:
     out = "#!/usr/bin/env bash\n" + comment_block(header + summary_lines(plan) + notes_lines(()))
     out += "set -euo pipefail\n"
     if n == 1:
-        return out + "exec " + _node_line(plan, plan_path, execute_args, "node_rank", port) + "\n"
+        return out + "exec " + _node_line(plan, plan_path, run, "node_rank", port) + "\n"
     if hosts:
         out += f"HEAD_NODE={shlex.quote(hosts[0])}\n"
     else:
@@ -94,11 +95,11 @@ def torchrun_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port:
     out += f'node_rank="${{1:?usage: bash $0 NODE_RANK (0..{n - 1})}}"\n'
     out += (f'if ! [[ "$node_rank" =~ ^[0-9]+$ ]] || (( node_rank >= {n} )); then\n'
             f'  echo "node rank must be 0..{n - 1}, got $node_rank" >&2; exit 2\nfi\n')
-    return out + "exec " + _node_line(plan, plan_path, execute_args, "node_rank", port) + "\n"
+    return out + "exec " + _node_line(plan, plan_path, run, "node_rank", port) + "\n"
 
 
 def slurm_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: int = RDZV_PORT,
-                 execute_args: Sequence[str] = (), job_name: str | None = None) -> str:
+                 run: RunFlags | None = None, job_name: str | None = None) -> str:
     """sbatch script: one srun task per node running `meshplan execute` (see the module docstring)."""
     hosts = check_hosts(plan, hosts)
     n, cl = plan.cluster.n_nodes, plan.cluster
@@ -116,7 +117,7 @@ def slurm_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: in
     out += "set -euo pipefail\n"
     # Read the whole host list, no `| head`: under pipefail a closed pipe (SIGPIPE) would end the job.
     out += 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\nHEAD_NODE=${NODES[0]}\nexport HEAD_NODE\n'
-    cmd = "exec " + _node_line(plan, plan_path, execute_args, "SLURM_NODEID", port)
+    cmd = "exec " + _node_line(plan, plan_path, run, "SLURM_NODEID", port)
     out += f"cmd={shlex.quote(cmd)}\n"
     return out + f'srun --nodes={n} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$cmd"\n'
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from planner.export import ExportResult
-from planner.export.common import notes_lines, stage_ranges, summary_lines
+from planner.export.common import notes_lines, stage_layers, summary_lines
 from planner.export.toml_emit import dumps
+from planner.layout import stage_ranges
 from planner.plan import Plan
 
 # meshplan pp_schedule -> torch.distributed.pipelining schedule name (get_schedule_class)
@@ -127,7 +128,7 @@ def _parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
 
 def _model_parts(plan: Plan) -> list[list[str]]:
     """Module names of each model chunk in model order: embedding first, norm and output last."""
-    parts = [[f"layers.{i}" for i in r] for r in stage_ranges(plan)]
+    parts = [[f"layers.{i}" for i in r] for r in stage_ranges(stage_layers(plan))]
     parts[0].insert(0, "tok_embeddings")
     parts[-1] += ["norm", "output"]
     return parts

@@ -124,6 +124,7 @@ def layer_activation_terms(
     micro_batch: int,
     tp: int = 1,
     cp: int = 1,
+    *,
     sequence_parallel: bool = False,
     dtype_bytes: int = 2,
     fused_attention: bool = True,
@@ -235,7 +236,7 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
 
 
 def output_activation_bytes(
-    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, sequence_parallel: bool,
+    model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
@@ -270,7 +271,7 @@ def layer_backward_transient(model: ModelSpec, seq_len: int, micro_batch: int, t
     return tensors * width * dtype_bytes * seq_len * micro_batch / (cp * tp)
 
 
-def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_block_inputs: bool,
+def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, *, cast_block_inputs: bool,
                      recompute: str) -> float:
     """Rotary tables one layer keeps per micro-batch (module docstring; meshplan's executor only).
 
@@ -285,7 +286,7 @@ def rope_table_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, cast_bloc
     return 0.0 if recompute == "full" else 4.0 * seq_len * model.head_dim * dtype_bytes
 
 
-def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int,
+def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *,
                             sequence_parallel: bool) -> float:
     """The embedding dropout mask (first stage), 1 byte per element when dropout > 0."""
     if model.dropout <= 0:
@@ -304,9 +305,11 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
       warm-up chunk forwards, so 2(pp-r-1) + (v-1)pp + 1 chunks (of 1/v of its
       layers) are alive, capped by the m*v chunks of the step. On rank 0 that
       is pp*(1 + (pp-1)/(pp*v)) micro-batches' worth, Korthikanti's factor.
-    zb-v: assumed to hold pp micro-batches' worth on every rank (Qi et al.
-      2024 design the V shape so each rank's peak equals 1F1B's first stage;
-      deferred weight-gradient passes are taken to fit inside that budget).
+    zb-v (torch's ScheduleZBVZeroBubble order, planner.simulate.pipeline): a
+      chunk's activations live from its F to its W; rank r peaks at
+      min(2 pp, 2m, m + 1 + r) chunks of half its layers, so pp micro-batches'
+      worth once m >= 2 pp - 1 (the V shape matches 1F1B's first stage, Qi et
+      al. 2024), less on the low ranks of a short step.
     """
     m = grad_accum_steps
     if pp == 1:
@@ -320,5 +323,5 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
         chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
         return chunks / v
     if schedule == "zb-v":
-        return float(min(pp, m))
+        return min(2 * pp, 2 * m, m + 1 + rank) / 2
     raise ValueError(f"unknown pipeline schedule {schedule!r}")

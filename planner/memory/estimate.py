@@ -46,8 +46,9 @@ executor.parallel.parallelize._dp_kind) with D the compute-dtype bytes:
               transient comm_buffers, except under PP, where
               torch.distributed.pipelining turns off resharding after the
               backward between micro-batches (D x P)
-The seed notes' mixed-precision table (model 4+2, optimizer 8, grads 2+,
-total 16+ bytes per parameter) is meshplan's single-GPU row: 4 + ~2 + 8 + 4.
+The usual mixed-precision table (model 4+2, optimizer 8, grads 2+, total
+16+ bytes per parameter; Rajbhandari et al. 2020, sec. 3.1, count 2+2+12) is
+meshplan's single-GPU row: 4 + ~2 + 8 + 4.
 
 megatron: bf16 parameters, fp32 main gradients, fp32 master weights in the
 optimizer with the two Adam moments: 2 + 4 + 12 = 18 bytes per parameter; its
@@ -212,7 +213,7 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     return int(total)
 
 
-def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str,
+def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str, *,
                  fused: bool) -> Activations:
     """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
     s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
@@ -222,19 +223,23 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     autocast = path in ("none", "ddp") and d < FP32_BYTES
     eng = get_engine(engine)
     fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
-    terms = layer_activation_terms(model, s, b, t, cp, seq_par, d, fused, autocast, traits.sp_saves_gathered,
-                                   fp8_inputs, traits.fused_swiglu)
-    op_saved = op_saved_terms(model, s, b, t, cp, d, fused) if layout.recompute == "op" else None
+    terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
+                                   autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
+                                   fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
+    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
+        if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
     if traits.rope_buffers:
-        per_layer += rope_table_bytes(model, s, d, path in ("fsdp", "replicate"), layout.recompute)
+        per_layer += rope_table_bytes(model, s, d, cast_block_inputs=path in ("fsdp", "replicate"),
+                                      recompute=layout.recompute)
     saved, logits_saved, logits_transient = output_activation_bytes(
-        model, s, b, t, cp, seq_par, d, autocast, traits.vocab_parallel_loss, traits.sp_saves_gathered)
+        model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, autocast=autocast,
+        vocab_parallel_loss=traits.vocab_parallel_loss, sp_saves_gathered=traits.sp_saves_gathered)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
-                       embedding_dropout_bytes(model, s, b, t, cp, seq_par), saved, logits_saved, logits_transient,
+                       embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
                        logits_saved / FP32_BYTES * d)
 
 
@@ -255,7 +260,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     eng = get_engine(engine)
     fused = eng.fused_attention(training) if fused_attention is None else fused_attention
     other = default_other_bytes(gpu) if other_bytes is None else other_bytes
-    acts = _activations(model, training, layout, engine, fused)
+    acts = _activations(model, training, layout, engine, fused=fused)
     comm = _activation_comm(model, training, layout, engine)
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.engines import get_engine
-from planner.layout import Layout, balanced_layers
+from planner.layout import Layout, balanced_layers, rank_chunks
 from planner.model.spec import ModelSpec
 
 
@@ -61,13 +61,6 @@ class StageParams:
     @property
     def total(self) -> int:
         return self.dense + self.experts
-
-
-def rank_chunks(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple[int, ...]:
-    """Model chunks (0-based, in model order) that pipeline rank `rank` holds."""
-    if schedule == "zb-v":
-        return (rank, 2 * pp - 1 - rank)
-    return tuple(rank + i * pp for i in range(virtual_stages))
 
 
 @lru_cache(maxsize=4096)
@@ -97,16 +90,17 @@ def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "mes
 def pipeline_params(model: ModelSpec, layout: Layout, engine: str = "meshplan") -> tuple[StageParams, ...]:
     """stage_params for every pipeline rank, computed once per distinct placement."""
     return _pipeline_params(model, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage,
-                            layout.tp, layout.ep, layout.dp_shard, layout.cp, get_engine(engine).memory.tied_vocab_parallel)
+                            layout.tp, layout.ep, layout.dp_shard, layout.cp,
+                            tied_vocab_parallel=get_engine(engine).memory.tied_vocab_parallel)
 
 
 @lru_cache(maxsize=16384)
 def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
-                     dp_shard: int, cp: int, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+                     dp_shard: int, cp: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
     lps = lps or balanced_layers(model.n_layers, pp * v)
     dense_layer, expert_layer = layer_params_split(model, tp, ep)
     vocab_h = model.vocab * model.hidden
-    matrix = _vocab_matrix(model, tp, tied_vocab_parallel)
+    matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     positions = model.embedding_params - vocab_h
     biggest_layer_matrix = max(_layer_tensors(model, tp)[0], default=0)
     expert_shard = max(1, min(dp_shard, dp_shard * cp // ep))
@@ -132,7 +126,7 @@ def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tupl
     return tuple(stages)
 
 
-def _vocab_matrix(model: ModelSpec, tp: int, tied_vocab_parallel: bool) -> int:
+def _vocab_matrix(model: ModelSpec, tp: int, *, tied_vocab_parallel: bool) -> int:
     """The embedding (or output) matrix on one TP rank: V*h/t, or V*h for a tied one the engine keeps whole."""
     vocab_h = model.vocab * model.hidden
     return vocab_h if model.tie_embeddings and not tied_vocab_parallel else -(-vocab_h // tp)
@@ -152,7 +146,7 @@ def _layer_tensors(model: ModelSpec, tp: int) -> tuple[tuple[int, ...], tuple[in
 
 
 @lru_cache(maxsize=4096)
-def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int, tied_vocab_parallel: bool) -> int:
+def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int, *, tied_vocab_parallel: bool) -> int:
     """Parameters of the most loaded rank when torch's ZeroRedundancyOptimizer partitions a stage's tensors.
 
     It walks the parameter groups in order (matrices, which AdamW decays,
@@ -167,7 +161,7 @@ def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int,
     if model.moe is not None:
         return -(-sp.total // dp_shard)
     layer_matrices, layer_vectors = _layer_tensors(model, tp)
-    matrix = _vocab_matrix(model, tp, tied_vocab_parallel)
+    matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     matrices = list(layer_matrices) * sp.layers
     vectors = list(layer_vectors) * sp.layers
     if sp.has_embedding:

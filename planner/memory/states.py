@@ -66,7 +66,7 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     params = shard(recipe.param) if recipe.shard_params else recipe.param * total
     grads = shard(recipe.grad) if recipe.shard_grads else recipe.grad * total
     if layout.zero_stage == 1 and traits.zero1_whole_tensors:
-        optimizer = recipe.optimizer * zero1_rank_params(model, layout.tp, sp, n, traits.tied_vocab_parallel)
+        optimizer = recipe.optimizer * zero1_rank_params(model, layout.tp, sp, n, tied_vocab_parallel=traits.tied_vocab_parallel)
     else:
         optimizer = shard(recipe.optimizer) if recipe.shard_optimizer else recipe.optimizer * total
     copy = _compute_copy(engine, layout, sp, d)

@@ -1,6 +1,6 @@
 """A tight, cheap lower bound of `planner.simulate.step.simulate_step`'s step time, for branch-and-bound.
 
-SIM's `compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
+`planner.simulate.step.compute_lower_bound_s` (GEMM FLOPs at peak GEMM efficiency) is the
 same for almost every layout of a search, so it cannot order or prune them.
 This bound keeps what separates layouts and is still never above the
 simulated time: it follows the simulator's recipe (planner/simulate/step.py) term
@@ -45,11 +45,18 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
-from planner.layout import Layout, balanced_layers, recomputed_fraction, recomputed_share
-from planner.memory.params import StageParams, layer_params_split, pipeline_params, rank_chunks
+from planner.layout import (
+    DP_AXES,
+    Layout,
+    balanced_layers,
+    rank_chunks,
+    recomputed_fraction,
+    recomputed_share,
+)
+from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import DP_AXES, StepComm, group_offsets
+from planner.simulate.comm import StepComm, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
@@ -174,7 +181,7 @@ class StepBound:
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
                              training.fused_attention(self.traits.fused_attention),
-                             fp8_peak_flops(training.precision, gpu), training.compile)
+                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile)
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes

@@ -20,6 +20,7 @@ from typing import Any
 from planner.charts import save_figure
 from planner.search.candidates import Pins
 from topologies.errors import InfeasibleError, UsageError
+from topologies.hardware import GIB
 
 RUN_KEYS = ("seq_len", "global_batch", "gpus")  # what-if keys that are not cluster fields
 
@@ -172,7 +173,7 @@ def print_compare(rows: list[Row], out, png: str | None) -> None:
         res = r.best.result
         table.add_row(r.variant.label, f"{r.gpus} x {r.gpu_name}", short(r.best.layout), f"{res.step_time_s:.3f}",
                       f"{res.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", f"{res.mfu:.1%}",
-                      f"{res.memory.peak_bytes / 2**30:.1f}",
+                      f"{res.memory.peak_bytes / GIB:.1f}",
                       *([f"{r.cost_per_million_tokens:.3f}"] if priced else []))
     out.print(table)
     if png:

@@ -4,14 +4,14 @@ Order of work, cheapest test first (the rules themselves are in planner.search.c
 
 1. shapes: mesh degrees, ZeRO, SP, schedule (planner.search.candidates.shapes),
    each with the global batch its dp runs and its micro-batch sizes;
-2. model state (params + grads + optimizer on the worst stage, MEM's
-   `model_state_bytes`) plus the fixed overhead must fit: otherwise no
+2. model state (params + grads + optimizer on the worst stage,
+   `planner.memory.states.model_state_bytes`) plus the fixed overhead must fit: otherwise no
    micro-batch or recomputation can save the shape;
 3. leaves: a micro-batch with the lightest recomputation that fits (memory
    never falls as the micro-batch grows, so what failed at a smaller
    micro-batch is not tried again at a larger one);
 4. branch-and-bound: every (shape, micro-batch) gets a lower bound of its
-   step time (`planner.search.bound.StepBound`: SIM's `compute_lower_bound_s`
+   step time (`planner.search.bound.StepBound`: `planner.simulate.step.compute_lower_bound_s`
    is the same for almost every layout, this one prices shapes, TP, FSDP,
    the pipeline bubble and the DP tail, typically within a few % of the
    simulated time); they are expanded in order of that bound, so memory is checked
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from planner.engines import get_engine
 from planner.layout import Layout, divisors, partial_recompute_options
-from planner.memory.estimate import default_other_bytes, estimate_memory
+from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
@@ -46,7 +46,7 @@ from planner.search.candidates import (
     shapes,
 )
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.step import StepResult, simulate_step
+from planner.simulate.step import StepResult, simulate_step, step_memory
 from planner.training import TrainingSpec, default_global_batch
 from topologies.cluster import Cluster
 
@@ -315,7 +315,7 @@ def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int,
     while level < len(recomputes):
         layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
                                    recompute=recomputes[level][0], recompute_layers=recomputes[level][1])
-        memory = estimate_memory(ctx.model, sh.training, layout, ctx.cluster.gpu, ctx.engine, ctx.other_bytes)
+        memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:
             sh.levels[mb] = level

@@ -37,8 +37,6 @@ from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel
 from topologies.errors import PlanError
 
-DP_AXES = ("dp_replicate", "dp_shard")
-
 
 @lru_cache(maxsize=32)
 def _collective_model(cluster: Cluster, efficiency: tuple[tuple[str, float], ...], latency_scale: float

@@ -191,7 +191,7 @@ def _block_gemms_s(gemms, peak: float, fp8_peak: float, cal: CalibrationProfile)
 
 
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
-                peak: float, cal: CalibrationProfile, fused_attention: bool = True, fp8_peak: float = 0.0,
+                peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
                 compile: bool = False) -> PassTimes:
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 

@@ -20,30 +20,26 @@ Schedules:
                    warm-up (pp - r - 1) * 2 + (v - 1) * pp (Megatron-LM; the
                    micro-batch count must be a multiple of pp)
   zb-v             2 chunks per rank in a V (rank r holds r and 2pp - 1 - r),
-                   B and W split (Qi et al. 2024). Its order comes from a
-                   greedy list schedule run once with equal F, B and W times
-                   (as the paper builds it): each rank runs a ready B, else a
-                   ready F (a new micro-batch only while its in-flight chunks
-                   stay within 1F1B's memory, 2 pp), else a pending W. The
-                   layout's real times then run through that fixed order.
+                   B (input gradient) and W (weight gradient) split (Qi et
+                   al. 2024), in the order torch.distributed.pipelining's
+                   ScheduleZBVZeroBubble runs (`_zbv_rank_order`), which is
+                   what `meshplan execute` runs; tests/unit/test_schedule_torch.py
+                   compares every rank's order with torch's pipeline_order.
 
 Every order is compiled once per (schedule, pp, v, n) into a topological list
 (each rank's order merged so that every input comes before its consumer), in
-O(operations): the per-rank orders are closed forms, except ZB-V's, whose
-greedy runs in unit time steps. Timing one layout is then a single pass over
+O(operations): the per-rank orders are closed forms. Timing one layout is then a single pass over
 the list.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from planner.memory.params import rank_chunks
+from planner.layout import rank_chunks
 from topologies.errors import PlanError
 
 F, B, W = 0, 1, 2
@@ -73,7 +69,7 @@ class PipelineResult:
 
 @lru_cache(maxsize=1024)
 def chunk_owner(schedule: str, pp: int, v: int) -> tuple[int, ...]:
-    """Pipeline rank of every model chunk (the inverse of memory_params.rank_chunks)."""
+    """Pipeline rank of every model chunk (the inverse of planner.layout.rank_chunks)."""
     owner = [0] * (pp * v)
     for r in range(pp):
         for c in rank_chunks(schedule, pp, v, r):
@@ -127,76 +123,68 @@ def _order_interleaved(rank: int, pp: int, v: int, n: int) -> list[tuple[int, in
 _ORDERS = {"gpipe": _order_gpipe, "1f1b": _order_1f1b, "interleaved-1f1b": _order_interleaved}
 
 
-def _zbv_orders(pp: int, n: int) -> list[list[tuple[int, int, int]]]:
-    """Per-rank order of ZB-V: the greedy list schedule with unit F, B and W times and no transfer time.
+def _zbv_rank_order(rank: int, pp: int, n: int) -> list[tuple[int, int, int]]:
+    """Rank `rank`'s order under ZB-V as torch.distributed.pipelining's ScheduleZBVZeroBubble runs it.
 
-    With unit times every operation starts on an integer step, so the
-    schedule runs step by step: at step t each rank that ran something at
-    t - 1 (or t = 0) takes a B that has arrived, else the F of the V's way
-    back up, else an F down (while it holds fewer than 2 pp activations),
-    else its oldest pending W. A rank left idle starts whatever arrives
-    first, a B before an F down before an F up. Each queue serves its
-    arrivals in order of (step, micro-batch, chunk). An operation run at t
-    delivers its output at t + 1, so ranks at the same step never see each
-    other's work.
+    The rank holds chunk `down` = rank (on the way down the V) and `up` =
+    2 pp - 1 - rank (on the way up). Phases, for m = max(n, 2 pp - 1)
+    micro-batches (torch fills the pipeline with 2 pp - 1 and drops the
+    operations of micro-batches past n afterwards):
+      1. 2 (pp - rank) - 1 forwards of `down`;
+      2. rank pairs: forward `up`, forward `down`;
+      3. pp - rank triples on `up`: forward, input gradient (B), weight gradient (W);
+      4. steady state, until every forward ran: forward `down` (while any is
+         left), B and W of `down`, then forward, B and W of `up`;
+      5. cool-down: rank pairs of B (`down`, then `up`) with their W deferred,
+         then pp - rank pairs of B `down` and the oldest deferred W of `down`,
+         then the remaining W of `up`, then those of `down`.
+    So every W outside the cool-down runs right after its B, and on rank 0
+    (pp 2, 4 micro-batches) F(down, 3) runs before B(down, 0).
     """
-    last, limit = 2 * pp - 1, 2 * pp
-    backward = [[] for _ in range(pp)]  # per rank: heaps of (arrival step, micro-batch, chunk)
-    down = [[] for _ in range(pp)]
-    up = [[] for _ in range(pp)]
-    down[0] = [(0, i, 0) for i in range(n)]
-    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
-    held = [0] * pp
-    ran = [True] * pp  # ran an operation in the previous step
-    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(pp)]
-    push, pop = heapq.heappush, heapq.heappop
-    remaining, t = 3 * (last + 1) * n, 0
-    while remaining:
-        before = remaining
-        for r in range(pp):
-            b, d, u = backward[r], down[r], up[r]
-            if b and b[0][0] <= t:
-                q = b
-            elif ran[r]:
-                if u and u[0][0] <= t:
-                    q = u
-                elif d and held[r] < limit and d[0][0] <= t:
-                    q = d
-                elif pending[r]:
-                    orders[r].append((W, *pending[r].popleft()))
-                    remaining -= 1
-                    continue
-                else:
-                    ran[r] = False
-                    continue
-            elif d and held[r] < limit and d[0][0] <= t:
-                q = d
-            elif u and u[0][0] <= t:
-                q = u
-            else:
-                continue
-            ran[r] = True
-            remaining -= 1
-            _, i, c = pop(q)
-            if q is b:
-                orders[r].append((B, c, i))
-                held[r] -= 1
-                pending[r].append((c, i))
-                if c > 0:
-                    push(backward[c - 1 if c - 1 < pp else last - c + 1], (t + 1, i, c - 1))
-            else:
-                orders[r].append((F, c, i))
-                held[r] += 1
-                if c == last:
-                    push(b, (t + 1, i, c))
-                elif c + 1 < pp:
-                    push(down[c + 1], (t + 1, i, c + 1))
-                else:
-                    push(up[last - c - 1], (t + 1, i, c + 1))
-        if remaining == before:  # nothing ran, so nothing arrives next: no rank can ever move again
-            raise PlanError(f"zb-v schedule stalls for pp={pp}, {n} micro-batches")
-        t += 1
-    return orders
+    m = max(n, 2 * pp - 1)
+    chunks = (rank, 2 * pp - 1 - rank)
+    fwd, bwd = [0, 0], [0, 0]  # next forward / input-gradient micro-batch of chunks[0] and chunks[1]
+    order: list[tuple[int, int, int]] = []
+
+    def forward(k: int) -> None:
+        order.append((F, chunks[k], fwd[k]))
+        fwd[k] += 1
+
+    def backward(k: int, with_weights: bool) -> None:
+        order.append((B, chunks[k], bwd[k]))
+        if with_weights:
+            order.append((W, chunks[k], bwd[k]))
+        bwd[k] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        forward(0)
+    for _ in range(rank):
+        forward(1)
+        forward(0)
+    for _ in range(pp - rank):
+        forward(1)
+        backward(1, True)
+    while fwd[1] < fwd[0] or fwd[0] < m:
+        if fwd[0] < m:
+            forward(0)
+        backward(0, True)
+        forward(1)
+        backward(1, True)
+    weights = list(bwd)  # next deferred W of each chunk
+    for _ in range(rank):
+        backward(0, False)
+        backward(1, False)
+    for _ in range(pp - rank):
+        backward(0, False)
+        order.append((W, chunks[0], weights[0]))
+        weights[0] += 1
+    order += [(W, chunks[1], i) for i in range(weights[1], bwd[1])]
+    order += [(W, chunks[0], i) for i in range(weights[0], bwd[0])]
+    return [op for op in order if op[2] < n]
+
+
+def _zbv_orders(pp: int, n: int) -> list[list[tuple[int, int, int]]]:
+    return [_zbv_rank_order(r, pp, n) for r in range(pp)]
 
 
 @dataclass(frozen=True)

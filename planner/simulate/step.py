@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import Layout, recomputed_fraction
+from planner.layout import DP_AXES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import DP_AXES, StepComm
+from planner.simulate.comm import StepComm
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     combine,
@@ -152,7 +152,7 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
-                     fp8_peak_flops(training.precision, cluster.gpu), training.compile)
+                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
@@ -244,6 +244,22 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     return out
 
 
+def step_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
+                calibration: CalibrationProfile | None = None, engine: str = "meshplan",
+                traits: TimeTraits | None = None) -> MemoryEstimate:
+    """The memory of `layout` as a prediction reports it; the search checks fit with this same call.
+
+    One call site for both, so the search never prunes a layout its own
+    prediction calls feasible: same stage split (balanced when empty), same
+    fixed overhead (the calibration's, else the memory model's default), same
+    attention kernel (the engine's, or `traits`).
+    """
+    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
+    fused = training.fused_attention((traits or get_engine(engine).time).fused_attention)
+    return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, engine, cal.other_bytes,
+                           fused_attention=fused)
+
+
 def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
                   calibration: CalibrationProfile | None = None, engine: str = "meshplan",
                   events: bool = False, traits: TimeTraits | None = None) -> StepResult:
@@ -282,8 +298,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
-    memory = estimate_memory(model, training, layout, cluster.gpu, engine, cal.other_bytes,
-                             fused_attention=training.fused_attention(traits.fused_attention))
+    memory = step_memory(model, training, layout, cluster, cal, engine, traits)
     tokens_per_s = training.tokens_per_step / step
     model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
     step_events = None

@@ -1,6 +1,6 @@
 """Bad input never gives a traceback: random and mutated flags and plans, fed to the CLI.
 
-Property (issue 7): every user-facing input either succeeds or fails with exit
+Property: every user-facing input either succeeds or fails with exit
 2 (usage) or 3 (no feasible layout) and one error line naming what was wrong.
 Most cases run `cli.main` in this process (a subprocess costs ~0.5 s, torch
 verbs ~3 s); an exception escaping `cli.main` is exactly the traceback a user

@@ -1,7 +1,7 @@
 """`meshplan execute` without training: dry run, launch printing, refusals with the numbers.
 
 Real runs live in test_executor_determinism.py (every layout, and the run
-directory's contract) and in CKPT's tests/test_failures.py (failed workers).
+directory's contract) and in tests/multiproc/test_failures.py (failed workers).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The reference is one uninterrupted FSDP (ZeRO-3, dp_shard 4) run of 6 steps
 of the debug model, checkpointing every 2 steps and keeping 2. Every other
 run here is compared with its losses, step by step (the last entry of a step
 in metrics.jsonl counts):
-  * same layout, resumed after a crash: within 1e-5 relative (issue 7);
+  * same layout, resumed after a crash: within 1e-5 relative;
   * another layout (TP 2 x DP 2; PP 2 x DP 2 -> FSDP 4): within 1e-3.
 All runs use --steps 6: the LR schedule's length is part of the run.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import CliResult, run_cli
 
-from executor.components.checkpoint import CRASH_ENV
+from executor.faults import CRASH_ENV
 
 STEPS = 6
 LAUNCH_TIMEOUT_S = 400

@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_util import execute, make_plan
+from torchrun_util import DETERMINISM_LAYOUTS, execute, make_plan
 
 from executor.components.data import SyntheticTokens, local_batch
 from executor.components.optim import BETAS, EPS, MAX_GRAD_NORM, WEIGHT_DECAY, WarmupCosine, default_lr
@@ -33,23 +33,7 @@ STEPS, GLOBAL_BATCH, SEQ_LEN, SEED = 4, 8, 64, 0
 RTOL = 1e-3
 METRIC_KEYS = {"step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes"}  # ARCHITECTURE.md
 
-# name -> (model, pinned `meshplan plan` flags). The issue's eight layouts, with gradient
-# accumulation and recomputation folded into some, plus the paths they do not reach:
-# GPT-style (tied embeddings, learned positions, biases) under TP+SP with FSDP2's replicate,
-# and the interleaved pipeline schedule with FSDP (pp2_dp2 pins ZeRO-0: replicate under PP).
-LAYOUTS = {
-    "ddp": ("debug", ["--dp", "4", "--zero", "0", "--micro-batch", "1", "--recompute", "selective"]),
-    "zero1": ("debug", ["--dp-shard", "4", "--zero", "1"]),
-    "zero2": ("debug", ["--dp-shard", "4", "--zero", "2", "--micro-batch", "1"]),
-    "zero3": ("debug", ["--dp-shard", "4", "--zero", "3", "--recompute", "full"]),
-    "hsdp_2x2": ("debug", ["--dp", "4", "--dp-shard", "2", "--zero", "3"]),
-    "tp2_dp2": ("debug", ["--tp", "2", "--dp", "2"]),
-    "pp2_dp2": ("debug", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1", "--pp-schedule", "1f1b"]),
-    "pp2_tp2": ("debug", ["--pp", "2", "--tp", "2", "--micro-batch", "2", "--pp-schedule", "1f1b"]),
-    "gpt_tp2_dp2_replicate": ("debug-gpt", ["--tp", "2", "--dp", "2", "--zero", "0", "--sequence-parallel"]),
-    "pp2_interleaved_dp2": ("debug", ["--pp", "2", "--dp", "2", "--micro-batch", "1",
-                                      "--pp-schedule", "interleaved-1f1b", "--virtual-stages", "2"]),
-}
+LAYOUTS = DETERMINISM_LAYOUTS
 
 
 def reference_run(model_name: str) -> list[dict]:

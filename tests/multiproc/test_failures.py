@@ -1,12 +1,9 @@
 """Failures under `meshplan execute` on 4 CPU ranks: restart and resume, or stop cleanly with one line.
 
-Fault injection uses two test-only environment variables, read by the
-workers and off unless set (both act on the first attempt only, i.e. while
-TORCHELASTIC_RESTART_COUNT is 0):
-  * MESHPLAN_TEST_KILL_AFTER_STEP="STEP:RANK" (executor/train.py): that rank
-    SIGKILLs itself right after step STEP;
-  * MESHPLAN_TEST_CRASH_IN_SAVE="STEP:RANK:raise" (executor/components/checkpoint.py):
-    that rank raises a RuntimeError while saving step STEP.
+Fault injection uses the test-only hooks of executor/faults.py, read by the
+workers and off unless set (first attempt only):
+  * KILL_ENV="STEP:RANK": that rank SIGKILLs itself right after step STEP;
+  * CRASH_ENV="STEP:RANK:raise": that rank raises a RuntimeError while saving step STEP.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from test_checkpoint_e2e import (
     steps_logged,
 )
 
-from executor.components.checkpoint import CRASH_ENV
-from executor.train import KILL_ENV
+from executor.faults import CRASH_ENV, KILL_ENV
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from executor.components.checkpoint import CRASH_ENV, CheckpointManager, complete_steps, consolidate
+from executor.components.checkpoint import CheckpointManager, complete_steps, consolidate
+from executor.faults import CRASH_ENV
 from topologies.errors import ExecutionError, UsageError
 
 

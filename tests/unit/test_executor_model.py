@@ -21,7 +21,7 @@ from executor.model import (
     rope_tables,
     rotate_half_apply,
 )
-from executor.parallel.pipeline import split_stage, stage_ids
+from executor.parallel.pipeline import split_stage
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.model.spec import ModelSpec
@@ -136,7 +136,7 @@ def test_pipeline_stages_partition_the_names(layout):
     names = set(dict(full.named_parameters()))
     held: list[str] = []
     for pp_rank in range(layout.pp):
-        for stage in stage_ids(layout, pp_rank):
+        for stage in layout.stages_of(pp_rank):
             held += list(dict(split_stage(full, layout, stage).named_parameters()))
     assert sorted(held) == sorted(names)
 

@@ -41,7 +41,7 @@ def make_plan(n_gpus: int, model: str = "13B", **layout) -> Plan:
 
 
 def plan_13b() -> Plan:
-    """The issue's 13B / 16-GPU plan: TP 8 inside a node, ZeRO-3 over the two nodes."""
+    """The README's 13B / 16-GPU plan: TP 8 inside a node, ZeRO-3 over the two nodes."""
     return make_plan(16, tp=8, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128)
 
 

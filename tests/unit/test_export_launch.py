@@ -18,6 +18,7 @@ from planner.export.launch import slurm_script, torchrun_commands, torchrun_scri
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.plan import Plan, with_stage_layers
+from planner.run_flags import RunFlags
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
 from topologies.errors import UsageError
@@ -30,10 +31,12 @@ STUB_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "%s\\n
 
 
 def execute_parser() -> argparse.ArgumentParser:
-    """The `meshplan execute` flags the launch lines use (the EXEC contract in the brief)."""
+    """The `meshplan execute` flags the launch lines use (executor/cli/execute.py; run flags: planner.run_flags)."""
     p = argparse.ArgumentParser(prog="meshplan execute", allow_abbrev=False)
     p.add_argument("plan")
     p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--log-every", type=int)
     p.add_argument("--nnodes", type=int)
     p.add_argument("--node-rank", type=int)
     p.add_argument("--rdzv-endpoint")
@@ -66,7 +69,7 @@ def run_script(tmp_path: Path, text: str, env: dict, *args: str) -> subprocess.C
 
 
 def test_torchrun_commands_one_per_node():
-    cmds = torchrun_commands(plan_3d(), "p.json", rdzv_endpoint="h0:29500", execute_args=["--steps", "5"])
+    cmds = torchrun_commands(plan_3d(), "p.json", rdzv_endpoint="h0:29500", run=RunFlags(steps=5))
     assert len(cmds) == 4 and all(c[:2] == ["meshplan", "execute"] for c in cmds)
     parsed = [execute_parser().parse_args(c[2:]) for c in cmds]
     assert [a.node_rank for a in parsed] == [0, 1, 2, 3]
@@ -90,10 +93,10 @@ def test_torchrun_script_runs_the_same_commands_on_every_node(tmp_path, stubs):
     env, calls = stubs
     plan = plan_3d()
     hosts = ["n0", "n1", "n2", "n3"]
-    text = torchrun_script(plan, "my plan.json", hosts, execute_args=["--steps", "5"])
+    text = torchrun_script(plan, "my plan.json", hosts, run=RunFlags(steps=5))
     for rank in range(4):
         assert run_script(tmp_path, text, env, str(rank)).returncode == 0
-    expected = torchrun_commands(plan, "my plan.json", rdzv_endpoint="n0:29500", execute_args=["--steps", "5"])
+    expected = torchrun_commands(plan, "my plan.json", rdzv_endpoint="n0:29500", run=RunFlags(steps=5))
     assert calls() == [argv[1:] for argv in expected]  # the stub sees the arguments after its name
     bad = run_script(tmp_path, text, env, "4")
     assert bad.returncode == 2 and "node rank must be 0..3" in bad.stderr
@@ -110,7 +113,7 @@ def test_torchrun_script_without_hosts_needs_head_node(tmp_path, stubs):
 def test_slurm_script_starts_one_execute_per_node(tmp_path, stubs):
     env, calls = stubs
     plan = plan_3d()
-    text = slurm_script(plan, "p.json", execute_args=["--steps", "5"])
+    text = slurm_script(plan, "p.json", run=RunFlags(steps=5))
     directives = dict(line[len("#SBATCH --"):].partition("=")[::2] for line in text.splitlines()
                       if line.startswith("#SBATCH --"))
     assert directives["nodes"] == "4" and directives["ntasks-per-node"] == "1"
@@ -119,7 +122,7 @@ def test_slurm_script_starts_one_execute_per_node(tmp_path, stubs):
                  "FAKE_NODES": "gpu07 gpu08 gpu09 gpu10"}
     proc = run_script(tmp_path, text, slurm_env)
     assert proc.returncode == 0, proc.stderr
-    expected = torchrun_commands(plan, "p.json", rdzv_endpoint="gpu07:29500", execute_args=["--steps", "5"])
+    expected = torchrun_commands(plan, "p.json", rdzv_endpoint="gpu07:29500", run=RunFlags(steps=5))
     assert calls() == [argv[1:] for argv in expected]
 
 

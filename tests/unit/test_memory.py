@@ -1,7 +1,7 @@
 """Memory model: precision recipes against published tables, parameter placement, properties.
 
 References:
-- Seed notes (../shared/seeds/000_*.txt), mixed-precision table: model (4+2) +
+- The mixed-precision table of Rajbhandari et al. 2020 (sec. 3.1): model (4+2) +
   optimizer 8 + gradients (2+) = (16+) bytes per parameter; fp32 4 + 8 + 4 = 16.
 - Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
   Trillion Parameter Models", figure 1: 7.5B parameters, 64 GPUs, K = 12:

@@ -79,7 +79,7 @@ def test_full_recompute_keeps_2sbh_per_layer():
 
 def test_output_layer_matches_section_4_3():
     # final layernorm + output-layer inputs 4sbh/t, fp32 logits 4sbv/t (Korthikanti's total 4sbh/t (1 + v/h))
-    saved, logits_saved, transient = output_activation_bytes(GPT, S, B, 8, 1, True, 2)
+    saved, logits_saved, transient = output_activation_bytes(GPT, S, B, 8, 1, sequence_parallel=True, dtype_bytes=2)
     assert saved + logits_saved == pytest.approx(4 * SBH / 8 * (1 + GPT.vocab / H))
     assert transient == pytest.approx(2 * logits_saved)
 
@@ -126,7 +126,7 @@ def test_dropout_masks_only_when_dropout_positive():
 
 
 def test_fp32_activations_cost_twice_bf16():
-    # seed notes: activations take 2 bytes per element in mixed precision, 4 in fp32
+    # mixed precision: activations take 2 bytes per element in mixed precision, 4 in fp32
     no_drop = dataclasses.replace(GPT, dropout=0.0)
     bf16 = sum(layer_activation_terms(no_drop, S, B, dtype_bytes=2, fused_attention=False).values())
     fp32 = sum(layer_activation_terms(no_drop, S, B, dtype_bytes=4, fused_attention=False).values())

@@ -89,7 +89,7 @@ def test_autocast_block_saves_fp32_norm_inputs_separate_casts_and_weight_copies(
     terms = layer_activation_terms(spec, SEQ, BATCH, dtype_bytes=2, fused_attention=True, autocast=True)
     kept, _ = layer_activation_bytes(terms, "none")
     matrices = sum(p.numel() for p in block.parameters() if p.ndim == 2)
-    expected = kept - terms["norm1_input"] + 2 * matrices + rope_table_bytes(spec, SEQ, 2, False, "none")
+    expected = kept - terms["norm1_input"] + 2 * matrices + rope_table_bytes(spec, SEQ, 2, cast_block_inputs=False, recompute="none")
     assert sum(storages.values()) == pytest.approx(expected, rel=0.01)  # the block input x is the caller's
 
 
@@ -115,5 +115,5 @@ def test_zero1_worst_rank_matches_zero_redundancy_optimizer(name):
     finally:
         dist.destroy_process_group()
     sp = stage_params(spec, Layout(dp_shard=world, zero_stage=1), 0)
-    assert zero1_rank_params(spec, 1, sp, world, False) == max(loads)
+    assert zero1_rank_params(spec, 1, sp, world, tied_vocab_parallel=False) == max(loads)
     assert sum(loads) == sp.total

@@ -16,8 +16,7 @@ from planner.model.load import load_model
 from planner.plan import Plan, Prediction, with_stage_layers
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
-
-GIB = 2**30
+from topologies.hardware import GIB
 
 
 def _plan(prediction: Prediction | None = None, cluster: str = "dgx-h100") -> Plan:

@@ -35,9 +35,8 @@ from topologies.collectives import (
     collective_time_s,
 )
 from topologies.errors import TopologyError
-from topologies.links import link_between
-
-GIB = 1 << 30
+from topologies.graph import link_between
+from topologies.hardware import GIB
 
 
 def busbw(cluster, op, size, ranks=None, algo=None):

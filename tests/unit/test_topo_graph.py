@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from topologies.cluster_load import load_cluster, preset_names
-from topologies.graph import cluster_graph, node_graph, path_label, rank_path
-from topologies.links import derive_labels, link_between, nic_of_gpu
+from topologies.graph import cluster_graph, link_between, node_graph, path_label, rank_path
+from topologies.links import derive_labels, nic_of_gpu
 
 
 @pytest.mark.parametrize("name", preset_names())

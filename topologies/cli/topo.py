@@ -44,7 +44,8 @@ def parse_sizes(text: str) -> list[int]:
 
 def cluster_summary(c: Cluster) -> dict:
     """`topo show --json`: the resolved cluster plus the node's link matrices."""
-    from topologies.links import derive_labels, gpu_nic_paths, node_link_table
+    from topologies.graph import gpu_nic_paths, node_link_table
+    from topologies.links import derive_labels
 
     table = node_link_table(c)
     return {

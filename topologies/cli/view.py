@@ -1,4 +1,4 @@
-"""What `meshplan topo show|detect|bench` print for people (the JSON views live in cli_topo)."""
+"""What `meshplan topo show|detect|bench` print for people (the JSON views live in topologies.cli.topo)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import click
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel, bus_bandwidth_gbytes_per_s, busbw_factor, normalize_op
 from topologies.errors import UsageError
+from topologies.graph import nic_share_gbytes_per_s
+from topologies.hardware import GIB
 from topologies.links import (
     EFFICIENCY,
     derive_labels,
@@ -15,7 +17,6 @@ from topologies.links import (
     link_class,
     nic_label,
     nic_of_gpu,
-    nic_share_gbytes_per_s,
 )
 from topologies.terminal import console
 
@@ -32,7 +33,7 @@ def _gpu_line(c: Cluster) -> str:
     g = c.gpu
     nvlink = f", NVLink{g.nvlink_gen} {g.nvlink_gbytes_per_s:g} GB/s/dir" if g.nvlink_gbytes_per_s else ""
     bf16 = f"{g.bf16_flops / 1e12:g} BF16" if g.bf16_flops else f"{g.fp16_flops / 1e12:g} FP16"
-    return (f"{g.name}: {g.memory_bytes / 2**30:.1f} GiB at {g.memory_gbytes_per_s:g} GB/s, {bf16} TFLOP/s dense, "
+    return (f"{g.name}: {g.memory_bytes / GIB:.1f} GiB at {g.memory_gbytes_per_s:g} GB/s, {bf16} TFLOP/s dense, "
             f"PCIe Gen{g.pcie_gen}{nvlink}")
 
 

@@ -1,0 +1,93 @@
+"""The run options of `meshplan execute`, one codec for every place that writes or reads them.
+
+`meshplan execute` takes them as click options (executor/cli/execute.py),
+repeats them on every node of a multi-node launch (planner/export/launch.py:
+`--print-launch`, `export torchrun|slurm`), hands them to every worker on
+the torchrun command line (executor/launch.py), and the worker reads them
+back (executor/worker.py) into the options training runs with
+(executor.train). All of them go through `RunFlags.to_argv` and
+`RunFlags.from_argv`, so a flag is spelled, defaulted and checked once.
+
+It lives in the planner because the launch exporters need it and the
+planner never imports the executor; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from topologies.errors import UsageError
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    """What one run of a plan does besides the layout: steps, data, seed, logging, checkpoints."""
+
+    steps: int = 100
+    out: str | None = None  # run directory; `execute` defaults it to runs/<plan name>, workers always get one
+    seed: int = 0  # seeds initialization and data: same seed, same model and data on every layout
+    data: str | None = None  # token file; None: synthetic tokens
+    lr: float | None = None  # None: executor.components.optim.default_lr(hidden)
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0: never
+    keep_checkpoints: int | None = None  # None: keep all
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if self.lr is not None and not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+
+    @property
+    def out_dir(self) -> Path:
+        if self.out is None:
+            raise UsageError("no run directory: pass --out DIR")
+        return Path(self.out)
+
+    def replace(self, **changes) -> RunFlags:
+        return dataclasses.replace(self, **changes)
+
+    def to_argv(self) -> list[str]:
+        """The flags as `meshplan execute` and `executor.worker` read them (steps, seed, log-every always)."""
+        argv = ["--steps", str(self.steps), "--seed", str(self.seed), "--log-every", str(self.log_every)]
+        for name in ("out", "data", "lr", "keep_checkpoints"):
+            value = getattr(self, name)
+            if value is not None:
+                argv += [_flag(name), str(value)]
+        if self.checkpoint_every:
+            argv += ["--checkpoint-every", str(self.checkpoint_every)]
+        return argv + (["--resume"] if self.resume else [])
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> RunFlags:
+        """Parse what `to_argv` wrote (unknown arguments are a UsageError)."""
+        parser = argparse.ArgumentParser(prog="meshplan execute", add_help=False, exit_on_error=False)
+        for f in dataclasses.fields(cls):
+            if f.name == "resume":
+                parser.add_argument("--resume", action="store_true")
+            else:
+                parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES[f.name], default=f.default)
+        try:
+            args, rest = parser.parse_known_args(argv)
+        except argparse.ArgumentError as exc:
+            raise UsageError(f"run flags: {exc}") from None
+        if rest:
+            raise UsageError(f"run flags: unknown arguments {rest}")
+        return cls(**vars(args))
+
+
+_TYPES = {"steps": int, "out": str, "seed": int, "data": str, "lr": float, "log_every": int,
+          "checkpoint_every": int, "keep_checkpoints": int}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+DEFAULT_RUN = RunFlags()
