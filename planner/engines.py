@@ -258,8 +258,11 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
         return "recompute 'op' (per-op selective checkpointing): the executor does not run it yet; use selective or full"
     if layout.cp > 1:
         return f"cp ({layout.cp}) > 1: the executor does not run context parallelism; plan with --cp 1"
-    if layout.ep > 1 or model.moe is not None:
-        return f"model {model.name!r}: the executor runs dense models only (ep {layout.ep})"
+    if layout.ep > 1 or layout.etp > 1 or model.moe is not None:
+        can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)
+        return (f"model {model.name!r} is a mixture of experts (ep {layout.ep}, etp {layout.etp}): meshplan's "
+                f"executor runs dense models only; plan it with --engine {can.replace(', ', ' or --engine ')} "
+                "and export the layout to that stack")
     if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
         return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
                 "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")

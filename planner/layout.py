@@ -8,8 +8,23 @@ cross nodes?) and the executor (init_device_mesh in the same order).
 Mesh axes, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. TP is
 innermost so a TP group is consecutive ranks and stays inside a node when it
 fits; PP is outermost so stage boundaries are the only traffic that must cross
-the slowest links. Expert parallelism (ep) borrows from dp_shard * cp for MoE
-layers and adds no axis of its own.
+the slowest links.
+
+Expert parallelism adds no axis of its own: as in Megatron-Core (expert rank
+order tp-ep-dp) and torchtitan, the MoE layers regroup the ranks of one
+pipeline stage and data-parallel replica. Flatten the inner axes (dp_shard,
+cp, tp) row-major, tp fastest, to an index j = ((s*C + c)*T + t); the expert
+grid reads the same j as ((e_dp * ep) + e) * etp + u:
+  etp  expert tensor parallelism: etp consecutive ranks split each expert's
+       matrices (etp = tp lines them up with the TP groups; etp 1 keeps
+       experts whole and lets ep fold in the tp ranks, DeepSeek's recipe);
+  ep   expert parallelism: ep ranks etp apart hold disjoint experts and
+       exchange tokens by all-to-all; with etp = tp they are the dp_shard x cp
+       ranks of one TP coordinate;
+  edp  expert data parallelism: the remaining dp_shard*cp*tp / (ep*etp)
+       ranks of the stage (times dp_replicate) hold the same experts; expert
+       gradients are reduced and expert optimizer states sharded over it.
+`expert_groups` lists them; the simulator prices the all-to-all on them.
 
 ZeRO stage says what is sharded across dp_shard: 0 nothing (dp_shard must be
 1), 1 optimizer states, 2 + gradients, 3 + parameters. HSDP is
@@ -49,7 +64,8 @@ class Layout:
     dp_replicate: int = 1  # data-parallel replicas that hold full copies (HSDP outer)
     dp_shard: int = 1  # data-parallel ranks that shard model state by ZeRO stage
     cp: int = 1  # context-parallel degree (sequence split in attention)
-    ep: int = 1  # expert-parallel degree for MoE layers (borrows dp_shard * cp)
+    ep: int = 1  # expert-parallel degree for MoE layers (carved out of dp_shard * cp * tp, module docstring)
+    etp: int = 1  # expert tensor-parallel degree: each expert's matrices split over etp ranks
     zero_stage: int = 0  # 0 DDP, 1 optimizer, 2 + grads, 3 + params sharded over dp_shard
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step per replica
@@ -64,7 +80,7 @@ class Layout:
     recompute_layers: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch_size",
+        for key in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "micro_batch_size",
                     "grad_accum_steps", "virtual_stages"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -103,9 +119,10 @@ class Layout:
             raise PlanError(f"layout: {self.pp_schedule} uses 1 virtual stage, got {self.virtual_stages}")
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("layout: sequence_parallel needs tp > 1")
-        if (self.dp_shard * self.cp) % self.ep:
+        if (self.dp_shard * self.cp * self.tp) % (self.ep * self.etp):
             raise PlanError(
-                f"layout: ep ({self.ep}) must divide dp_shard ({self.dp_shard}) * cp ({self.cp})"
+                f"layout: ep ({self.ep}) * etp ({self.etp}) must divide the ranks of a stage's replica, "
+                f"dp_shard ({self.dp_shard}) * cp ({self.cp}) * tp ({self.tp}); lower --ep or --etp"
             )
         if self.layers_per_stage:
             stages = self.pp * self.virtual_stages
@@ -119,6 +136,16 @@ class Layout:
     def dp(self) -> int:
         """Total data-parallel degree: dp_replicate * dp_shard."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_dp_shard(self) -> int:
+        """Expert data-parallel ranks within a replica: dp_shard*cp*tp / (ep*etp) (ZeRO shards experts over it)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def edp(self) -> int:
+        """The expert data-parallel degree: ranks that hold the same experts."""
+        return self.dp_replicate * self.expert_dp_shard
 
     @property
     def world_size(self) -> int:
@@ -144,7 +171,7 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(self)  # parallel.ep and parallel.etp among them
         data["layers_per_stage"] = list(self.layers_per_stage)
         return data
 
@@ -269,3 +296,37 @@ def rank_coords(shape: tuple[int, ...], rank: int) -> dict[str, int]:
         coords[axis] = rank % size
         rank //= size
     return {a: coords[a] for a in MESH_AXES}
+
+
+# ---- the expert grid (module docstring) ------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def expert_group_offsets(ep: int, etp: int, kind: str) -> tuple[int, ...]:
+    """Offsets of one expert group from its first rank: "ep" (stride etp) or "etp" (consecutive)."""
+    if kind == "ep":
+        return tuple(e * etp for e in range(ep))
+    if kind == "etp":
+        return tuple(range(etp))
+    raise PlanError(f"expert group kind must be 'ep' or 'etp', got {kind!r}")
+
+
+def expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind: str = "ep") -> tuple[tuple[int, ...], ...]:
+    """Every expert-parallel ("ep") or expert-tensor-parallel ("etp") group of global ranks.
+
+    `shape` is the mesh shape in MESH_AXES order; (dp_shard, cp, tp) are its
+    innermost axes, so the ranks of one stage's replica are `inner`
+    consecutive global ranks, which the expert grid regroups.
+    """
+    if len(shape) != len(MESH_AXES):
+        raise PlanError(f"mesh shape {shape} must have one size per axis {MESH_AXES}")
+    pp, replicate, shard, cp, tp = shape
+    inner = shard * cp * tp
+    if inner % (ep * etp):
+        raise PlanError(f"ep ({ep}) * etp ({etp}) must divide dp_shard * cp * tp ({inner})")
+    offsets = expert_group_offsets(ep, etp, kind)
+    block = ep * etp
+    bases = [o * inner + b * block + (u if kind == "ep" else e * etp)
+             for o in range(pp * replicate) for b in range(inner // block)
+             for u in (range(etp) if kind == "ep" else [0]) for e in (range(ep) if kind == "etp" else [0])]
+    return tuple(tuple(base + off for off in offsets) for base in sorted(bases))

@@ -204,11 +204,14 @@ def validate(model: ModelSpec, cluster: Cluster, training: TrainingSpec, layout:
             f"seq_len ({training.seq_len}) must be divisible by cp ({layout.cp})"
             + (f" * tp ({layout.tp}) with sequence parallel" if layout.sequence_parallel else "")
         )
-    if layout.ep > 1:
+    if layout.ep > 1 or layout.etp > 1:
         if model.moe is None:
-            raise PlanError(f"ep ({layout.ep}) > 1 needs a mixture-of-experts model; {model.name} is dense")
+            raise PlanError(f"ep ({layout.ep}) or etp ({layout.etp}) > 1 needs a mixture-of-experts model; "
+                            f"{model.name} is dense")
         if model.moe.n_experts % layout.ep:
             raise PlanError(f"ep ({layout.ep}) must divide the number of experts ({model.moe.n_experts})")
+        if model.moe.expert_ffn_hidden % layout.etp:
+            raise PlanError(f"etp ({layout.etp}) must divide the experts' inner size ({model.moe.expert_ffn_hidden})")
     if layout.pp > 1 and layout.grad_accum_steps < layout.pp and layout.pp_schedule != "gpipe":
         raise PlanError(
             f"pipeline schedule {layout.pp_schedule} needs at least pp ({layout.pp}) micro-batches per step, "

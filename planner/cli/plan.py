@@ -56,6 +56,8 @@ def _common(f):
               help="Pin sequence parallelism (default: both are searched when tp > 1).")
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
+@click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
+@click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
 # ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
 @click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
               help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
@@ -73,8 +75,8 @@ def _common(f):
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, precision, recompute,
-         attention, compile_, top, output, png):
+         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
+         recompute, attention, compile_, top, output, png):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -82,7 +84,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
     """
     pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
-                virtual_stages=virtual_stages)
+                virtual_stages=virtual_stages, ep=ep, etp=etp)
     the_plan, result = search_plan(model, cluster, gpus, overrides, seq_len, global_batch, pins, engine,
                                    calibration, top, TrainingOptions(precision, attention or "", compile_))
     if output:

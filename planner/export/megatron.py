@@ -65,6 +65,8 @@ def _parallel_args(plan: Plan, notes: list[str]) -> list[Arg]:
                        ("--context-parallel-size", str(lay.cp))]
     if lay.ep > 1:
         args.append(("--expert-model-parallel-size", str(lay.ep)))
+    if plan.model.moe is not None:  # Megatron-Core's default expert TP is tp; the plan's grid is explicit
+        args.append(("--expert-tensor-parallel-size", str(lay.etp)))
     if lay.sequence_parallel:
         args.append(("--sequence-parallel",))
     if lay.cp > 1 and plan.training.seq_len % (2 * lay.cp):
@@ -193,4 +195,15 @@ def _model_args(plan: Plan, notes: list[str]) -> list[Arg]:
         if m.moe.n_shared_experts:
             shared = m.moe.n_shared_experts * (m.moe.shared_ffn_hidden or m.moe.expert_ffn_hidden)
             args.append(("--moe-shared-expert-intermediate-size", str(shared)))
+        if m.n_moe_layers != m.n_layers:  # which layers are MoE, as a Python list expression
+            pattern = "".join("1" if m.moe.is_moe_layer(i) else "0" for i in range(m.n_layers))
+            args.append(("--moe-layer-freq", "[" + ",".join(pattern) + "]"))
+    if m.mla is not None:
+        args += [("--multi-latent-attention",), ("--kv-lora-rank", str(m.mla.kv_lora_rank)),
+                 ("--qk-head-dim", str(m.mla.qk_nope_head_dim)), ("--qk-pos-emb-head-dim", str(m.mla.qk_rope_head_dim)),
+                 ("--v-head-dim", str(m.mla.v_head_dim))]
+        if m.mla.q_lora_rank:
+            args.append(("--q-lora-rank", str(m.mla.q_lora_rank)))
+    if m.mtp_layers:
+        args.append(("--mtp-num-layers", str(m.mtp_layers)))
     return args

@@ -123,6 +123,8 @@ def _parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
         entries["module_fqns_per_model_part"] = _model_parts(plan)
     if lay.ep > 1:
         entries["expert_parallel_degree"] = lay.ep
+    if lay.etp > 1:
+        entries["expert_tensor_parallel_degree"] = lay.etp
     return entries
 
 

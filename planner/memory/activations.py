@@ -153,7 +153,7 @@ def layer_activation_terms(
         "norm1_input": r * h / sp_div,
         "qkv_input": qkv_casts * li * h / in_div,
         "q_k": d * (model.q_dim + model.kv_dim) / tp,
-        "v": d * model.kv_dim / tp,
+        "v": d * model.n_kv_heads * model.v_head_dim / tp,
         "proj_input": d * model.q_dim / tp,
     }
     if fused_attention:
@@ -178,18 +178,30 @@ def layer_activation_terms(
 
 
 def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
-    """Per-token bytes of the MLP's inner tensors (dense, or MoE experts + router)."""
+    """Per-token bytes of the MLP's inner tensors of an average layer (dense, or MoE experts + router).
+
+    MoE layers keep the fp32 router probabilities and the top-k routing map,
+    the permuted tokens (top_k copies of the hidden state: the experts'
+    input after the dispatch all-to-all), each expert's inner tensors and
+    its output kept for the weighted combine; shared experts as a dense MLP.
+    Models that mix dense and MoE layers (first dense layers, interleaving)
+    are averaged over their layers, as the simulator's average layer is.
+    """
     per_f = 4 if model.mlp == "swiglu" else 2  # saved tensors of width f per token
+    dense = {"mlp_inner": per_f * d * model.ffn_hidden / tp}
     if model.moe is None:
-        return {"mlp_inner": per_f * d * model.ffn_hidden / tp}
+        return dense
     moe = model.moe
+    f = model.n_moe_layers / model.n_layers
     shared_ffn = moe.shared_ffn_hidden or moe.expert_ffn_hidden
-    routed = moe.top_k * (2 * model.hidden + per_f * moe.expert_ffn_hidden)
-    return {
-        "router_probs": FP32_BYTES * moe.n_experts,
-        "experts": d * routed / tp,
-        "shared_experts": per_f * d * moe.n_shared_experts * shared_ffn / tp,
+    terms = {
+        "mlp_inner": (1 - f) * dense["mlp_inner"],
+        "router_probs": f * (FP32_BYTES + 1) * moe.n_experts,  # fp32 probabilities + boolean routing map
+        "moe_permuted": f * d * moe.top_k * model.hidden / tp,  # dispatched copies, the experts' input
+        "experts": f * d * moe.top_k * (model.hidden + per_f * moe.expert_ffn_hidden) / tp,
+        "shared_experts": f * per_f * d * moe.n_shared_experts * shared_ffn / tp,
     }
+    return {k: v for k, v in terms.items() if v > 0}
 
 
 @lru_cache(maxsize=4096)

@@ -7,9 +7,16 @@ Per layer (h hidden, q = a*d, k = kv*d, f ffn, t = tp):
   split by t      attention q, k, v, o weights and the q, k, v biases
                   dense MLP matrices and the first layer's bias (f)
                   MoE shared experts (matrices and first biases)
-  split by ep*t   routed experts (ModelSpec.expert_params_per_layer)
-  replicated      2 norms, the row-parallel biases (attention o, MLP out: h each),
+  split by ep*etp routed experts (ModelSpec.expert_params_per_layer): ep ranks
+                  hold disjoint experts, etp ranks split each one (planner.layout)
+  replicated      the norms, the row-parallel biases (attention o, MLP out: h each),
                   the MoE router (h * n_experts)
+MoE models mix dense-MLP and MoE layers (first dense layers, interleaving): a
+stage counts the MoE layers of its own chunks (`moe_layers_in`). The last
+stage also holds the multi-token-prediction modules (ModelSpec.mtp_params).
+Routed experts are sharded by ZeRO over the expert data-parallel group
+(Layout.expert_dp_shard = dp_shard*cp*tp / (ep*etp)), never over TP: their
+gradients and optimizer states follow ep x etp and EDP.
 Embedding: V*h/t (vocabulary-parallel) + learned positions S*h (replicated).
 Output: final norm (replicated) + V*h/t, unless tied and on the embedding's
 rank (then the one copy serves both; on different ranks both hold one).
@@ -48,7 +55,7 @@ class StageParams:
 
     dense: int  # sharded by ZeRO over dp_shard
     experts: int  # routed experts, sharded by ZeRO over expert_shard
-    expert_shard: int  # ZeRO group of the routed experts
+    expert_shard: int  # ZeRO group of the routed experts: the expert data-parallel ranks of a replica
     block: int  # one transformer block on this rank (an FSDP unit)
     root: int  # embedding + final norm + output on this rank (the stage's root FSDP unit)
     head: int  # output-layer weight on this rank (0 off the last stage)
@@ -64,22 +71,50 @@ class StageParams:
 
 
 @lru_cache(maxsize=4096)
-def layer_params_split(model: ModelSpec, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, routed-expert) parameters of one layer on one TP/EP rank."""
+def layer_kind_params(model: ModelSpec, tp: int, ep: int, etp: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((dense, experts) of a dense-MLP layer, (dense, experts) of a MoE layer) on one rank."""
     h = model.hidden
-    row_bias = h if model.bias else 0
+    row_bias = h if (model.bias or model.attention_bias) else 0
     attention = (model.attention_params - row_bias) / tp + row_bias
-    replicated = 2 * model.norm_params
-    experts = 0.0
+    replicated = model.norms_per_layer * model.norm_params
+    mlp_bias = h if model.bias else 0
+    dense_mlp = (model.dense_mlp_params - mlp_bias) / tp + mlp_bias
+    dense_layer = (round(attention + dense_mlp + replicated), 0)
     if model.moe is None:
-        mlp = (model.mlp_params - row_bias) / tp + row_bias
-    else:
-        router = h * model.moe.n_experts
-        shared = model.mlp_params - model.expert_params_per_layer - router
-        shared_row_bias = model.moe.n_shared_experts * row_bias
-        mlp = (shared - shared_row_bias) / tp + shared_row_bias + router
-        experts = model.expert_params_per_layer / (ep * tp)
-    return round(attention + mlp + replicated), round(experts)
+        return dense_layer, dense_layer
+    shared = model.shared_expert_params
+    shared_row_bias = model.moe.n_shared_experts * mlp_bias
+    moe_dense = (shared - shared_row_bias) / tp + shared_row_bias + model.router_params
+    experts = model.expert_params_per_layer / (ep * etp)
+    return dense_layer, (round(attention + moe_dense + replicated), round(experts))
+
+
+def layer_params_split(model: ModelSpec, tp: int, ep: int, etp: int = 1) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of an average layer on one TP/EP rank (MoE and dense layers mixed)."""
+    (d_dense, _), (m_dense, m_experts) = layer_kind_params(model, tp, ep, etp)
+    n_moe = model.n_moe_layers
+    if n_moe in (0, model.n_layers):
+        return (m_dense, m_experts) if n_moe else (d_dense, 0)
+    f = n_moe / model.n_layers
+    return round(f * m_dense + (1 - f) * d_dense), round(f * m_experts)
+
+
+def moe_layers_in(model: ModelSpec, lps: tuple[int, ...], chunks: tuple[int, ...]) -> int:
+    """MoE layers among the layers of `chunks` (model order: chunk c holds the next lps[c] layers)."""
+    if model.moe is None:
+        return 0
+    per_chunk = _moe_layers_per_chunk(model, lps)
+    return sum(per_chunk[c] for c in chunks)
+
+
+@lru_cache(maxsize=4096)
+def _moe_layers_per_chunk(model: ModelSpec, lps: tuple[int, ...]) -> tuple[int, ...]:
+    assert model.moe is not None
+    out, start = [], 0
+    for n in lps:
+        out.append(sum(1 for i in range(start, start + n) if model.moe.is_moe_layer(i)))
+        start += n
+    return tuple(out)
 
 
 def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "meshplan") -> StageParams:
@@ -90,37 +125,45 @@ def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "mes
 def pipeline_params(model: ModelSpec, layout: Layout, engine: str = "meshplan") -> tuple[StageParams, ...]:
     """stage_params for every pipeline rank, computed once per distinct placement."""
     return _pipeline_params(model, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage,
-                            layout.tp, layout.ep, layout.dp_shard, layout.cp,
+                            layout.tp, layout.ep, layout.etp, layout.expert_dp_shard,
                             tied_vocab_parallel=get_engine(engine).memory.tied_vocab_parallel)
 
 
 @lru_cache(maxsize=16384)
 def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
-                     dp_shard: int, cp: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+                     etp: int, expert_shard: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
     lps = lps or balanced_layers(model.n_layers, pp * v)
-    dense_layer, expert_layer = layer_params_split(model, tp, ep)
+    (plain_dense, _), (moe_dense, moe_experts) = layer_kind_params(model, tp, ep, etp)
     vocab_h = model.vocab * model.hidden
     matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     positions = model.embedding_params - vocab_h
     biggest_layer_matrix = max(_layer_tensors(model, tp)[0], default=0)
-    expert_shard = max(1, min(dp_shard, dp_shard * cp // ep))
     stages: list[StageParams] = []
     distinct: dict[StageParams, StageParams] = {}  # equal stages share one object: callers may key on id()
     for rank in range(pp):
         chunks = rank_chunks(schedule, pp, v, rank)
         layers = sum(lps[c] for c in chunks)
+        n_moe = moe_layers_in(model, lps, chunks)
         has_embedding, has_output = 0 in chunks, len(lps) - 1 in chunks
+        layer_dense = n_moe * moe_dense + (layers - n_moe) * plain_dense
+        layer_experts = n_moe * moe_experts
+        if has_output and model.mtp_layers:  # MTP modules: one layer each plus a 2h -> h projection
+            mtp_dense = moe_dense if model.moe is not None else plain_dense
+            layer_dense += model.mtp_layers * (mtp_dense + -(-2 * model.hidden * model.hidden // tp)
+                                               + 3 * model.norm_params)
+            layer_experts += model.mtp_layers * moe_experts
         embedding = (matrix + positions) if has_embedding else 0
         head = matrix if has_output else 0
         shared_here = model.tie_embeddings and has_embedding  # the embedding's matrix serves as the head
         output = (model.norm_params + (0 if shared_here else head)) if has_output else 0
         table_is_head = model.tie_embeddings and has_output
         uncast = (((0 if table_is_head else matrix) + positions) if has_embedding else 0) + \
-            2 * layers * model.norm_params + (model.norm_params if has_output else 0)
+            model.norms_per_layer * layers * model.norm_params + (model.norm_params if has_output else 0)
         largest = max(biggest_layer_matrix if layers else 0, matrix if has_embedding or has_output else 0,
                       positions if has_embedding else 0)
-        sp = StageParams(layers * dense_layer + embedding + output, layers * expert_layer, expert_shard,
-                         dense_layer + expert_layer, embedding + output, head, layers, has_embedding, has_output,
+        block = (moe_dense + moe_experts) if n_moe else plain_dense
+        sp = StageParams(layer_dense + embedding + output, layer_experts, expert_shard,
+                         block, embedding + output, head, layers, has_embedding, has_output,
                          uncast, largest)
         stages.append(distinct.setdefault(sp, sp))
     return tuple(stages)
@@ -159,7 +202,7 @@ def zero1_rank_params(model: ModelSpec, tp: int, sp: StageParams, dp_shard: int,
     if dp_shard == 1:
         return sp.total
     if model.moe is not None:
-        return -(-sp.total // dp_shard)
+        return -(-sp.dense // dp_shard) + -(-sp.experts // sp.expert_shard)
     layer_matrices, layer_vectors = _layer_tensors(model, tp)
     matrix = _vocab_matrix(model, tp, tied_vocab_parallel=tied_vocab_parallel)
     matrices = list(layer_matrices) * sp.layers

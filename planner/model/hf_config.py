@@ -1,102 +1,317 @@
-"""Hugging Face config.json -> ModelSpec.
+"""Hugging Face config.json -> ModelSpec, for the families whose every architecture key is read.
 
-Reads the keys Llama, Mistral, Qwen2, Mixtral and Qwen-MoE configs use, and
-GPT-2's older names. Unknown keys are ignored; a missing required key is an
-error that names it.
+Every value is parsed into a typed, finite number before use: a string, null,
+list, boolean, 0, 4096.5 or 1e400 where a positive integer belongs is an error
+that names the file, the key and the value. A config whose `model_type` (or,
+without one, `architectures`) names a family not listed in FAMILIES is refused
+with the list: a Mamba or a vision model read as a Llama would be planned
+wrongly without a word. A config with neither key is read as a Llama.
+
+What each family adds to the Llama keys (hidden_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+vocab_size, tie_word_embeddings, attention_bias, sliding_window), following
+the transformers modeling code of each family:
+  gemma, gemma2      tied embeddings by default; gemma2 4 norms a layer,
+                     every other layer (the even ones) local with sliding_window
+  qwen2, qwen2_moe   q, k, v biases (no config key); sliding window only when
+                     use_sliding_window is true
+  qwen3, qwen3_moe   q/k RMSNorm of head_dim
+  mixtral, qwen2/3_moe, deepseek_v2/v3, kimi_k2, gpt_oss, grok-1, llama4: MoESpec
+  deepseek_v2/v3     MLA (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim,
+                     v_head_dim), first_k_dense_replace, moe_layer_freq,
+                     n_shared_experts, noaux_tc's per-expert score bias, MTP
+  gpt_oss            biases in attention, router and experts, attention sinks,
+                     layer_types for the sliding layers
+  llama4             text_config; interleave_moe_layer_step, a shared expert,
+                     intermediate_size_mlp for dense layers, chunked local
+                     attention on 3 of 4 layers
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from planner.model.spec import ModelSpec, MoESpec
+from planner.model.spec import MLASpec, ModelSpec, MoESpec
 from topologies.errors import ModelError
 
 _LLAMA_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads")
 _GPT2_KEYS = ("n_embd", "n_layer", "n_head")
 
+# model_type -> the class names that declare it (architectures).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM",),
+    "mixtral": ("MixtralForCausalLM",),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen2_moe": ("Qwen2MoeForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "qwen3_moe": ("Qwen3MoeForCausalLM",),
+    "gemma": ("GemmaForCausalLM",),
+    "gemma2": ("Gemma2ForCausalLM",),
+    "phi3": ("Phi3ForCausalLM",),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Model"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM",),
+    "deepseek_v3": ("DeepseekV3ForCausalLM",),
+    "kimi_k2": (),
+    "gpt_oss": ("GptOssForCausalLM",),
+    "grok-1": ("Grok1ModelForCausalLM", "GrokForCausalLM"),
+    "llama4": ("Llama4ForConditionalGeneration",),
+    "llama4_text": ("Llama4ForCausalLM",),
+}
+_BY_ARCHITECTURE = {arch: family for family, archs in FAMILIES.items() for arch in archs}
+# Families whose tie_word_embeddings defaults to true when the key is absent (their config classes).
+_TIED_BY_DEFAULT = ("gemma", "gemma2", "gpt2", "grok-1")
+
+
+class _Reader:
+    """Typed access to one config's keys; errors name the file, the key and the value."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data, self.source = data, source
+
+    def fail(self, key: str, what: str) -> ModelError:
+        value = self.data.get(key)
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return ModelError(f"{self.source}: {key} must be {what}, got {shown}; fix the config or pass a preset")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def int(self, key: str, default: int | None = None, low: int = 1) -> int:
+        if key not in self.data or (self.data[key] is None and default is not None):
+            if default is None:
+                raise ModelError(f"{self.source} is missing the required key {key}")
+            return default
+        value = self.data[key]
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, what)
+        if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
+            raise self.fail(key, what)
+        if int(value) < low:
+            raise self.fail(key, what)
+        return int(value)
+
+    def float(self, key: str, default: float) -> float:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(key, "a finite number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(key, "true or false")
+        return value
+
+    def str(self, key: str, default: str) -> str:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self.fail(key, "a string")
+        return value
+
+    def int_list(self, key: str) -> tuple[int, ...]:
+        value = self.data.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                  for v in value):
+            raise self.fail(key, "a list of layer indices")
+        return tuple(value)
+
 
 def is_hf_config(data: dict[str, Any]) -> bool:
     """True when the JSON looks like a Hugging Face config rather than a ModelSpec."""
-    return any(k in data for k in _LLAMA_KEYS + _GPT2_KEYS + ("model_type", "architectures"))
+    return any(k in data for k in _LLAMA_KEYS + _GPT2_KEYS + ("model_type", "architectures", "text_config"))
 
 
-def _require(data: dict[str, Any], keys: tuple[str, ...], kind: str) -> None:
-    missing = [k for k in keys if k not in data]
-    if missing:
-        raise ModelError(f"{kind} config.json is missing required keys: {', '.join(missing)}")
+def config_family(data: dict[str, Any], source: str = "config.json") -> str:
+    """The family a config declares (model_type, else architectures), or "llama" when it names none."""
+    model_type = data.get("model_type")
+    if model_type is not None:
+        if not isinstance(model_type, str):
+            raise _Reader(data, source).fail("model_type", "a string")
+        if model_type in FAMILIES:
+            return model_type
+        raise _unsupported(source, f"model_type {model_type!r}")
+    archs = data.get("architectures")
+    if archs is None:
+        return "gpt2" if "n_embd" in data else "llama"
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise _Reader(data, source).fail("architectures", "a list of class names")
+    for arch in archs:
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    raise _unsupported(source, f"architectures {archs!r}")
 
 
-def model_from_hf_config(data: dict[str, Any], default_name: str = "hf-model") -> ModelSpec:
-    name = str(data.get("_name_or_path") or data.get("model_type") or default_name) or default_name
-    if "n_embd" in data or data.get("model_type") == "gpt2":
-        return _from_gpt2(data, name)
-    return _from_llama_like(data, name)
+def _unsupported(source: str, what: str) -> ModelError:
+    return ModelError(f"{source}: {what} is not a supported architecture; meshplan reads the decoder-only "
+                      f"transformer families {', '.join(FAMILIES)}; describe other models with a ModelSpec JSON")
 
 
-def _from_llama_like(data: dict[str, Any], name: str) -> ModelSpec:
-    _require(data, _LLAMA_KEYS + ("vocab_size",), "Llama-style")
-    hidden = int(data["hidden_size"])
-    heads = int(data["num_attention_heads"])
-    kv = data.get("num_key_value_heads")
-    head_dim = data.get("head_dim") or hidden // heads
-    n_experts = data.get("num_local_experts") or data.get("num_experts")
-    moe = None
-    if n_experts:
-        expert_ffn = data.get("moe_intermediate_size") or data.get("intermediate_size")
-        if not expert_ffn:
-            raise ModelError("MoE config.json needs moe_intermediate_size or intermediate_size")
-        shared_ffn = int(data.get("shared_expert_intermediate_size") or 0)
-        n_shared = int(data.get("n_shared_experts") or (1 if shared_ffn else 0))
-        moe = MoESpec(
-            n_experts=int(n_experts),
-            top_k=int(data.get("num_experts_per_tok") or 2),
-            expert_ffn_hidden=int(expert_ffn),
-            n_shared_experts=n_shared,
-            shared_ffn_hidden=shared_ffn,
-        )
-    ffn = data.get("intermediate_size") or (moe.expert_ffn_hidden if moe else None)
-    if not ffn:
-        raise ModelError("Llama-style config.json is missing required key: intermediate_size")
-    return ModelSpec(
-        name=name,
-        n_layers=int(data["num_hidden_layers"]),
-        hidden=hidden,
-        n_heads=heads,
-        n_kv_heads=int(kv) if kv else heads,  # absent means multi-head attention
-        head_dim=int(head_dim),
-        ffn_hidden=int(ffn),
-        vocab=int(data["vocab_size"]),
-        max_seq_len=int(data.get("max_position_embeddings") or 4096),
-        mlp="swiglu",  # Llama-family MLPs are gated (3 matrices) whatever hidden_act says
-        norm="rmsnorm",
-        position="rope",
-        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-        bias=bool(data.get("attention_bias", False)) and bool(data.get("mlp_bias", False)),
-        dropout=float(data.get("attention_dropout", 0.0) or 0.0),
-        moe=moe,
+def model_from_hf_config(data: dict[str, Any], default_name: str = "hf-model",
+                         source: str = "config.json") -> ModelSpec:
+    family = config_family(data, source)
+    name = data.get("_name_or_path") or default_name
+    if not isinstance(name, str) or not name.strip():
+        name = default_name
+    if family == "gpt2":
+        return _from_gpt2(_Reader(data, source), name)
+    if family == "llama4":  # the text model's keys sit under text_config
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise _Reader(data, source).fail("text_config", "an object of the text model's keys")
+        merged = {k: v for k, v in data.items() if k != "text_config"}
+        merged.update(text)
+        merged.setdefault("tie_word_embeddings", data.get("tie_word_embeddings"))
+        return _from_llama_like(_Reader(merged, source), name, "llama4_text")
+    return _from_llama_like(_Reader(data, source), name, family)
+
+
+def _moe(r: _Reader, family: str, n_layers: int) -> MoESpec | None:
+    experts_key = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if r.has(k)), None)
+    if experts_key is None or (family in ("qwen2_moe", "qwen3_moe") and r.int(experts_key, low=0) == 0):
+        if family in ("mixtral", "gpt_oss", "grok-1", "deepseek_v3", "kimi_k2", "llama4_text"):
+            raise ModelError(f"{r.source}: a {family} config needs the number of experts "
+                             "(n_routed_experts, num_experts or num_local_experts)")
+        return None
+    top_key = "num_experts_per_tok" if r.has("num_experts_per_tok") else "experts_per_token"
+    expert_ffn_key = "moe_intermediate_size" if r.has("moe_intermediate_size") else "intermediate_size"
+    shared_ffn = r.int("shared_expert_intermediate_size", 0, low=0)
+    n_shared = r.int("n_shared_experts", 1 if shared_ffn else 0, low=0)
+    first_dense, step, phase, dense = 0, 1, 0, ()
+    if family in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+        first_dense, step = r.int("first_k_dense_replace", 0, low=0), r.int("moe_layer_freq", 1)
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        step = r.int("decoder_sparse_step", 1)
+        phase, dense = step - 1, r.int_list("mlp_only_layers")
+    elif family == "llama4_text":
+        step, n_shared = r.int("interleave_moe_layer_step", 1), 1
+        phase = step - 1
+    return MoESpec(
+        n_experts=r.int(experts_key),
+        top_k=r.int(top_key, 2),
+        expert_ffn_hidden=r.int(expert_ffn_key),
+        n_shared_experts=n_shared,
+        shared_ffn_hidden=shared_ffn,
+        first_dense_layers=min(first_dense, n_layers),
+        layer_step=step,
+        layer_phase=phase,
+        dense_layers=dense,
+        router_bias=family == "gpt_oss" or r.str("topk_method", "") == "noaux_tc",
+        expert_bias=family == "gpt_oss",
+        shared_expert_gate=family == "qwen2_moe" and bool(shared_ffn),
     )
 
 
-def _from_gpt2(data: dict[str, Any], name: str) -> ModelSpec:
-    _require(data, _GPT2_KEYS + ("vocab_size",), "GPT-2")
-    hidden = int(data["n_embd"])
-    heads = int(data["n_head"])
-    inner = data.get("n_inner")
+def _mla(r: _Reader) -> MLASpec | None:
+    if not r.has("kv_lora_rank"):
+        return None
+    return MLASpec(q_lora_rank=r.int("q_lora_rank", 0, low=0), kv_lora_rank=r.int("kv_lora_rank"),
+                   qk_nope_head_dim=r.int("qk_nope_head_dim", 0, low=0), qk_rope_head_dim=r.int("qk_rope_head_dim"),
+                   v_head_dim=r.int("v_head_dim"))
+
+
+def _sliding(r: _Reader, family: str, n_layers: int) -> tuple[int, int]:
+    """(window, layers that use it) as each family's attention code applies sliding_window."""
+    if family == "llama4_text":  # chunked local attention: 3 of every 4 layers, a window of one chunk
+        chunk = r.int("attention_chunk_size", 0, low=0)
+        return (chunk, n_layers - n_layers // 4) if chunk else (0, 0)
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not r.bool("use_sliding_window", False):
+        return 0, 0
+    window = r.int("sliding_window", 0, low=0)
+    if not window:
+        return 0, 0
+    if family == "gpt_oss" and r.has("layer_types"):
+        types = r.data["layer_types"]
+        if not isinstance(types, list) or len(types) != n_layers or not all(isinstance(t, str) for t in types):
+            raise r.fail("layer_types", f"a list of {n_layers} attention kinds")
+        return window, sum(t == "sliding_attention" for t in types)
+    if family in ("gpt_oss", "gemma2"):  # even layers slide, odd layers attend globally
+        return window, (n_layers + 1) // 2
+    return window, n_layers
+
+
+def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
+    hidden = r.int("hidden_size")
+    heads = r.int("num_attention_heads")
+    n_layers = r.int("num_hidden_layers")
+    kv = r.int("num_key_value_heads", heads)  # absent means multi-head attention
+    mla = _mla(r)
+    moe = _moe(r, family, n_layers)
+    if mla is not None:
+        head_dim = mla.qk_head_dim  # the width of one query-key dot product
+    elif r.has("head_dim"):
+        head_dim = r.int("head_dim")
+    else:
+        if hidden % heads:
+            raise ModelError(f"{r.source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
+                             "add head_dim")
+        head_dim = hidden // heads
+    ffn_key = "intermediate_size_mlp" if family == "llama4_text" else "intermediate_size"
+    if moe is not None and not r.has(ffn_key):
+        ffn = moe.expert_ffn_hidden  # no dense layers: the dense width is never used
+    else:
+        ffn = r.int(ffn_key)
+    window, sliding_layers = _sliding(r, family, n_layers)
+    tied_default = family in _TIED_BY_DEFAULT
+    attention_bias = r.bool("attention_bias", False)
     return ModelSpec(
         name=name,
-        n_layers=int(data["n_layer"]),
+        n_layers=n_layers,
+        hidden=hidden,
+        n_heads=heads,
+        n_kv_heads=heads if mla is not None else kv,
+        head_dim=head_dim,
+        ffn_hidden=ffn,
+        vocab=r.int("vocab_size"),
+        max_seq_len=r.int("max_position_embeddings", 4096),
+        mlp="swiglu",  # every family read here gates its MLP (3 matrices) whatever hidden_act says
+        norm="rmsnorm",
+        position="rope",
+        tie_embeddings=r.bool("tie_word_embeddings", tied_default),
+        bias=attention_bias and r.bool("mlp_bias", False),
+        dropout=r.float("attention_dropout", 0.0),
+        moe=moe,
+        mla=mla,
+        qkv_bias=family in ("qwen2", "qwen2_moe"),
+        attention_bias=attention_bias and not r.bool("mlp_bias", False),
+        attention_sinks=family == "gpt_oss",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        norms_per_layer=4 if family in ("gemma2", "grok-1") else 2,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        mtp_layers=r.int("num_nextn_predict_layers", 0, low=0),
+    )
+
+
+def _from_gpt2(r: _Reader, name: str) -> ModelSpec:
+    hidden = r.int("n_embd")
+    heads = r.int("n_head")
+    if hidden % heads:
+        raise ModelError(f"{r.source}: n_embd {hidden} is not a multiple of n_head {heads}")
+    return ModelSpec(
+        name=name,
+        n_layers=r.int("n_layer"),
         hidden=hidden,
         n_heads=heads,
         n_kv_heads=heads,
         head_dim=hidden // heads,
-        ffn_hidden=int(inner) if inner else 4 * hidden,  # null means 4*n_embd
-        vocab=int(data["vocab_size"]),
-        max_seq_len=int(data.get("n_positions") or data.get("n_ctx") or 1024),
+        ffn_hidden=r.int("n_inner", 4 * hidden),  # null means 4*n_embd
+        vocab=r.int("vocab_size"),
+        max_seq_len=r.int("n_positions", 0, low=0) or r.int("n_ctx", 1024),
         mlp="gelu",
         norm="layernorm",
         position="learned",
-        tie_embeddings=bool(data.get("tie_word_embeddings", True)),
+        tie_embeddings=r.bool("tie_word_embeddings", True),
         bias=True,
-        dropout=float(data.get("resid_pdrop", 0.0) or 0.0),
+        dropout=r.float("resid_pdrop", 0.0),
     )

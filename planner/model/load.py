@@ -25,6 +25,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     if key.lower() in PRESETS:
         return PRESETS[key.lower()]
     path = Path(key)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face snapshot directory
+        return _load_model_file(path / "config.json")
     if path.suffix == ".json" or path.exists():
         return _load_model_file(path)
     raise ModelError(
@@ -35,18 +37,32 @@ def load_model(name_or_path: str) -> ModelSpec:
 
 def _load_model_file(path: Path) -> ModelSpec:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ModelError(f"model file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ModelError(f"model path {str(path)!r} is a directory without a config.json") from None
+    except UnicodeDecodeError:
+        raise ModelError(f"model file {str(path)!r} is not UTF-8 text; give a config.json") from None
     except OSError as exc:
         raise ModelError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise ModelError(f"model file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise ModelError(f"model file {str(path)!r} nests too deeply to be a model config") from None
+    except ValueError as exc:
+        raise ModelError(f"model file {str(path)!r}: {exc}") from None
     if not isinstance(data, dict):
         raise ModelError(f"model file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
     if is_hf_config(data):
-        return model_from_hf_config(data, default_name=path.parent.name or path.stem)
+        default = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+        return model_from_hf_config(data, default_name=default, source=str(path))
     data.setdefault("name", path.stem)
     return ModelSpec.from_json(data)
+
+
+def _no_constant(name: str) -> float:
+    """json.loads would turn NaN and Infinity into floats that no model size can be."""
+    raise ValueError(f"{name} is not a number a model config can hold")

@@ -1,11 +1,15 @@
 """Named model presets and the size aliases `--model 13B` resolves to.
 
 Shapes are taken from each model's published configuration (paper or released
-config.json); the parameter counts they imply are pinned in tests/test_model.py.
+config.json); the parameter counts they imply are pinned in tests/unit/test_model.py
+and tests/unit/test_model_moe.py. The mixture-of-experts presets are the
+architecture keys of each released config.json, read by the same code as a
+user's file (planner.model.hf_config), so a preset and its config agree.
 """
 
 from __future__ import annotations
 
+from planner.model.hf_config import model_from_hf_config
 from planner.model.spec import ModelSpec, MoESpec
 
 
@@ -24,6 +28,29 @@ def _gpt(name, layers, hidden, heads, vocab, ctx, position="learned") -> ModelSp
         mlp="gelu", norm="layernorm", position=position, tie_embeddings=True, bias=True,
     )
 
+
+def _hf(name: str, config: dict) -> ModelSpec:
+    return model_from_hf_config(config, default_name=name, source=f"preset {name}")
+
+
+# Released config.json architecture keys (hub repos: deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2,
+# moonshotai/Kimi-K2-Instruct, Qwen/Qwen3-235B-A22B, Qwen/Qwen3-30B-A3B, Qwen/Qwen2-57B-A14B,
+# openai/gpt-oss-120b and -20b, mistralai/Mixtral-8x22B-v0.1, xai-org/grok-1 (its run.py, in HF names),
+# meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E text_config).
+_MOE = [
+    _hf("deepseek-v3", {'model_type': 'deepseek_v3', 'hidden_size': 7168, 'num_hidden_layers': 61, 'num_attention_heads': 128, 'intermediate_size': 18432, 'vocab_size': 129280, 'n_routed_experts': 256, 'n_shared_experts': 1, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2048, 'first_k_dense_replace': 3, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'num_nextn_predict_layers': 1, 'topk_method': 'noaux_tc', 'max_position_embeddings': 163840}),
+    _hf("deepseek-v2", {'model_type': 'deepseek_v2', 'hidden_size': 5120, 'num_hidden_layers': 60, 'num_attention_heads': 128, 'intermediate_size': 12288, 'vocab_size': 102400, 'n_routed_experts': 160, 'n_shared_experts': 2, 'num_experts_per_tok': 6, 'moe_intermediate_size': 1536, 'first_k_dense_replace': 1, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'topk_method': 'group_limited_greedy', 'max_position_embeddings': 163840}),
+    _hf("kimi-k2", {'model_type': 'kimi_k2', 'hidden_size': 7168, 'num_hidden_layers': 61, 'num_attention_heads': 64, 'intermediate_size': 18432, 'vocab_size': 163840, 'n_routed_experts': 384, 'n_shared_experts': 1, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2048, 'first_k_dense_replace': 1, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'num_nextn_predict_layers': 0, 'topk_method': 'noaux_tc', 'max_position_embeddings': 131072}),
+    _hf("qwen3-235b-a22b", {'model_type': 'qwen3_moe', 'hidden_size': 4096, 'num_hidden_layers': 94, 'num_attention_heads': 64, 'num_key_value_heads': 4, 'head_dim': 128, 'intermediate_size': 12288, 'vocab_size': 151936, 'num_experts_per_tok': 8, 'moe_intermediate_size': 1536, 'num_experts': 128, 'decoder_sparse_step': 1, 'max_position_embeddings': 40960}),
+    _hf("qwen3-30b-a3b", {'model_type': 'qwen3_moe', 'hidden_size': 2048, 'num_hidden_layers': 48, 'num_attention_heads': 32, 'num_key_value_heads': 4, 'head_dim': 128, 'intermediate_size': 6144, 'vocab_size': 151936, 'num_experts_per_tok': 8, 'moe_intermediate_size': 768, 'num_experts': 128, 'decoder_sparse_step': 1, 'max_position_embeddings': 40960}),
+    _hf("qwen2-57b-a14b", {'model_type': 'qwen2_moe', 'hidden_size': 3584, 'num_hidden_layers': 28, 'num_attention_heads': 28, 'num_key_value_heads': 4, 'intermediate_size': 18944, 'vocab_size': 151936, 'num_experts': 64, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2560, 'shared_expert_intermediate_size': 20480, 'decoder_sparse_step': 1, 'max_position_embeddings': 131072}),
+    _hf("gpt-oss-120b", {'model_type': 'gpt_oss', 'hidden_size': 2880, 'num_hidden_layers': 36, 'num_attention_heads': 64, 'num_key_value_heads': 8, 'head_dim': 64, 'intermediate_size': 2880, 'vocab_size': 201088, 'num_experts_per_tok': 4, 'num_local_experts': 128, 'sliding_window': 128, 'attention_bias': True, 'max_position_embeddings': 131072}),
+    _hf("gpt-oss-20b", {'model_type': 'gpt_oss', 'hidden_size': 2880, 'num_hidden_layers': 24, 'num_attention_heads': 64, 'num_key_value_heads': 8, 'head_dim': 64, 'intermediate_size': 2880, 'vocab_size': 201088, 'num_experts_per_tok': 4, 'num_local_experts': 32, 'sliding_window': 128, 'attention_bias': True, 'max_position_embeddings': 131072}),
+    _hf("mixtral-8x22b", {'model_type': 'mixtral', 'hidden_size': 6144, 'num_hidden_layers': 56, 'num_attention_heads': 48, 'num_key_value_heads': 8, 'intermediate_size': 16384, 'vocab_size': 32000, 'num_local_experts': 8, 'num_experts_per_tok': 2, 'max_position_embeddings': 65536}),
+    _hf("grok-1", {'model_type': 'grok-1', 'hidden_size': 6144, 'num_hidden_layers': 64, 'num_attention_heads': 48, 'num_key_value_heads': 8, 'head_dim': 128, 'vocab_size': 131072, 'num_local_experts': 8, 'num_experts_per_tok': 2, 'intermediate_size': 32768, 'max_position_embeddings': 8192, 'tie_word_embeddings': True}),
+    _hf("llama4-scout", {'model_type': 'llama4_text', 'hidden_size': 5120, 'num_hidden_layers': 48, 'num_attention_heads': 40, 'num_key_value_heads': 8, 'head_dim': 128, 'intermediate_size': 8192, 'vocab_size': 202048, 'num_experts_per_tok': 1, 'num_local_experts': 16, 'interleave_moe_layer_step': 1, 'intermediate_size_mlp': 16384, 'attention_chunk_size': 8192, 'max_position_embeddings': 10485760}),
+    _hf("llama4-maverick", {'model_type': 'llama4_text', 'hidden_size': 5120, 'num_hidden_layers': 48, 'num_attention_heads': 40, 'num_key_value_heads': 8, 'head_dim': 128, 'intermediate_size': 8192, 'vocab_size': 202048, 'num_experts_per_tok': 1, 'num_local_experts': 128, 'interleave_moe_layer_step': 2, 'intermediate_size_mlp': 16384, 'attention_chunk_size': 8192, 'max_position_embeddings': 1048576}),
+]
 
 _ALL = [
     # Llama 2 (Touvron et al. 2023, table 1 and released configs).
@@ -50,6 +77,7 @@ _ALL = [
         ffn_hidden=14336, vocab=32000, max_seq_len=32768,
         moe=MoESpec(n_experts=8, top_k=2, expert_ffn_hidden=14336),
     ),
+    *_MOE,
     # A tiny Llama-style model for tests: 4 layers so PP 2 has 2 layers a stage,
     # GQA (2 KV heads) so TP 2 still divides every head count.
     ModelSpec(
@@ -79,6 +107,7 @@ SIZE_ALIASES: dict[str, str] = {
     "176B": "bloom-176b",
     "405B": "llama3-405b",
     "1T": "gpt-1t",
+    "671B": "deepseek-v3",
 }
 
 

@@ -33,7 +33,13 @@ operation of rank r is the backward of chunk r for the last micro-batch,
 which must still travel back through every chunk below it to rank 0. Ranks
 with the same work differ only in start_r, so one rank per kind is enough.
 
-Left out, so the bound stays one whatever they cost: p2p transfers, CP and EP
+MoE: the expert all-to-alls (and etp gathers) of a micro-batch of one
+sequence are added to every layer pass: exposed in the simulated step too,
+and never shorter at a larger micro-batch. Routed experts' gradients are
+reduced (and under ZeRO-1/2 gathered) over the expert data-parallel groups,
+priced as the simulator prices them.
+
+Left out, so the bound stays one whatever they cost: p2p transfers, CP
 exchanges, the embedding sync, and every idle wait beyond the chains above.
 `tests/test_search.py` checks bound <= simulated step on sampled layouts of
 every schedule, ZeRO stage and engine, and that branch-and-bound finds what
@@ -56,7 +62,7 @@ from planner.layout import (
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import StepComm, group_offsets
+from planner.simulate.comm import StepComm, expert_comm_s, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
@@ -135,19 +141,42 @@ class StepBound:
     def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
         shape_key = shape.mesh_shape
-        key = (shape_key, shape.zero_stage, shape.ep, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
-               training.dtype, training.grad_dtype, training.optimizer, training.precision)
+        key = (shape_key, shape.zero_stage, shape.ep, shape.etp, shape.pp_schedule, shape.virtual_stages,
+               shape.layers_per_stage, training.dtype, training.grad_dtype, training.optimizer, training.precision)
         kinds = self._tails.get(key)
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
-        return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds)
+        return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds,
+                          self._expert(shape, shape_key, training))
+
+    def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
+        """Expert communication of one layer pass at micro-batch 1 (module docstring)."""
+        if self.model.moe is None or shape.ep * shape.etp == 1:
+            return 0.0
+        key = ("expert", shape_key, shape.ep, shape.etp, training.seq_len, training.dtype_bytes)
+        hit = self._times.get(key)
+        if hit is None:
+            one = shape.replace(micro_batch_size=1)
+            act = tokens_per_micro_batch(training.seq_len, one) * self.model.hidden * training.dtype_bytes
+            hit = self._times[key] = expert_comm_s(self.model, one, self._expert_comm(shape, key[1]), act)[0]
+        return hit
+
+    def _expert_comm(self, shape: Layout, shape_key: tuple[int, ...]) -> StepComm:
+        """A StepComm for the expert grid of `shape` (only its mesh `shape_key`, ep and etp matter), cached."""
+        key = ("comm", shape_key, shape.ep, shape.etp)
+        hit = self._times.get(key)
+        if hit is None:
+            one = Layout(tp=shape.tp, pp=shape.pp, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard,
+                         cp=shape.cp, ep=shape.ep, etp=shape.etp, zero_stage=shape.zero_stage)
+            hit = self._times[key] = StepComm(self.cluster, one, self.cal)
+        return hit
 
     # ---- cached pieces -------------------------------------------------------
 
     def _rank_kinds(self, layout: Layout) -> tuple:
         """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
-        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep,
+        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep, layout.etp,
                *((layout.dp_shard, layout.cp) if self.model.moe is not None else ()))
         hit = self._kinds.get(key)
         if hit is None:
@@ -173,7 +202,7 @@ class StepBound:
         kind, n = recompute_level(recompute)
         key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
                micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n,
-               shape.pp * shape.virtual_stages if n else 0, shape.ep)
+               shape.pp * shape.virtual_stages if n else 0, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
             layout = shape.replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
@@ -196,7 +225,7 @@ class StepBound:
         """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
         if shape.zero_stage < 2 or shape.dp_shard == 1:
             return 0.0, 0.0
-        dense, experts = layer_params_split(self.model, shape.tp, shape.ep)
+        dense, experts = layer_params_split(self.model, shape.tp, shape.ep, shape.etp)
         unit = dense + experts
         rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
@@ -208,14 +237,21 @@ class StepBound:
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
-        if shape.zero_stage <= 1:
+        experts = self._expert_comm(shape, shape_key) if sp.experts else None
+        if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
-            reduce_s = self._time("all_reduce", reduce_bytes, shape_key, DP_AXES)
+            reduce_s = self._time("all_reduce", sp.dense * g, shape_key, DP_AXES)
+            if experts is not None:
+                reduce_s += experts.expert_time_s("all_reduce", sp.experts * g, "edp")
         else:
             reduce_bytes = sp.total * g / shape.dp_shard
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes) if reduce_s > 0 else 0.0
-        gather = self._time("all_gather", sp.total * d, shape_key, ("dp_shard",)) if shape.zero_stage in (1, 2) else 0.0
+        gather = 0.0
+        if shape.zero_stage in (1, 2):
+            gather = self._time("all_gather", sp.dense * d, shape_key, ("dp_shard",))
+            if experts is not None:
+                gather += experts.expert_time_s("all_gather", sp.experts * d, "edp")
         shard = shape.dp_shard if shape.zero_stage >= 1 else 1
         local = sp.dense / shard + sp.experts / (sp.expert_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)
@@ -246,8 +282,9 @@ class ShapeBound:
     """The bound of one shape for any micro-batch and recomputation (see StepBound.for_shape)."""
 
     def __init__(self, parent: StepBound, shape: Layout, training: TrainingSpec, fsdp: tuple[float, float],
-                 kinds: tuple[tuple, ...]) -> None:
+                 kinds: tuple[tuple, ...], expert_s: float = 0.0) -> None:
         self.parent, self.shape, self.training = parent, shape, training
+        self.expert_s = expert_s
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
@@ -258,10 +295,10 @@ class ShapeBound:
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
-        f_layer = max(max(f, ag) + tp_f, host)
+        f_layer = max(max(f, ag) + tp_f + self.expert_s, host)
         kind, n = recompute_level(recompute)
         share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
-        b_layer = max(max(b, ag_rs) + tp_b, host * (2.0 + share))
+        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (2.0 + share))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
         n = self.per_replica // micro_batch_size
         overlap = p.traits.overlap_dp

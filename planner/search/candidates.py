@@ -40,7 +40,16 @@ R9  Dominance: for a fixed shape and micro-batch, the lightest recomputation
     searched, only honoured when pinned (`Pins.offload`): the simulator does
     not price its host transfers and a Cluster does not know its host
     memory, so an offloaded layout would look free and might not fit the host.
-R10 MoE: ep divides the expert count and dp_shard * cp; dense models use ep 1.
+R10 MoE: ep divides the expert count, etp the experts' inner size, and
+    ep * etp the ranks of a stage's replica, dp_shard * cp * tp (the expert
+    grid of planner.layout). Unpinned etp is 1 or tp: etp = tp lines the
+    expert shards up with the dense TP groups (Megatron-Core's default),
+    etp 1 keeps experts whole (DeepSeek's and Qwen3's recipes); other values
+    split experts across TP groups for no saving either of them lacks.
+    Heuristic: unpinned ep is a power of two or the expert count (384
+    experts: 1, 2, ..., 128, 384), as published recipes use; the odd
+    divisors in between (3, 6, 12, ...) multiply the space for layouts no
+    recipe runs. Dense models use ep = etp = 1.
 """
 
 from __future__ import annotations
@@ -75,9 +84,11 @@ class Pins:
     pp_schedule: str | None = None
     virtual_stages: int | None = None
     offload: str | None = None
+    ep: int | None = None  # expert parallelism (MoE)
+    etp: int | None = None  # expert tensor parallelism (MoE)
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages"):
+        for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages", "ep", "etp"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -160,11 +171,23 @@ def data_parallel_splits(dp: int, pins: Pins) -> Iterator[tuple[int, int, int]]:
                 yield dp // dp_shard, dp_shard, zero
 
 
-def expert_degrees(model: ModelSpec, dp_shard: int, cp: int) -> tuple[int, ...]:
-    """R10: expert-parallel degrees for a MoE model; (1,) for a dense one."""
+@lru_cache(maxsize=4096)
+def expert_degrees(model: ModelSpec, dp_shard: int, cp: int, tp: int = 1, ep_pin: int | None = None,
+                   etp_pin: int | None = None) -> tuple[tuple[int, int], ...]:
+    """R10: (ep, etp) pairs for a MoE model; ((1, 1),) for a dense one."""
     if model.moe is None:
-        return (1,)
-    return tuple(e for e in divisors(model.moe.n_experts) if (dp_shard * cp) % e == 0)
+        return ((1, 1),) if ep_pin in (None, 1) and etp_pin in (None, 1) else ()
+    ranks = dp_shard * cp * tp
+    etps = (etp_pin,) if etp_pin is not None else tuple(sorted({1, tp}))
+    out = []
+    for etp in etps:
+        if model.moe.expert_ffn_hidden % etp:
+            continue
+        eps = tuple(e for e in divisors(model.moe.n_experts) if e & (e - 1) == 0 or e == model.moe.n_experts)
+        for ep in _choices(ep_pin, eps if ep_pin is None else divisors(model.moe.n_experts)):
+            if ranks % (ep * etp) == 0:
+                out.append((ep, etp))
+    return tuple(out)
 
 
 def sequence_parallel_options(tp: int, cp: int, seq_len: int, pins: Pins) -> tuple[bool, ...]:
@@ -217,9 +240,9 @@ def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str
         scheds = schedules(pp, model.n_layers, pins)
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
             for dp_replicate, dp_shard, zero in data_parallel_splits(dp, pins):
-                for ep in expert_degrees(model, dp_shard, cp):
+                for ep, etp in expert_degrees(model, dp_shard, cp, tp, pins.ep, pins.etp):
                     for sched, v in scheds:
-                        yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep,
+                        yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, etp=etp,
                                      zero_stage=zero, sequence_parallel=sp, pp_schedule=sched,
                                      virtual_stages=v, offload=offload)
 
@@ -244,6 +267,15 @@ def check_pins(n_gpus: int, model: ModelSpec, seq_len: int, global_batch: int | 
     if stages > model.n_layers:
         raise UsageError(f"--pp {pins.pp or 1} x --virtual-stages {pins.virtual_stages or 1} = {stages} exceeds the "
                          f"{model.n_layers} layers of {model.name}")
+    if (pins.ep or 1) * (pins.etp or 1) > 1 and model.moe is None:
+        raise UsageError(f"--ep/--etp need a mixture-of-experts model; {model.name} is dense")
+    if model.moe is not None and pins.ep is not None and model.moe.n_experts % pins.ep:
+        raise UsageError(f"--ep {pins.ep} must divide the {model.moe.n_experts} experts of {model.name}; try --ep in "
+                         f"{list(divisors(model.moe.n_experts))}")
+    if model.moe is not None and pins.etp is not None and model.moe.expert_ffn_hidden % pins.etp:
+        raise UsageError(f"--etp {pins.etp} must divide the experts' inner size ({model.moe.expert_ffn_hidden})")
+    if (pins.ep or 1) * (pins.etp or 1) > n_gpus:
+        raise UsageError(f"--ep {pins.ep or 1} x --etp {pins.etp or 1} exceeds the {n_gpus} GPUs")
     if pins.cp is not None and seq_len % pins.cp:
         raise UsageError(f"--cp {pins.cp} must divide the sequence length ({seq_len})")
     named = {k: getattr(pins, k) for k in ("pp", "dp", "cp", "tp") if getattr(pins, k) is not None}

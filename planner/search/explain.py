@@ -20,7 +20,7 @@ from topologies.errors import InfeasibleError, MeshplanError, PlanError
 from topologies.hardware import GIB
 
 # Layout fields a reader compares, in the order the table shows them.
-COMPARED = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "zero_stage", "micro_batch_size", "recompute",
+COMPARED = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "zero_stage", "micro_batch_size", "recompute",
             "sequence_parallel", "pp_schedule", "virtual_stages", "offload")
 # time_breakdown_s entries that are parts of the step (others are sub-totals or details).
 STEP_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -34,7 +34,7 @@ def describe(layout: Layout) -> str:
     parts = [f"tp {layout.tp}", f"pp {layout.pp}", dp]
     if layout.cp > 1:
         parts.append(f"cp {layout.cp}")
-    text = " x ".join(parts) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
+    text = " x ".join(parts) + _experts(layout) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
     if layout.recompute != "none":
         text += f", {layout.recompute} recompute" + (
             f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "")
@@ -43,6 +43,13 @@ def describe(layout: Layout) -> str:
     if layout.offload != "none":
         text += f", offload {layout.offload}"
     return text
+
+
+def _experts(layout: Layout) -> str:
+    """The expert grid of a MoE layout (planner.layout), empty for a dense one."""
+    if layout.ep * layout.etp == 1:
+        return ""
+    return f" (experts: ep {layout.ep}, etp {layout.etp}, edp {layout.edp})"
 
 
 FIELD_WORDS = {"zero_stage": "ZeRO-", "micro_batch_size": "micro-batch ", "dp_replicate": "dp_replicate ",
@@ -54,6 +61,7 @@ def short(layout: Layout) -> str:
     """A compact layout name for narrow tables, e.g. 'tp8 pp2 dp4 Z1 mb1x16 1f1b'."""
     dp = f"dp{layout.dp}" if not layout.hsdp else f"dp{layout.dp_replicate}x{layout.dp_shard}"
     text = f"tp{layout.tp} pp{layout.pp} {dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+    text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
     text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
         text += f" rc-{layout.recompute}" + (f":{layout.recompute_layers}" if layout.recompute_layers else "")

@@ -83,6 +83,13 @@ class CalibrationProfile:
     collective_overhead_s: float = 0.0  # host cost of issuing one collective
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
     other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
+    # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.step): grouped GEMMs of the
+    # routed experts as a fraction of the dense GEMM rate, the busiest expert rank's tokens over the
+    # balanced share (dropless routing), and the all-to-all's achieved share of the collective model's
+    # time at MoE message sizes (many small per-peer messages).
+    grouped_gemm_efficiency: float = 1.0
+    moe_imbalance: float = 1.0
+    all_to_all_efficiency: float = 1.0
     # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
     engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
@@ -97,6 +104,11 @@ class CalibrationProfile:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or value < 0:
                 raise UsageError(f"calibration: {key} must be a non-negative number, got {value!r}")
+        for key, low, high in (("grouped_gemm_efficiency", 0.01, 1.0), ("moe_imbalance", 1.0, 16.0),
+                               ("all_to_all_efficiency", 0.01, 1.0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise UsageError(f"calibration: {key} must be a number in [{low}, {high}], got {value!r}")
         if not isinstance(self.overlap_exponent, (int, float)) or self.overlap_exponent < 1.0:
             raise UsageError(f"calibration: overlap_exponent must be >= 1, got {self.overlap_exponent!r}")
         from topologies.links import EFFICIENCY

@@ -14,7 +14,13 @@ gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
        all-reduce of m*h*D, or with SP all-gather + reduce-scatter of m*h*D
   CP   per layer forward cp - 1 ring steps sending K and V (2*m*kv*D/t),
        backward twice that; overlapped with the attention core
-  EP   per layer dispatch + combine all-to-all of top_k*m*h*D, forward and backward
+  EP   per MoE layer a dispatch and a combine all-to-all of top_k*(m/t)*h*D per
+       rank, forward and backward, on the expert-parallel groups of the
+       expert grid (planner.layout: ranks etp apart); with etp > 1 the
+       expert's tokens are all-gathered and its output reduce-scattered over
+       the etp group; times over `all_to_all_efficiency`
+  EDP  expert gradients reduce over the expert data-parallel groups, dense
+       ones over dp
   PP   send/recv of m*h*D (/t with SP) per boundary, micro-batch and direction
   DP   ZeRO-0/1: all-reduce of the stage's gradients (P*G) over dp once per step;
        ZeRO-1 then all-gathers the updated parameters (P*D) over dp_shard
@@ -31,8 +37,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.layout import MESH_AXES, Layout
+from planner.layout import MESH_AXES, Layout, expert_group_offsets
+from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.compute import moe_fraction
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel
 from topologies.errors import PlanError
@@ -102,6 +110,49 @@ def representative_groups(shape: tuple[int, ...], axes: tuple[str, ...], gpus_pe
     return tuple(tuple((base + offsets).tolist()) for base in seen.values())
 
 
+@lru_cache(maxsize=4096)
+def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
+                                 ) -> tuple[tuple[int, ...], ...]:
+    """One group per distinct node placement among the "ep", "etp" or "edp" groups of the expert grid.
+
+    A group is its first rank plus fixed offsets, so (as in
+    `representative_groups`) its placement depends on that rank modulo the
+    node size only; the smallest first rank of each reachable residue is priced.
+    """
+    pp, replicate, shard, cp, tp = shape
+    inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
+    # a first rank is a sum of per-coordinate terms, and its residue modulo g depends on each term's
+    # residue only: keep the smallest term of each residue, then combine (at most g^3, usually a few)
+    def terms(step: int, count: int) -> dict[int, int]:  # residue -> smallest k * step, k < count
+        out: dict[int, int] = {}
+        for k in range(min(count, g)):
+            out.setdefault(k * step % g, k * step)
+        return out
+
+    if kind == "edp":
+        offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
+        parts = [terms(replicate * inner, pp), terms(1, block)]
+    else:
+        offsets = expert_group_offsets(ep, etp, kind)
+        parts = [terms(inner, pp * replicate), terms(block, inner // block),
+                 terms(1, etp) if kind == "ep" else terms(etp, ep)]
+    smallest: dict[int, int] = {0: 0}
+    for part in parts:
+        nxt: dict[int, int] = {}
+        for base in smallest.values():
+            for value in part.values():
+                b = base + value
+                if b < nxt.get(b % g, b + 1):
+                    nxt[b % g] = b
+        smallest = nxt
+    seen: dict[tuple[int, ...], int] = {}
+    offs = np.asarray(offsets, dtype=np.int64)
+    for base in sorted(smallest.values()):
+        _, per_node = np.unique((base % g + offs) // g, return_counts=True)
+        seen.setdefault(tuple(sorted(per_node.tolist())), base)
+    return tuple(tuple((base + offs).tolist()) for base in seen.values())
+
+
 class StepComm:
     """Collective times of one layout on one cluster (the worst group of each axis)."""
 
@@ -109,6 +160,10 @@ class StepComm:
         self.model = _collective_model(cluster, tuple(sorted(cal.link_efficiency.items())), cal.latency_scale)
         self.shape = layout.mesh_shape
         self.gpus_per_node = cluster.gpus_per_node
+        self.ep, self.etp = layout.ep, layout.etp
+        self.all_to_all_efficiency = cal.all_to_all_efficiency
+        self.cal = cal
+        self._expert_times: dict[tuple[str, float, str], float] = {}
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
 
     def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
@@ -143,5 +198,43 @@ class StepComm:
         """cp - 1 ring steps of K and V between neighbours (the wrap-around hop is the slowest)."""
         return (cp - 1) * self.pair_time_s(kv_bytes, ("cp",), 0, cp - 1) if cp > 1 else 0.0
 
-    def ep_all_to_all_s(self, size_bytes: float, ep: int) -> float:
-        return self.time_s("all_to_all", size_bytes, ("dp_shard", "cp"), limit=ep) if ep > 1 else 0.0
+    def expert_time_s(self, op: str, size_bytes: float, kind: str) -> float:
+        """Worst time of `op` over the expert grid's "ep", "etp" or "edp" groups (planner.layout)."""
+        if size_bytes <= 0:
+            return 0.0
+        key = (op, size_bytes, kind)
+        hit = self._expert_times.get(key)
+        if hit is None:
+            groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
+            hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+            self._expert_times[key] = hit
+        return hit
+
+    def ep_all_to_all_s(self, size_bytes: float) -> float:
+        """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
+        return self.expert_time_s("all_to_all", size_bytes, "ep") / self.all_to_all_efficiency
+
+
+def expert_comm_s(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
+    """Exposed expert communication of an average layer's pass and the collectives it issues.
+
+    A MoE layer's rank routes its m/tp tokens (sequence parallel) to top_k
+    experts: dispatch and combine all-to-alls over the ep group, and with
+    etp > 1 an all-gather of the received tokens and a reduce-scatter of the
+    experts' output over the etp group. The imbalance calibration scales the
+    volume of the busiest rank. Dense layers of the model have none, so the
+    average layer pays `moe_fraction` of it.
+    """
+    f = moe_fraction(model)
+    routed = act_bytes / layout.tp * model.moe.top_k * _comm_imbalance(model, comm)
+    total = 2 * comm.ep_all_to_all_s(routed) if layout.ep > 1 else 0.0
+    if layout.etp > 1:
+        total += comm.expert_time_s("all_gather", routed * layout.etp, "etp") + \
+            comm.expert_time_s("reduce_scatter", routed * layout.etp, "etp")
+    return f * total, (2 if layout.ep > 1 else 0) + (2 if layout.etp > 1 else 0)
+
+
+def _comm_imbalance(model: ModelSpec, comm: StepComm) -> float:
+    moe = model.moe
+    imbalance = comm.cal.moe_imbalance
+    return min(imbalance, moe.capacity_factor) if moe.capacity_factor else imbalance

@@ -142,28 +142,65 @@ def attention_core_times(batch_heads: float, s_q: float, s_kv: float, head_dim: 
     return gemms + scores, 2.0 * (gemms + scores)
 
 
-def layer_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
-    """(count, m, n, k) of every forward GEMM of one layer on one rank (see the module docstring).
+def attention_gemms(model: ModelSpec, m: float, tp: int) -> list[tuple[float, float, float, float]]:
+    """(count, m, n, k) of the attention projections of one layer on one TP rank.
 
-    MoE: the routed experts of this EP rank, each fed top_k * ep / n_experts of
-    the tokens when routing is balanced, plus the shared experts and the router.
+    MLA (DeepSeek-V2/V3): the down projections (q_a, kv_a) are replicated on
+    every TP rank, the up projections (q_b, kv_b) and o are split by heads.
+    """
+    h = model.hidden
+    if model.mla is None:
+        return [(1.0, m, (model.q_dim + 2 * model.kv_dim) / tp, h), (1.0, m, h, model.q_dim / tp)]
+    a, mla = model.n_heads, model.mla
+    out = [(1.0, m, mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+           (1.0, m, a * (mla.qk_nope_head_dim + mla.v_head_dim) / tp, mla.kv_lora_rank),
+           (1.0, m, h, a * mla.v_head_dim / tp)]
+    if mla.q_lora_rank:
+        out += [(1.0, m, mla.q_lora_rank, h), (1.0, m, a * mla.qk_head_dim / tp, mla.q_lora_rank)]
+    else:
+        out.append((1.0, m, a * mla.qk_head_dim / tp, h))
+    return out
+
+
+def moe_fraction(model: ModelSpec) -> float:
+    """Share of the layers whose MLP is the mixture of experts: the simulator's average layer mixes them."""
+    return model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
+
+
+def mlp_gemms(model: ModelSpec, m: float, layout: Layout
+              ) -> tuple[list[tuple[float, float, float, float]], list[tuple[float, float, float, float]]]:
+    """(dense GEMMs, routed-expert GEMMs) of an average layer's MLP on one rank, forward.
+
+    MoE, balanced routing: the MoE block runs on the m/tp tokens of its rank
+    (sequence parallel, as Megatron-Core requires with TP); each token goes to
+    top_k experts, an expert's tokens are gathered over its etp ranks, so a
+    rank runs n_experts/ep experts of m*top_k*etp*ep/(tp*n_experts) tokens,
+    each 1/etp of the expert's width. Shared experts and the router run
+    like the dense MLP. Dense and MoE layers are mixed by `moe_fraction`.
     """
     h, tp = model.hidden, layout.tp
     up = 2 if model.mlp == "swiglu" else 1
-    gemms = [(1.0, m, (model.q_dim + 2 * model.kv_dim) / tp, h), (1.0, m, h, model.q_dim / tp)]
 
-    def mlp(count: float, tokens: float, ffn: int) -> None:
-        gemms.extend([(count, tokens, up * ffn / tp, h), (count, tokens, h, ffn / tp)])
+    def mlp(count: float, tokens: float, ffn: float) -> list[tuple[float, float, float, float]]:
+        return [(count, tokens, up * ffn, h), (count, tokens, h, ffn)]
 
+    f = moe_fraction(model)
+    dense = mlp(1.0 - f, m, model.ffn_hidden / tp) if f < 1.0 else []
     if model.moe is None:
-        mlp(1.0, m, model.ffn_hidden)
-        return tuple(gemms)
+        return dense, []
     moe = model.moe
-    mlp(moe.n_experts / layout.ep, m * moe.top_k * layout.ep / moe.n_experts, moe.expert_ffn_hidden)
     if moe.n_shared_experts:
-        mlp(float(moe.n_shared_experts), m, moe.shared_ffn_hidden or moe.expert_ffn_hidden)
-    gemms.append((1.0, m, moe.n_experts, h))
-    return tuple(gemms)
+        dense += mlp(f * moe.n_shared_experts, m, (moe.shared_ffn_hidden or moe.expert_ffn_hidden) / tp)
+    dense.append((f, m, moe.n_experts, h))  # router
+    tokens = m * moe.top_k * layout.etp * layout.ep / (tp * moe.n_experts)
+    experts = mlp(f * moe.n_experts / layout.ep, tokens, moe.expert_ffn_hidden / layout.etp)
+    return dense, experts
+
+
+def layer_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
+    """(count, m, n, k) of every forward GEMM of an average layer on one rank (see the module docstring)."""
+    dense, experts = mlp_gemms(model, m, layout)
+    return tuple(attention_gemms(model, m, layout.tp) + dense + experts)
 
 
 def gemm_flops(gemms: tuple[tuple[float, float, float, float], ...]) -> float:
@@ -190,25 +227,67 @@ def _block_gemms_s(gemms, peak: float, fp8_peak: float, cal: CalibrationProfile)
     return t, cast_f, cast_b
 
 
+def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak: float, gpu: GPUSpec,
+              cal: CalibrationProfile) -> tuple[float, float]:
+    """(routed-expert GEMMs, MoE memory-bound work) of an average layer, forward, on the busiest rank.
+
+    Expert GEMMs run as grouped GEMMs at `grouped_gemm_efficiency` of the
+    dense GEMM rate; the busiest expert rank gets `moe_imbalance` times the
+    balanced share of tokens (a capacity factor caps it: tokens beyond it are
+    dropped). Memory-bound work per token and layer: router scores and top-k
+    over n_experts (fp32, read + write), then permutation before and
+    unpermutation after the experts, each reading and writing top_k copies
+    of the hidden state.
+    """
+    if model.moe is None:
+        return 0.0, 0.0
+    _, experts = mlp_gemms(model, m, layout)
+    imbalance = cal.moe_imbalance
+    if model.moe.capacity_factor:
+        imbalance = min(imbalance, model.moe.capacity_factor)
+    gemm = imbalance * sum(c * gemm_time_s(gm, gn, gk, peak, cal) for c, gm, gn, gk in experts)
+    gemm /= cal.grouped_gemm_efficiency
+    tokens = m / layout.tp
+    router = tokens * model.moe.n_experts * 4 * 2
+    permute = imbalance * 2 * 2 * tokens * model.moe.top_k * model.hidden * dtype_bytes
+    return gemm, moe_fraction(model) * memory_time_s(router + permute, gpu, cal)
+
+
+def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
+    """Keys per query of the average layer, as the causal core prices them: s, or ~2*window on sliding layers."""
+    if not model.sliding_window or not model.sliding_layers:
+        return seq_len
+    sliding = min(2.0 * model.sliding_window * cp, seq_len)
+    return ((model.n_layers - model.sliding_layers) * seq_len + model.sliding_layers * sliding) / model.n_layers
+
+
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
                 peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
                 compile: bool = False) -> PassTimes:
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 
-    Depends on the layout's tp, cp, ep, micro-batch, recompute and sequence
-    parallelism, and on the precision (fp8_peak > 0: 8-bit block GEMMs) and
-    compile only (planner.search.bound caches it by those).
+    Depends on the layout's tp, cp, ep, etp, micro-batch, recompute and sequence
+    parallelism, and on the precision (fp8_peak > 0: 8-bit block GEMMs; routed
+    experts stay 16-bit here) and compile only (planner.search.bound caches it by those).
     """
     h, tp = model.hidden, layout.tp
     m = tokens_per_micro_batch(seq_len, layout)
-    gemms, cast_f, cast_b = _block_gemms_s(layer_gemms(model, m, layout), peak, fp8_peak, cal)
+    dense, _ = mlp_gemms(model, m, layout)
+    gemms, cast_f, cast_b = _block_gemms_s(attention_gemms(model, m, tp) + dense, peak, fp8_peak, cal)
+    expert_gemms, moe_memory = moe_times(model, m, dtype_bytes, layout, peak, gpu, cal)
+    gemms += expert_gemms
     heads = layout.micro_batch_size * model.n_heads / tp
-    core_f, core_b = attention_core_times(heads, seq_len / layout.cp, seq_len, model.head_dim,
-                                          dtype_bytes, model.dropout, fused_attention, gpu, peak, cal)
-    act_ffn = (model.moe.expert_ffn_hidden * model.moe.top_k) if model.moe else model.ffn_hidden
+    head_dim = (model.head_dim + model.v_head_dim) / 2  # QK^T at the key width, AV at the value width
+    core_f, core_b = attention_core_times(heads, seq_len / layout.cp, _attention_keys(model, seq_len, layout.cp),
+                                          head_dim, dtype_bytes, model.dropout, fused_attention, gpu, peak, cal)
+    act_ffn = model.ffn_hidden
+    if model.moe is not None:
+        f, moe = moe_fraction(model), model.moe
+        shared = moe.n_shared_experts * (moe.shared_ffn_hidden or moe.expert_ffn_hidden)
+        act_ffn = (1 - f) * model.ffn_hidden + f * (moe.expert_ffn_hidden * moe.top_k + shared)
     act_passes = 3.0 if model.mlp == "swiglu" else 2.0
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
-    elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal)
+    elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal) + moe_memory
     cast_f, cast_b = memory_time_s(cast_f, gpu, cal), memory_time_s(cast_b, gpu, cal)
     if compile:  # Inductor fuses the casts into the kernels around them as well
         elementwise, cast_f, cast_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in (elementwise, cast_f, cast_b))
@@ -242,7 +321,7 @@ def fsdp_copy_times(model: ModelSpec, dtype_bytes: int, grad_bytes: int, layout:
     """
     if layout.zero_stage < 2 or layout.dp_shard == 1:
         return PassTimes(0.0, 0.0, 0.0)
-    params = sum(layer_params_split(model, layout.tp, layout.ep))
+    params = sum(layer_params_split(model, layout.tp, layout.ep, layout.etp))
     gather = params * dtype_bytes if layout.zero_stage == 3 else 0.0
     forward = memory_time_s(FSDP_COPY_PASSES * gather, gpu, cal)
     return PassTimes(forward, memory_time_s(FSDP_COPY_PASSES * (gather + params * grad_bytes), gpu, cal), 0.0)

@@ -33,7 +33,7 @@ from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import StepComm
+from planner.simulate.comm import StepComm, expert_comm_s
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     combine,
@@ -126,12 +126,12 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
         comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
         calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
-    if model.moe is not None and layout.ep > 1:
-        a2a = 2 * comm.ep_all_to_all_s(model.moe.top_k * act, layout.ep)
-        comm_f["ep_comm"], comm_b["ep_comm"] = a2a, a2a
-        calls_f, calls_b = calls_f + 2, calls_b + 2
+    if model.moe is not None and layout.ep * layout.etp > 1:
+        ep_s, calls = expert_comm_s(model, layout, comm, act)
+        comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
         ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, ("dp_shard",)) \
             if layout.zero_stage == 3 else 0.0
@@ -139,7 +139,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
     if layout.offload == "optimizer+params":  # each pass copies the layer's weights up from host memory
-        dense, experts = layer_params_split(model, layout.tp, layout.ep)
+        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
         comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
     return comm_f, comm_b, calls_f, calls_b
@@ -177,6 +177,16 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
     host, p = cal.layer_overhead_s, cal.overlap_exponent
     return (combine(emb.forward_s, host, p), combine(emb.backward_s, host, p),
             combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
+
+
+def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, float]
+              ) -> tuple[float, float, float, float]:
+    """The last stage also runs the multi-token-prediction modules: one layer and one more
+    output-layer pass each (DeepSeek-V3's MTP shares the output layer)."""
+    if not model.mtp_layers:
+        return ends
+    k = model.mtp_layers
+    return ends[0], ends[1], ends[2] * (1 + k) + k * unit.f, ends[3] * (1 + k) + k * unit.b
 
 
 def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
@@ -218,8 +228,10 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     sp = stage_params(model, layout, rank)
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.dp_shard if layout.zero_stage >= 1 else 1
-    if layout.zero_stage <= 1:
-        reduce_bytes, reduce_s = sp.total * g, comm.time_s("all_reduce", sp.total * g, DP_AXES)
+    if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
+        reduce_bytes = sp.total * g
+        reduce_s = comm.time_s("all_reduce", sp.dense * g, DP_AXES) + \
+            comm.expert_time_s("all_reduce", sp.experts * g, "edp")
     else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
         reduce_bytes = sp.total * g / layout.dp_shard
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
@@ -228,7 +240,8 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
         reduce_s = max(last_bucket, reduce_s - last_backward_s)
     gather = 0.0
     if layout.zero_stage in (1, 2):
-        gather = comm.time_s("all_gather", sp.total * d, ("dp_shard",))
+        gather = comm.time_s("all_gather", sp.dense * d, ("dp_shard",)) + \
+            comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0
     if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output):
@@ -280,7 +293,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
-    ends = _ends(model, training, layout, peak, cluster, cal)
+    ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps

@@ -136,10 +136,11 @@ def test_fp32_activations_cost_twice_bf16():
 def test_moe_terms_scale_with_top_k():
     mixtral = load_model("mixtral-8x7b")
     top1 = dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, top_k=1))
-    two = layer_activation_terms(mixtral, 1024, 1)["experts"]
-    one = layer_activation_terms(top1, 1024, 1)["experts"]
+    routed = ("experts", "moe_permuted")
+    two = sum(layer_activation_terms(mixtral, 1024, 1)[k] for k in routed)
+    one = sum(layer_activation_terms(top1, 1024, 1)[k] for k in routed)
     assert two == pytest.approx(2 * one)
-    # per routed copy: input h, SwiGLU 4f, output h, in bf16
+    # per routed copy: input h (the permuted token), SwiGLU 4f, output h, in bf16
     assert one == pytest.approx(2 * (2 * mixtral.hidden + 4 * mixtral.moe.expert_ffn_hidden) * 1024)
 
 
