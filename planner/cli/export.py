@@ -40,7 +40,11 @@ def _hosts(value: str | None) -> list[str] | None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="write the file here instead of stdout")
 @click.option("--hosts", help="node names in order, comma separated (hostfile, rendezvous address)")
 @click.option("--json", "as_json", is_flag=True, help="print the export (text, notes, extra files) as JSON")
-def export(plan_file: str, target: str, output: str | None, hosts: str | None, as_json: bool) -> None:
+@click.option("--target-version", "version", metavar="X.Y[.Z]",
+              help="release of the target to write for (torchtitan 0.2 TOML | 0.3 Python module; deepspeed, "
+                   "megatron-core); default: the newest meshplan checks")
+def export(plan_file: str, target: str, output: str | None, hosts: str | None, as_json: bool,
+           version: str | None) -> None:
     """Export PLAN.json to another engine's config, stating what it could not express."""
     from planner.export import TARGETS, export_plan
     from planner.plan import load_plan
@@ -50,7 +54,7 @@ def export(plan_file: str, target: str, output: str | None, hosts: str | None, a
     if target not in TARGETS:
         raise UsageError(f"unknown export target {target!r}{nearest(target, TARGETS)}; use one of {', '.join(TARGETS)}")
     plan = load_plan(plan_file)
-    result = export_plan(plan, target, hosts=_hosts(hosts), plan_path=plan_file)
+    result = export_plan(plan, target, hosts=_hosts(hosts), plan_path=plan_file, version=version)
     if output:
         main = Path(output)
         _write(main, result.text)
