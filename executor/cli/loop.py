@@ -23,9 +23,17 @@ from topologies.terminal import emit_json, log
 @click.option("--max-ranks", type=int, default=None,
               help="Largest collective group to measure (default: all local GPUs; on CPU min(cores, 4)).")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON only.")
+@click.option("--model", "model_name", default=None,
+              help="Also measure the shapes this model's layouts run (preset, alias or config path): GEMMs at "
+                   "its TP shards and micro-batches, its attention, its message sizes.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+              help="Sequence length for --model (default: its native context, at most 4096).")
+@click.option("--micro-batch", "micro_batches", type=click.IntRange(min=1), multiple=True,
+              help="Micro-batch size(s) for --model (repeatable; default 1 and 2).")
 @click.option("--grid", "grid_name", type=click.Choice(["tiny", "quick", "full"]), default=None, hidden=True,
               help="Benchmark grid (tests use tiny); overrides --quick.")
 def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, as_json: bool,
+              model_name: str | None, seq_len: int | None, micro_batches: tuple[int, ...],
               grid_name: str | None) -> None:
     """Measure this machine (GEMM, attention, memory bandwidth, collectives) and fit a calibration profile.
 
@@ -33,8 +41,18 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
     """
     from executor.calibrate.run import run_calibration
 
+    model = None
+    if model_name is not None:
+        from planner.model.load import load_model
+
+        model = load_model(model_name)
+    elif seq_len is not None or micro_batches:
+        from topologies.errors import UsageError
+
+        raise UsageError("--seq-len and --micro-batch describe the shapes of --model: add --model NAME")
     profile, summary = run_calibration(device=device, quick=quick, max_ranks=max_ranks, out=Path(out),
-                                       grid_name=grid_name)
+                                       grid_name=grid_name, model=model, seq_len=seq_len,
+                                       micro_batches=micro_batches or (1, 2))
     if as_json:
         emit_json(profile.to_json())
         return
@@ -63,10 +81,9 @@ def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | Non
 
         update = update_profile_from_run(Path(run_dir) / "plan.json", doc["measured"], Path(profile_path))
         doc["calibration_update"] = update
-        log(f"updated {profile_path}: local speed (compute efficiencies, 1 / layer overhead) x{update['compute_factor']:.3f} "
-            f"(simulated step {update['step_time_s_before']:.4g} s -> {update['step_time_s_after']:.4g} s, "
-            f"measured {update['measured_step_time_s']:.4g} s)"
-            + ("" if update["reached"] else "; the measurement is out of the compute model's reach")
+        from executor.calibrate.fold import describe
+
+        log(f"updated {profile_path}: time of " + describe(update)
             + (f"; other_bytes {update['other_bytes']:,}" if "other_bytes" in update else ""))
     if png:
         plot_report(doc, rows, png)

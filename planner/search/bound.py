@@ -190,7 +190,7 @@ class StepBound:
         if hit is None:
             group = group_offsets(shape_key, axes)
             hit = self._times[key] = 0.0 if size_bytes <= 0 or len(group) < 2 else \
-                self.collectives.time_s(op, size_bytes, group)
+                self.collectives.time_s(op, size_bytes, group) * self.cal.collective_scale.get(op, 1.0)
         return hit
 
     def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str | tuple[str, int]

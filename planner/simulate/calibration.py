@@ -27,6 +27,18 @@ How each field enters the time model (see `planner.simulate.compute`):
   collectives:       `topologies.collectives.CollectiveModel` with `link_efficiency`
       overriding its share of raw bandwidth per link class (nvlink, nvls, pcie,
       net, shm) and `latency_scale` scaling its hop and launch latencies.
+  shared cores:      `comm_overlap` is the share of a collective that can run
+      under the same rank's compute: 1 where the links have their own engines
+      (GPU copy engines, NCCL's SMs beside the compute), 0 where a rank's
+      collectives run on the cores that compute (CPU ranks with one core
+      each, gloo's threads). Only the part that does not fit under the
+      compute's `comm_overlap` share is exposed (DP buckets, FSDP prefetch,
+      TP backward overlap, the CP ring).
+  per collective:    `collective_scale[op]` multiplies the collective model's time
+      of one operation: what the alpha-beta ring model misses of a backend's
+      own algorithm (gloo reduce-scatters through a full all-reduce, say);
+      fitted per operation by `meshplan calibrate`, refined by
+      `report --update-calibration`.
   engines:           `engine_factors[engine]` multiplies compute efficiencies
       for one training engine (`for_engine`, which simulate_step applies). On
       H100 the GEMMs are cuBLAS's in every stack, but eager PyTorch (meshplan's
@@ -81,6 +93,8 @@ class CalibrationProfile:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # overrides topologies.links.EFFICIENCY
     latency_scale: float = 1.0  # scales the topology model's hop latencies (nccl-tests based)
     collective_overhead_s: float = 0.0  # host cost of issuing one collective
+    comm_overlap: float = 1.0  # share of a collective that can hide under the same rank's compute
+    collective_scale: dict[str, float] = field(default_factory=dict)  # op -> factor on the model's time
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
     other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
     # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.step): grouped GEMMs of the
@@ -122,6 +136,7 @@ class CalibrationProfile:
         if self.other_bytes is not None and (not isinstance(self.other_bytes, int) or self.other_bytes < 0):
             raise UsageError(f"calibration: other_bytes must be a non-negative integer or null, got {self.other_bytes!r}")
         self._check_engine_factors()
+        self._check_shared_core_fields()
         object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
 
     def _check_engine_factors(self) -> None:
@@ -136,6 +151,19 @@ class CalibrationProfile:
                     raise UsageError(f"calibration: engine_factors[{engine!r}][{key!r}] = {value!r}; keys are "
                                      f"{list(_FRACTIONS)}, values factors in (0, 1] (an engine is never faster "
                                      "than the base: search bounds are priced on the base)")
+
+    def _check_shared_core_fields(self) -> None:
+        from topologies.collectives import OPS
+
+        if not isinstance(self.comm_overlap, (int, float)) or not 0.0 <= self.comm_overlap <= 1.0:
+            raise UsageError(f"calibration: comm_overlap must be a fraction in [0, 1], got {self.comm_overlap!r}")
+        if not isinstance(self.collective_scale, dict):
+            raise UsageError(f"calibration: collective_scale must map collectives to factors, "
+                             f"got {self.collective_scale!r}")
+        for op, value in self.collective_scale.items():
+            if op not in OPS or not isinstance(value, (int, float)) or not 0.0 < value <= 1e3:
+                raise UsageError(f"calibration: collective_scale[{op!r}] = {value!r}; keys are {list(OPS)}, "
+                                 "values factors in (0, 1000]")
 
     def for_engine(self, engine: str) -> CalibrationProfile:
         """The profile `engine` runs at: its factors applied to the base, no factors left (idempotent)."""
@@ -181,7 +209,11 @@ class CalibrationProfile:
 _GENERIC = {
     "a100": dict(gemm_efficiency=0.80, attention_efficiency=0.55),
     "b200": dict(gemm_efficiency=0.65, attention_efficiency=0.35),
-    "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0),
+    # CPU ranks get one core each from the executor (OMP threads = cores / ranks): gloo's transfers
+    # and the Python that issues the kernels run on the core that computes, so nothing hides
+    # (comm_overlap 0) and host and kernel time add up (overlap_exponent 1).
+    "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0,
+                comm_overlap=0.0, overlap_exponent=1.0),
 }
 # Families that share another's profile. H200 is the H100's GH100 die at the same
 # clocks (989 TFLOP/s dense bf16 on both datasheets) with 141 GB of HBM3e at
