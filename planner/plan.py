@@ -1,4 +1,8 @@
-"""Plan: the one contract between planner and executor (plan.json, schema_version 1).
+"""Plan: the one contract between planner and executor (plan.json, schema_version 2).
+
+Version 2 added the training keys precision, attention and compile (and the
+"op" recompute kind); a version-1 plan still loads, with precision = its
+dtype, the engine's attention kernel and no compile.
 
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that
@@ -21,7 +25,8 @@ from planner.training import TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import MeshplanError, PlanError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 
 
@@ -104,9 +109,9 @@ class Plan:
             raise PlanError(f"plan.json key {bad[0]} = {bad[1]!r} is not a finite number (Python's json reads NaN "
                             "and Infinity): fix the value or re-create the plan with `meshplan plan ... -o`")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanError(
-                f"plan.json has schema_version {version!r}; this meshplan reads {SCHEMA_VERSION}: "
+                f"plan.json has schema_version {version!r}; this meshplan reads {list(READABLE_VERSIONS)}: "
                 "re-create it with `meshplan plan ... -o plan.json`"
             )
         missing = [k for k in ("model", "cluster", "training", "parallel") if not isinstance(data.get(k), dict)]
@@ -117,7 +122,7 @@ class Plan:
             plan = cls(
                 model=ModelSpec.from_json(data["model"]),
                 cluster=Cluster.from_json(data["cluster"]),
-                training=TrainingSpec.from_json(data["training"]),
+                training=_training(data["training"], version, data.get("engine", "meshplan")),
                 layout=Layout.from_json(data["parallel"]),
                 engine=data.get("engine", "meshplan"),
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
@@ -154,6 +159,15 @@ def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
+
+
+def _training(data: dict[str, Any], version: int, engine: str) -> TrainingSpec:
+    """plan.json's training; version 1 had no precision/attention/compile: its dtype and the engine's kernel."""
+    training = TrainingSpec.from_json(data)
+    if version == 1 and training.attention == "":
+        fused = get_engine(engine).fused_attention(training)
+        training = training.replace(attention="fused" if fused else "eager")
+    return training
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -12,6 +12,15 @@ root port through cascaded switches (PXB), and on one NUMA node (NODE; SYS
 across sockets). `nvlink_bridge_pairs` adds NVLink bridges between GPUs 2i and
 2i+1. A detected node instead carries the label matrix it was measured with
 (`gpu_links`), exactly as `nvidia-smi topo -m` printed it.
+
+A "node" is an NVLink domain: the GPUs that reach each other over NVLink.
+In a DGX/HGX box that is the box. In a rack-scale system (GB200/GB300 NVL72)
+it is the rack: 72 GPUs on one NVLink switch fabric, in compute trays of
+`gpus_per_tray` (4) GPUs, each tray with its own NICs. Such a domain can be
+used in part: a job of n GPUs that is not a multiple of 72 takes, per rack,
+the largest whole number of trays that divides n (128 GPUs: two racks of 64,
+16 trays each, how 72-GPU racks run power-of-two layouts), so TP, EP and CP
+groups of up to a domain stay on NVLink.
 """
 
 from __future__ import annotations
@@ -49,12 +58,13 @@ class Cluster:
     nvlink_bridge_pairs: bool = False  # NVLink bridges join GPUs 2i and 2i+1 (PCIe boxes)
     gpu_links: tuple[tuple[str, ...], ...] = ()  # detected `nvidia-smi topo -m` labels; () = derive
     gpu_nic_links: tuple[tuple[str, ...], ...] = ()  # detected GPU x NIC labels; () = derive
+    gpus_per_tray: int = 0  # rack-scale NVLink domains: GPUs per compute tray (0: the node is one box)
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "n_nodes", "nodes_per_leaf", "gpus_per_pcie_switch"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 1, got {getattr(self, key)!r}")
-        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node"):
+        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node", "gpus_per_tray"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 0, got {getattr(self, key)!r}")
         if self.gpus_per_node > MAX_GPUS_PER_NODE or self.nics_per_node > MAX_GPUS_PER_NODE:
@@ -153,8 +163,14 @@ class Cluster:
                                 "use a smaller count")
         if n_gpus <= per:
             links = tuple(row[:n_gpus] for row in self.gpu_links[:n_gpus])
+            nics = self.nics_per_node * n_gpus // per if self.gpus_per_tray else self.nics_per_node
             return dataclasses.replace(self, gpus_per_node=n_gpus, n_nodes=1, gpu_links=links,
-                                       gpu_nic_links=self.gpu_nic_links[:n_gpus])
+                                       gpu_nic_links=self.gpu_nic_links[:n_gpus], nics_per_node=nics)
+        if n_gpus % per and self.gpus_per_tray:
+            domain = _partial_domain(n_gpus, per, self.gpus_per_tray)
+            if domain:
+                return dataclasses.replace(self, gpus_per_node=domain, n_nodes=n_gpus // domain,
+                                           nics_per_node=self.nics_per_node * domain // per)
         if n_gpus % per:
             lower, upper = n_gpus // per * per, -(-n_gpus // per) * per
             raise TopologyError(
@@ -163,3 +179,11 @@ class Cluster:
             )
         return dataclasses.replace(self, n_nodes=n_gpus // per)
 
+
+
+def _partial_domain(n_gpus: int, per_domain: int, per_tray: int) -> int:
+    """GPUs used per NVLink domain for n_gpus: whole trays, at most per_domain, dividing n_gpus (0: none)."""
+    for trays in range(per_domain // per_tray, 0, -1):
+        if n_gpus % (trays * per_tray) == 0:
+            return trays * per_tray
+    return 0

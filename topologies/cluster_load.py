@@ -76,7 +76,7 @@ CLUSTER_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus_per_node": _as_int, "n_nodes": _as_int, "intra_node": str, "nics_per_node": _as_int,
     "nic_gbit_per_s": _as_float, "inter_node_oversubscription": _as_float, "nodes_per_leaf": _as_int,
     "gpus_per_pcie_switch": _as_int, "gpus_per_pcie_root": _as_int, "gpus_per_numa_node": _as_int,
-    "nvlink_bridge_pairs": _as_bool, "description": str, "name": str,
+    "nvlink_bridge_pairs": _as_bool, "description": str, "name": str, "gpus_per_tray": _as_int,
 }
 # GPU what-ifs: key -> (GPUSpec field, parser that also converts to the field's unit).
 GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {

@@ -9,10 +9,11 @@ from __future__ import annotations
 import click
 
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
-from planner.cli.request import PlanRequest, plot_plan_memory, search_plan_request, si
+from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
+from planner.training import ATTENTION_KINDS, PRECISIONS
 from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
@@ -56,13 +57,24 @@ def _common(f):
 @click.option("--cp", type=POSITIVE, default=None, help="Pin the context-parallel degree.")
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0: DDP, dp_shard 1).")
 @click.option("--micro-batch", type=POSITIVE, default=None, help="Pin the micro-batch size (sequences).")
-@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None, help="Pin activation recomputation.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Pin sequence parallelism (default: both are searched when tp > 1).")
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
 @click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
 @click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
+# ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
+                   "Blackwell) around a bf16 model.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
+              help="Pin activation recomputation: selective = attention core (Megatron), op = per-op "
+                   "selective checkpointing (torchtitan), full = whole blocks. Default: searched.")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default=None,
+              help="Attention kernel: fused (flash/cuDNN) or eager (softmax over materialized scores). "
+                   "Default: the engine's.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile per block (torchtitan, meshplan).")
+# ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
@@ -75,8 +87,8 @@ def _common(f):
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, ep, etp, top, output,
-         png, headroom_pct, tokens, price):
+         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
+         recompute, attention, compile_, top, output, png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -96,7 +108,8 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
                 virtual_stages=virtual_stages, ep=ep, etp=etp)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
-                          headroom_fraction(headroom_pct))
+                          headroom_fraction(headroom_pct),
+                          TrainingOptions(precision, attention or "", compile_))
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep
@@ -163,12 +176,13 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
 
 
 def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
-                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
+                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int,
+                options: TrainingOptions = TrainingOptions()):
     """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
     from planner.search.search import USABLE_MEMORY_FRACTION
 
     request = PlanRequest(model_name, cluster_name, tuple(overrides), seq_len, global_batch, pins, engine,
-                          calibration, top, USABLE_MEMORY_FRACTION)
+                          calibration, top, USABLE_MEMORY_FRACTION, options)
     return search_plan_request(request, gpus)
 
 
@@ -183,7 +197,8 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     m, c, t = the_plan.model, the_plan.cluster, the_plan.training
     out.print(f"[bold]{m.name}[/] ({si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
-              f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
+              f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
+              f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}")
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)
@@ -197,7 +212,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
             f"v{lay.virtual_stages}" if lay.pp_schedule == "interleaved-1f1b" else "")
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
-                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
+                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute + (f":{lay.recompute_layers}" if lay.recompute_layers else ""), sched,
                       f"{r.step_time_s:.3f}", si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
     out.print(table)
     for sentence in the_plan.explanation:

@@ -9,6 +9,7 @@ many GPUs would fit (`gpus_needed_sentence`, a short sweep upward).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner.cli.inputs import load_model_arg
 from planner.search.candidates import Pins
@@ -17,6 +18,34 @@ from planner.search.candidates import Pins
 # than this many seconds), so an infeasible plan answers in a few seconds.
 NEEDED_SEARCH_FACTOR = 1024
 NEEDED_SEARCH_BUDGET_S = 5.0
+
+
+class TrainingOptions(NamedTuple):
+    """--precision, --attention, --compile: how the model trains, given by the user, never searched."""
+
+    precision: str = "bf16"
+    attention: str = ""  # "" = the engine's kernel
+    compile: bool = False
+
+
+def check_training_options(options: TrainingOptions, engine: str, gpu, recompute: str | None) -> None:
+    """UsageErrors for options this engine or GPU cannot honour, naming what would."""
+    from planner.engines import get_engine
+    from topologies.errors import TopologyError, UsageError
+
+    eng = get_engine(engine)
+    if options.precision in ("fp8", "mxfp8") and gpu.kind != "cpu":
+        try:
+            gpu.peak_flops(options.precision)
+        except TopologyError:
+            have = "fp8 (per-tensor scaling)" if gpu.fp8_flops else "no 8-bit tensor cores"
+            raise UsageError(f"--precision {options.precision}: {gpu.name} has {have}; mxfp8 needs Blackwell "
+                             "(b200, b300, gb200, gb300), fp8 Hopper or later") from None
+    if options.compile and not eng.compiles:
+        raise UsageError(f"--compile: engine {engine} does not compile blocks with torch.compile; use "
+                         "--engine torchtitan or meshplan, or drop --compile")
+    if recompute is not None and recompute not in eng.recompute_kinds:
+        raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +62,7 @@ class PlanRequest:
     calibration: str | None
     top: int
     usable_fraction: float
+    options: TrainingOptions = TrainingOptions()
 
 
 def search_at(request: PlanRequest, gpus: int, top: int | None = None):
@@ -48,8 +78,11 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     seq = request.seq_len or default_seq_len(model.max_seq_len)
     profile = load_calibration(request.calibration, cluster.gpu)
     check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
+    options = request.options
+    check_training_options(options, request.engine, cluster.gpu, request.pins.recompute)
     result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
-                    top or request.top, request.usable_fraction)
+                    top or request.top, request.usable_fraction, precision=options.precision,
+                    attention=options.attention, compile=options.compile)
     return model, cluster, result
 
 

@@ -148,6 +148,9 @@ def _recompute_args(plan: Plan) -> list[Arg]:
     """selective recomputes the attention core (Megatron's default module core_attn), full every layer."""
     if plan.layout.recompute == "selective":
         return [("--recompute-granularity", "selective")]
+    if plan.layout.recompute == "full" and plan.layout.recompute_layers:  # the first N layers of each chunk
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                ("--recompute-num-layers", str(plan.layout.recompute_layers))]
     if plan.layout.recompute == "full":
         return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                 ("--recompute-num-layers", "1")]
@@ -172,6 +175,13 @@ def _precision_args(plan: Plan, notes: list[str]) -> list[Arg]:
     elif tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype} with dtype {tr.dtype}: Megatron reduces in fp32 or bf16 only")
     args.append(("--optimizer", "adam" if tr.optimizer == "adamw" else "sgd"))  # Megatron's adam is AdamW
+    if tr.precision == "fp8":  # Transformer Engine: E4M3 forward, E5M2 gradients, per-tensor delayed scaling
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed")]
+    elif tr.precision == "mxfp8":
+        args += [("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")]
+    if tr.attention == "eager":
+        notes.append("attention eager: the plan assumed unfused softmax attention (the 2021-22 Megatron-LM); "
+                     "select Megatron's unfused attention backend to match it")
     return args
 
 

@@ -73,7 +73,9 @@ def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
     run = _runnable_layout(plan, version, notes)
     parallelism = _parallelism(plan, run, version, notes)
     ac = plan.layout.recompute
-    if ac == "selective":
+    if ac == "op":  # torchtitan's own per-op selective checkpointing: what meshplan modelled
+        ac = "selective"
+    elif ac == "selective":
         notes.append("recompute 'selective': torchtitan's per-op selective AC saves matmul and attention outputs "
                      "by its own policy; meshplan modelled recomputing the attention core only")
     notes += _engine_notes(plan)
@@ -140,6 +142,11 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     entries["mixed_precision_reduce"] = "float32"
     if tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype}: torchtitan reduces gradients in float32 only")
+    if tr.fp8:  # torchao float8 / MX converters: their TOML keys differ between torchtitan releases
+        notes.append(f"precision {tr.precision}: enable torchtitan's {'float8' if tr.precision == 'fp8' else 'mx'} "
+                     "model converter with FSDP float8 all-gathers (what the plan assumed); not written here")
+    if tr.compile:
+        notes.append("compile: enable torchtitan's torch.compile of the model (per block); not written here")
     if lay.offload != "none":
         entries["enable_cpu_offload"] = True
         if lay.offload == "optimizer":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.engines import get_engine
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
@@ -35,7 +36,8 @@ def describe(layout: Layout) -> str:
         parts.append(f"cp {layout.cp}")
     text = " x ".join(parts) + _experts(layout) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
     if layout.recompute != "none":
-        text += f", {layout.recompute} recompute"
+        text += f", {layout.recompute} recompute" + (
+            f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f", {layout.pp_schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     if layout.offload != "none":
@@ -62,7 +64,7 @@ def short(layout: Layout) -> str:
     text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
     text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
-        text += f" rc-{layout.recompute}"
+        text += f" rc-{layout.recompute}" + (f":{layout.recompute_layers}" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f" {layout.pp_schedule}" + (f"/v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     return text
@@ -254,7 +256,9 @@ def alternative_json(scored: Scored, winner: Scored) -> dict[str, Any]:
 def build_plan(model: ModelSpec, cluster: Cluster, result: SearchResult, engine: str) -> Plan:
     """The plan.json document of the winner, with alternatives and explanation."""
     best = result.best
-    return Plan(model=model, cluster=cluster, training=best.training, layout=best.layout, engine=engine,
+    eng = get_engine(engine)  # plan.json names the attention kernel: no engine default left to resolve
+    training = best.training.replace(attention="fused" if eng.fused_attention(best.training) else "eager")
+    return Plan(model=model, cluster=cluster, training=training, layout=best.layout, engine=engine,
                 prediction=best.result.prediction(),
                 alternatives=tuple(alternative_json(s, best) for s in result.ranked[1:]),
                 explanation=explanation(result, cluster))

@@ -12,6 +12,9 @@ How each field enters the time model (see `planner.simulate.compute`):
       A dimension equal to `gemm_knee` doubles the time a large GEMM of the same
       FLOPs would take: tile quantization and pipeline fill of small dimensions
       (TP shrinks n or k by the TP degree, a micro-batch of 1 shrinks m).
+  8-bit GEMMs:       the same formula at the GPU's FP8 (MXFP8) peak with
+      `fp8_gemm_efficiency` in place of gemm_efficiency (a fraction of the 8-bit peak),
+      plus the operand casts as memory-bound work (planner.simulate.compute)
   fused attention:   t = executed FLOPs / (peak * attention_efficiency)
   memory-bound work: t = bytes / (HBM bandwidth * memory_efficiency)
   host overhead:     every layer costs `layer_overhead_s` of host time per forward
@@ -67,7 +70,8 @@ from topologies.hardware import GPUSpec
 # Shipped profiles are package data beside this loader; a source checkout and an
 # installed wheel both expose them as a directory on disk.
 CALIBRATION_DIR = Path(str(resources.files(__package__) / "calibrations"))
-_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")  # also what engine_factors scale
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
+              "fp8_gemm_efficiency")  # also what engine_factors scale
 _NON_NEGATIVE = ("gemm_knee", "layer_overhead_s", "latency_scale", "collective_overhead_s",
                  "optimizer_bytes_per_param")
 
@@ -79,6 +83,8 @@ class CalibrationProfile:
     gpu: str = ""  # GPU name the profile was measured on ("" = generic defaults)
     gemm_efficiency: float = 0.80  # fraction of dense peak large GEMMs reach
     gemm_knee: float = 64.0  # GEMM dimension at which that dimension doubles the time
+    # fraction of the 8-bit dense peak large FP8/MXFP8 GEMMs reach (cuBLASLt FP8 on H100: ~60-70%)
+    fp8_gemm_efficiency: float = 0.60
     attention_efficiency: float = 0.55  # fused (flash) attention, fraction of peak on executed FLOPs
     memory_efficiency: float = 0.80  # fraction of HBM bandwidth memory-bound kernels reach
     # Host overhead describes the software stack, not the silicon: ~50-100 eager PyTorch kernels per
@@ -227,7 +233,11 @@ _GENERIC = {
 # 4.8 TB/s instead of 80 GB at 3.35: the efficiencies carry over, and the faster
 # memory enters through the GPU spec (memory-bound work, the optimizer step).
 # No published bf16 H200 training table was found to check it against.
-_DERIVED = {"h200": "h100"}
+# H800 is the H100 die with fewer NVLinks: its compute profile is the H100's. B200, B300 and
+# GB300 share GB200's Blackwell tensor cores (B300/GB300 raise FP4, not BF16/FP8; B200 runs at
+# 1,000 W against GB200's 1,200 W, so its profile from GB200 runs is an upper bound) until
+# published runs on them are fitted.
+_DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
 
 
 def _family(gpu_name: str) -> str:

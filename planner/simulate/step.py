@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import DP_AXES, Layout
+from planner.layout import DP_AXES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
@@ -39,8 +39,10 @@ from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.comm import StepComm, expert_comm_s
 from planner.simulate.compute import (
+    COMPILE_HOST_FACTOR,
     combine,
     embedding_times,
+    fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
     layer_gemms,
@@ -104,10 +106,11 @@ class _Unit:
 
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
-                bwd_s: float, attention_s: float, tp_hidden_s: float, overlap: float = 1.0
+                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0
                 ) -> tuple[dict[str, float], dict[str, float], int, int]:
     """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
 
+    gather_bytes: bytes per parameter FSDP all-gathers (1 for float8 all-gathers, else the dtype's).
     Compute hides communication only up to `overlap` (the calibration's
     comm_overlap) of its own time: 0 where collectives run on the computing cores.
     """
@@ -119,12 +122,12 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     calls_f = calls_b = 0
     if layout.tp > 1:
         per_point = 2 if layout.sequence_parallel else 1
-        points_b = 4 if layout.recompute == "full" else 2
+        points_b = 2 + 2 * recomputed_fraction(layout, model.n_layers)
         point = comm.tp_point_s(act, layout.sequence_parallel)
         # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
         comm_f["tp_comm"] = 2 * point
         comm_b["tp_comm"] = (points_b - 2) * point + max(0.0, 2 * point - tp_hidden_s)
-        calls_f, calls_b = 2 * per_point, points_b * per_point
+        calls_f, calls_b = 2 * per_point, round(points_b * per_point)
     if layout.cp > 1:  # the ring hides under the attention core of the same pass
         ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
@@ -137,7 +140,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, ("dp_shard",)) \
+            if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
@@ -149,22 +153,25 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
-                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits) -> _Unit:
+                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
     kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
-                     traits.fused_attention)
+                     training.fused_attention(traits.fused_attention),
+                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
+    gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
-                                                   lt.backward_s, attention, tp_hidden, cal.comm_overlap)
-    passes_b = 3.0 if layout.recompute == "full" else 2.0
+                                                   lt.backward_s, attention, tp_hidden, gather_bytes,
+                                                   cal.comm_overlap)
+    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
     p = cal.overlap_exponent
-    f = combine(lt.forward_s + sum(comm_f.values()), cal.layer_overhead_s + calls_f * cal.collective_overhead_s, p)
-    b = combine(lt.backward_s + sum(comm_b.values()),
-                passes_b * cal.layer_overhead_s + calls_b * cal.collective_overhead_s, p)
+    host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
+    f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)
+    b = combine(lt.backward_s + sum(comm_b.values()), passes_b * host + calls_b * cal.collective_overhead_s, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
     return _Unit(f, b, w, comm_f, comm_b)
 
@@ -328,7 +335,7 @@ def step_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, cluste
     attention kernel (the engine's, or `traits`).
     """
     cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    fused = (traits or get_engine(engine).time).fused_attention
+    fused = training.fused_attention((traits or get_engine(engine).time).fused_attention)
     return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, engine, cal.other_bytes,
                            fused_attention=fused)
 
@@ -352,7 +359,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
-    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
     ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
                  "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
@@ -412,6 +419,8 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
     """
     cal = calibration or load_calibration(None, cluster.gpu)
     peak = cluster.gpu.peak_flops(training.dtype) * cal.gemm_efficiency
+    if training.fp8:  # the faster of the two GEMM rates bounds the block GEMMs
+        peak = max(peak, fp8_peak_flops(training.precision, cluster.gpu) * cal.fp8_gemm_efficiency)
     m = tokens_per_micro_batch(training.seq_len, layout)
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
