@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshplan-installed
 # machines to the CUDA build of the same version. Never leave torch open-ended.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup plan test test-fast test-slow lint bench clean
+.PHONY: setup plan test test-fast test-slow test-consumers lint bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,33 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q --durations=10 tests/multiproc tests/gpu
 
+# The engines' own loaders (deepspeed, torchtitan, megatron-core, accelerate)
+# check every export: a separate venv, since they pull a GB of packages the
+# planner never needs. DS_BUILD_OPS=0: DeepSpeed compiles no op on install.
+CVENV := .venv-consumers
+CBIN := $(CVENV)/bin
+CSTAMP := $(CVENV)/.meshplan-installed
+
+$(CSTAMP): pyproject.toml
+	@test -x $(CBIN)/python || $(PY) -m venv $(CVENV)
+	@$(CBIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@DS_BUILD_OPS=0 $(CBIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,consumers]" "$(TORCH_PIN)"
+	@touch $(CSTAMP)
+
+# torchtitan 0.3 shares torchtitan 0.2's distribution name: its own venv, used
+# by tests/consumers/test_torchtitan_03.py through its interpreter.
+TVENV := .venv-consumers-tt03
+TSTAMP := $(TVENV)/.meshplan-installed
+
+$(TSTAMP): pyproject.toml
+	@test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
+	@$(TVENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@$(TVENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[consumers-tt03]" "$(TORCH_PIN)"
+	@touch $(TSTAMP)
+
+test-consumers: $(CSTAMP) $(TSTAMP)
+	MESHPLAN_TT03_PYTHON=$(abspath $(TVENV))/bin/python $(CBIN)/python -m pytest -q --durations=10 tests/consumers
+
 lint: setup
 	$(BIN)/ruff check .
 
@@ -42,4 +69,4 @@ bench: setup
 	$(BIN)/python bench/validate_memory_1b.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(CVENV) $(TVENV) *.egg-info .pytest_cache

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         meshplan.main(args=argv, prog_name="meshplan", standalone_mode=False)
     except MeshplanError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"{'' if exc.exit_code == 130 else 'error: '}{exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except RecursionError:
+        # json and tomllib recurse once per nesting level: a file nested thousands
+        # deep is hostile or corrupt input, not a bug to show as a traceback.
+        click.echo("error: an input file is nested too deeply to read (thousands of [ or {); check the file", err=True)
+        sys.exit(2)
     sys.exit(0)
 
 

@@ -49,7 +49,8 @@ DATA = REPO / "bench" / "data" / "h100_published.json"
 GPU = "h100-sxm"
 # NeMo 24.09 runs Megatron-Core with Transformer Engine, which is what the
 # "megatron" engine models (planner.engines.ENGINES).
-TRAITS = {"meshplan": get_engine("meshplan").time, "megatron-core": get_engine("megatron").time}
+TRAITS = {"meshplan": get_engine("meshplan").time, "megatron-core": get_engine("megatron").time,
+          "torchtitan": get_engine("torchtitan").time}
 # Validation models are never seen by the fit: whole model families held out.
 FIT_MODELS = ("mpt-760m", "mpt-3b", "mpt-13b", "mpt-70b", "llama3.1-8b", "llama3.1-405b-nemo", "nemotron4-15b")
 # Per source and split. The A100 multi-node target (10%, as tests/unit/test_accuracy.py), tighter than
@@ -176,9 +177,10 @@ FIT_PARAMETERS = (
     ("eager.memory_efficiency", 1.0, 0.05, 1.0),
 )
 # Engines whose layers are eager PyTorch modules: meshplan's executor (FSDP2,
-# SDPA) as measured through LLM Foundry's FSDP stack, and DeepSpeed, assumed
-# alike (no published H100 DeepSpeed table was found).
-EAGER_ENGINES = ("meshplan", "deepspeed")
+# SDPA) as measured through LLM Foundry's FSDP stack, and DeepSpeed and
+# torchtitan, assumed alike (no published H100 DeepSpeed table was found;
+# torchtitan's rows here ran on parts of unpublished peak).
+EAGER_ENGINES = ("meshplan", "deepspeed", "torchtitan")
 
 
 def profile_from(values, base: CalibrationProfile) -> CalibrationProfile:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
-from topologies.errors import ExecutionError
+from executor.interrupt import INTERRUPTED_EXIT_CODE
+from topologies.errors import ExecutionError, InterruptedRun
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,15 +59,26 @@ def _worker_env(nproc: int, on_cpu: bool) -> None:
 
 def launch(argv: list[str], nproc: int, on_cpu: bool) -> None:
     """Run torchrun with `argv` (from torchrun_argv) in this process; raise ExecutionError on failure."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     _worker_env(nproc, on_cpu)
     sys.stdout.flush()
+    # torchrun's agent logs a warning per signal and per stopped worker; the verb prints its own line
+    # (elastic's get_logger gives each module's logger its own level, so the parent's is not enough)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(parse_args(argv))
+    except SignalException as exc:  # Ctrl-C (or SIGTERM) reached the agent: it has stopped the workers
+        raise InterruptedRun(f"interrupted by {getattr(exc.sigval, 'name', exc.sigval)}") from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in (INTERRUPTED_EXIT_CODE, -signal.SIGINT):
+            raise InterruptedRun(f"rank {rank} was interrupted") from None
         error = ExecutionError(
             f"rank {rank} (local rank {failure.local_rank}) failed with exit code {failure.exitcode}: "
             f"{_one_line(failure.message)}{_hint(failure.exitcode)}"

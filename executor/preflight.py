@@ -129,8 +129,47 @@ def check_data(plan: Plan, data: str | None, seed: int) -> str:
 
 def prepare_out(out: Path, plan_text: str) -> None:
     """Create the run directory and write its plan.json copy; UsageError when it cannot."""
+    from topologies.files import write_text
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(plan_text)
+        write_text(out / "plan.json", plan_text, what="the run's plan copy")
     except OSError as exc:
         raise UsageError(f"cannot write the run directory {str(out)!r}: {exc.strerror}; pass a writable --out") from None
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")  # what a run leaves in --out (plan.json is rewritten)
+
+
+def check_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to run into a directory holding another run unless --resume or --overwrite says what to do.
+
+    Without this, a new run would truncate the old metrics.jsonl and keep the
+    old checkpoints, which a later --resume would then load: two runs mixed.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file: give a directory for the run")
+    held = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if resume:
+        if held and not (out / "checkpoints").is_dir():  # it would start from step 0 and truncate the metrics
+            raise UsageError(f"--resume: {str(out)!r} holds a run but no checkpoints/ to continue it from; pass "
+                             "--overwrite to start over (and --checkpoint-every K to be able to resume later)")
+        return
+    if held and not overwrite:
+        raise UsageError(f"--out {str(out)!r} already holds a run ({', '.join(held)}): pass --resume to continue "
+                         "it, --overwrite to delete it and start over, or another --out")
+
+
+def clear_run_dir(out: Path) -> None:
+    """--overwrite: delete the previous run's metrics, summary and checkpoints (nothing else in the directory)."""
+    import shutil
+
+    for name in RUN_OUTPUTS:
+        path = out / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        except OSError as exc:
+            raise UsageError(f"--overwrite: cannot delete {str(path)!r}: {exc.strerror}") from None

@@ -58,6 +58,7 @@ from executor.components.optim import (
     unscale_and_check,
 )
 from executor.faults import kill_after_step
+from executor.interrupt import STOP_REQUESTED
 from executor.model import build_model
 from executor.parallel.context import shard_sequence
 from executor.parallel.mesh import dp_rank
@@ -261,12 +262,16 @@ class Trainer:
                 "peak_memory_bytes": peak, "grad_norm": grad_norm}
 
     def run(self) -> None:
-        """Steps until opts.steps; rank 0 logs each and writes summary.json at the end."""
+        """Steps until opts.steps (or an agreed stop on SIGINT); rank 0 logs each and writes summary.json."""
         opts, rank0 = self.opts, dist.get_rank() == 0
         log = MetricsLog(opts.out_dir, append=self.state.step > 0) if rank0 else None
         progress = ProgressLine(opts.steps, self.state.step + 1, opts.log_every) if rank0 else None
+        interrupted = False
         try:
             while self.state.step < opts.steps:
+                if _stop_agreed(self.device):
+                    interrupted = True
+                    break
                 record = self.step()
                 if rank0:
                     log.write(record)
@@ -277,8 +282,22 @@ class Trainer:
         finally:
             if progress is not None:
                 progress.close()
-        if rank0:
-            write_summary(opts.out_dir, summarize(self.plan, read_metrics(log.path), _device_name(self.device)))
+        if rank0 and log.path.exists() and log.path.stat().st_size:
+            write_summary(opts.out_dir, summarize(self.plan, read_metrics(log.path), _device_name(self.device),
+                                                  interrupted_at_step=self.state.step if interrupted else None))
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+def _stop_agreed(device: torch.device) -> bool:
+    """True on every rank once any rank was asked to stop: one tiny all-reduce per step.
+
+    Ranks see the signal at slightly different moments; stopping on the local
+    flag alone could leave one rank in the next step's collectives forever.
+    """
+    flag = torch.tensor(1 if STOP_REQUESTED["flag"] else 0, dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def train(plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:

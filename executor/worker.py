@@ -87,6 +87,9 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from executor import interrupt
+
+    interrupt.install()  # first: torch's imports take seconds, and Ctrl-C may come during them
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from topologies.errors import MeshplanError
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         rank = os.environ.get("RANK", "?")
         sys.stderr.write(f"rank {rank}: error: {exc}\n")
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # the agreed stop: summary written by rank 0, the launcher prints the one line
+        sys.exit(interrupt.INTERRUPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

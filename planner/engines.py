@@ -1,12 +1,16 @@
 """Engines: everything engine-specific, one object per engine, asked by search, memory and simulation.
 
 An engine is the software that runs the step: meshplan's own executor
-(PyTorch FSDP2/DDP/DTensor), Megatron-Core (Megatron-LM, NeMo) or DeepSpeed.
+(PyTorch FSDP2/DDP/DTensor), Megatron-Core (Megatron-LM, NeMo), torchtitan
+(PyTorch FSDP2/HSDP, DTensor TP with loss parallel, per-op SAC, torchao float8)
+or DeepSpeed.
 What differs between them and changes a prediction lives here and nowhere
 else, as torchtitan keeps parallel degrees in one ParallelDims:
 - `TimeTraits`: the attention kernel and what overlaps (planner.simulate);
 - `MemoryTraits`: how tensors are laid out and kept (planner.memory);
-- the precision recipe: bytes per parameter of weights, gradients, optimizer;
+- the precision recipe: bytes per parameter of weights, gradients, optimizer,
+  and what 8-bit GEMMs change (`Fp8Recipe`);
+- the recompute kinds it implements and whether it compiles blocks;
 - for meshplan, the data-parallel path its executor takes (`dp_path`) and the
   layouts it refuses (`executor_refusal`): the executor imports both, so a plan
   for `--engine meshplan` is one `meshplan execute` runs.
@@ -25,7 +29,7 @@ from functools import lru_cache
 
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
-from planner.training import DTYPE_BYTES
+from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.errors import PlanError
 
 FP32_BYTES = DTYPE_BYTES["fp32"]
@@ -58,6 +62,8 @@ class MemoryTraits:
     fp32_params: bool  # parameters stored in fp32 and cast for compute (autocast / FSDP2 mixed precision)
     fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
     zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
+    fused_swiglu: bool = False  # one fused SwiGLU kernel saves its 2f-wide input only (Megatron): 3f kept, not 4f
+    shard_over_cp: bool = False  # ZeRO/FSDP shards over dp_shard * cp (Megatron's dp-cp group, torchtitan's dp_shard_cp)
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
@@ -76,6 +82,20 @@ class Recipe:
 
 
 @dataclass(frozen=True)
+class Fp8Recipe:
+    """What an engine changes when its block GEMMs run in fp8/mxfp8 (TrainingSpec.precision).
+
+    Every engine keeps the attention core, norms, embedding, output layer,
+    gradients' reduction and the optimizer in the 16/32-bit recipe; only the
+    linear layers of the transformer blocks cast their operands to 8 bits.
+    """
+
+    weight_copy_bytes: float  # persistent 8-bit copies per block-linear parameter (beyond the 16/32-bit weights)
+    saves_fp8_inputs: bool  # linear layers save their 8-bit cast input for the backward (else the 16-bit one)
+    fp8_all_gather: bool  # FSDP all-gathers block-linear weights in 8 bits (1 byte, not the dtype's)
+
+
+@dataclass(frozen=True)
 class Engine:
     """One engine's traits, precision recipe and (for meshplan) executor rules."""
 
@@ -83,21 +103,46 @@ class Engine:
     time: TimeTraits
     memory: MemoryTraits
     executes: bool  # `meshplan execute` runs its plans; others are exported
+    fp8: Fp8Recipe = Fp8Recipe(0.0, False, False)
+    recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
+    compiles: bool = False  # --compile (torch.compile per block) means something for this engine
+    partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
 
-    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
-        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage)
+    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
+        """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
+        16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes)."""
+        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes)
 
-    def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool) -> str | None:
-        """Why this engine's plans cannot hold `layout` (only meshplan's executor refuses layouts)."""
-        return executor_refusal(model, layout, dtype, on_gpu) if self.executes else None
+    def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
+                training: TrainingSpec | None = None) -> str | None:
+        """Why this engine's plans cannot hold `layout` (unsupported recompute kinds, meshplan's executor)."""
+        if layout.recompute not in self.recompute_kinds:
+            return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
+                    f"{', '.join(self.recompute_kinds)}")
+        if layout.zero_stage not in self.zero_stages:
+            return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
+                    f"{', '.join(map(str, self.zero_stages))}")
+        if not self.executes:
+            return None
+        return executor_refusal(model, layout, dtype, on_gpu, training)
+
+    def fused_attention(self, training: TrainingSpec) -> bool:
+        """The attention kernel a step runs: the training's `attention`, else this engine's default."""
+        return training.fused_attention(self.time.fused_attention)
+
+    def fp8_weight_bytes(self, training: TrainingSpec) -> float:
+        """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
+        return self.fp8.weight_copy_bytes if training.fp8 else 0.0
 
 
 @lru_cache(maxsize=256)
-def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int) -> Recipe:
+def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int,
+            grad_bytes: int = FP32_BYTES) -> Recipe:
     moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
     shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
                   shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
-    grad = FP32_BYTES if traits.fp32_grads else dtype_bytes
+    grad = (grad_bytes if not traits.fp32_params else FP32_BYTES) if traits.fp32_grads else dtype_bytes
     if traits.fp32_params:  # the fp32 parameters are the master weights
         return Recipe(FP32_BYTES, grad, moments, **shards)
     master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0
@@ -132,15 +177,43 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
+# Transformer Engine (megatron): the fp8 weight workspace persists between
+# micro-batches and steps (Megatron-Core marks the first micro-batch so the
+# cast is cached), one byte per weight plus a 1-byte scale per 32 elements
+# for MXFP8; the transposed copy the backward needs is counted as transient.
+# Two persistent copies would put NVIDIA's Nemotron-4 15B FP8 run (tp 2, DGX
+# Cloud v25.04) at 82.6 GiB, above the 80 GB it ran on; one gives 76.6 GiB.
+# te.Linear saves its fp8-cast input for the backward. Without
+# --fp8-param-gather (off by default) the distributed optimizer gathers bf16.
+# torchao float8 (torchtitan): Float8Linear casts in the forward and saves the
+# high-precision input and weight, recasting in the backward (no persistent
+# copy); with FSDP2 torchtitan gathers the weights in float8
+# (enable_fsdp_float8_all_gather, which its float8 recipes turn on).
+TE_FP8 = Fp8Recipe(weight_copy_bytes=1.0 + 1.0 / 32, saves_fp8_inputs=True, fp8_all_gather=False)
+TORCHAO_FP8 = Fp8Recipe(weight_copy_bytes=0.0, saves_fp8_inputs=False, fp8_all_gather=True)
 ENGINES: dict[str, Engine] = {
     "meshplan": Engine(
         "meshplan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True),
-        executes=True),
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
+                     shard_over_cp=True),
+        executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
-                       MemoryTraits(fp32_grads=True, **_PUBLISHED_MEMORY), executes=False),
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
+                       executes=False, fp8=TE_FP8, partial_recompute=True),
+    # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
+    # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
+    # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
+    # ("full") checkpointing, torch.compile per block, torchao float8. Its rotary table is a
+    # complex buffer that FSDP2 does not cast, so no per-block copies.
+    "torchtitan": Engine(
+        "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
+        MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
+                     step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True),
+        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True,
+        zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
     "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
@@ -189,8 +262,12 @@ def _unbuilt_features(model: ModelSpec) -> list[str]:
     return out
 
 
-def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True) -> str | None:
+def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
+                     training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
+    if training is not None and training.fp8:
+        return (f"precision {training.precision}: the executor does not run 8-bit GEMMs yet (torchao float8 is "
+                "not a dependency); plan with --precision bf16 or --engine torchtitan / megatron")
     unbuilt = _unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)

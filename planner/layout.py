@@ -41,6 +41,9 @@ from typing import Any
 from topologies.errors import PlanError
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Lightest first. selective: Megatron's core-attention recomputation; op:
+# torchtitan's per-op selective checkpointing (planner.memory.activations);
+# full: whole blocks.
 RECOMPUTE_KINDS = ("none", "selective", "op", "full")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
@@ -66,12 +69,15 @@ class Layout:
     zero_stage: int = 0  # 0 DDP, 1 optimizer, 2 + grads, 3 + params sharded over dp_shard
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     grad_accum_steps: int = 1  # micro-batches per optimizer step per replica
-    recompute: str = "none"  # activation recomputation: none | selective | full
+    recompute: str = "none"  # activation recomputation: none | selective | op | full
     sequence_parallel: bool = False  # shard norms/dropout along the sequence over tp
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-v
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zb-v: 2)
     offload: str = "none"  # none | optimizer | optimizer+params (to host memory)
     layers_per_stage: tuple[int, ...] = field(default=())  # per (virtual) stage, pp*virtual_stages entries
+    # full recomputation of only the first N layers of every model chunk (Megatron's
+    # --recompute-method block --recompute-num-layers N); 0: every layer
+    recompute_layers: int = 0
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "micro_batch_size",
@@ -93,6 +99,12 @@ class Layout:
                 f"layout: zero_stage {self.zero_stage} shards over dp_shard, which is 1; "
                 "use zero_stage 0 or a dp_shard > 1"
             )
+        if not isinstance(self.recompute_layers, int) or isinstance(self.recompute_layers, bool) \
+                or self.recompute_layers < 0:
+            raise PlanError(f"layout: recompute_layers must be an integer >= 0, got {self.recompute_layers!r}")
+        if self.recompute_layers and self.recompute != "full":
+            raise PlanError(f"layout: recompute_layers ({self.recompute_layers}) applies to recompute 'full', "
+                            f"got {self.recompute!r}")
         if self.recompute not in RECOMPUTE_KINDS:
             raise PlanError(f"layout: recompute must be one of {RECOMPUTE_KINDS}, got {self.recompute!r}")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -173,6 +185,31 @@ class Layout:
                 raise PlanError(f"parallel.layers_per_stage must be a list of integers, got {lps!r}")
             kwargs["layers_per_stage"] = tuple(lps)
         return cls(**kwargs)
+
+
+def recomputed_fraction(layout: Layout, n_layers: int) -> float:
+    """Share of a chunk's layers whose forward is redone under full recomputation (1.0: all, 0.0: not full).
+
+    Partial recomputation (recompute_layers = N) redoes the first N layers of
+    each chunk of ceil(n_layers / (pp * virtual_stages)) layers.
+    """
+    return recomputed_share(layout.recompute, layout.recompute_layers, n_layers, layout.pp * layout.virtual_stages)
+
+
+def recomputed_share(kind: str, recompute_layers: int, n_layers: int, chunks: int) -> float:
+    """recomputed_fraction from its parts (the search's bound asks without building a Layout)."""
+    if kind != "full":
+        return 0.0
+    if recompute_layers == 0:
+        return 1.0
+    chunk = -(-n_layers // chunks)
+    return min(recompute_layers, chunk) / chunk
+
+
+def partial_recompute_options(n_layers: int, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """recompute_layers the search tries: about a quarter, half and three quarters of a chunk."""
+    chunk = -(-n_layers // (pp * virtual_stages))
+    return tuple(sorted({n for n in (chunk // 4, chunk // 2, 3 * chunk // 4) if 1 <= n < chunk}))
 
 
 def divisors(n: int) -> tuple[int, ...]:

@@ -1,4 +1,8 @@
-"""Plan: the one contract between planner and executor (plan.json, schema_version 1).
+"""Plan: the one contract between planner and executor (plan.json, schema_version 2).
+
+Version 2 added the training keys precision, attention and compile (and the
+"op" recompute kind); a version-1 plan still loads, with precision = its
+dtype, the engine's attention kernel and no compile.
 
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that
@@ -21,7 +25,8 @@ from planner.training import TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import MeshplanError, PlanError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 
 
@@ -49,6 +54,15 @@ class Prediction:
         missing = [n for n in names if n not in data]
         if missing:
             raise PlanError(f"plan.json 'prediction' is missing keys: {', '.join(missing)}")
+        for n in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes"):
+            value = data[n]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PlanError(f"plan.json 'prediction'.{n} must be a number >= 0, got {value!r}: re-simulate with "
+                                "`meshplan simulate` or re-create the plan")
+        for n in ("memory_breakdown_bytes", "time_breakdown_s"):
+            if not isinstance(data[n], dict) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in data[n].values()):
+                raise PlanError(f"plan.json 'prediction'.{n} must map names to numbers, got {data[n]!r}")
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{n: data[n] for n in names}, extra=extra)
 
@@ -90,10 +104,14 @@ class Plan:
     def from_json(cls, data: Any) -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"plan.json must hold a JSON object, got {type(data).__name__}")
+        bad = _first_non_finite(data)
+        if bad is not None:
+            raise PlanError(f"plan.json key {bad[0]} = {bad[1]!r} is not a finite number (Python's json reads NaN "
+                            "and Infinity): fix the value or re-create the plan with `meshplan plan ... -o`")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanError(
-                f"plan.json has schema_version {version!r}; this meshplan reads {SCHEMA_VERSION}: "
+                f"plan.json has schema_version {version!r}; this meshplan reads {list(READABLE_VERSIONS)}: "
                 "re-create it with `meshplan plan ... -o plan.json`"
             )
         missing = [k for k in ("model", "cluster", "training", "parallel") if not isinstance(data.get(k), dict)]
@@ -104,7 +122,7 @@ class Plan:
             plan = cls(
                 model=ModelSpec.from_json(data["model"]),
                 cluster=Cluster.from_json(data["cluster"]),
-                training=TrainingSpec.from_json(data["training"]),
+                training=_training(data["training"], version, data.get("engine", "meshplan")),
                 layout=Layout.from_json(data["parallel"]),
                 engine=data.get("engine", "meshplan"),
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
@@ -114,23 +132,42 @@ class Plan:
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.
             hash((plan.model, plan.cluster, plan.training, plan.layout))
+            if plan.model.moe is not None and type(plan.model.moe).__name__ != "MoESpec":
+                raise PlanError(f"model.moe must be an object of expert settings or null, got {plan.model.moe!r}")
             return plan
         except MeshplanError as exc:
             raise PlanError(f"invalid plan: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"invalid plan: a value has the wrong type ({exc})") from None
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, ZeroDivisionError) as exc:
+            # a list, number or object where another kind belongs, deeper than the specs check
+            raise PlanError(f"invalid plan: a value has the wrong type ({type(exc).__name__}: {exc})") from None
 
     def save(self, path: str | Path) -> None:
-        """Write plan.json atomically (temporary file, then rename)."""
+        """Write plan.json through topologies.files: atomic for a regular file, in place for a device or pipe."""
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(dumps_json(self.to_json()) + "\n")
-            tmp.replace(path)
-        except OSError as exc:
-            raise PlanError(f"cannot write plan to {str(path)!r}: {exc.strerror}") from None
+        write_text(path, dumps_json(self.to_json()) + "\n", what="plan")
+
+
+def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
+    """The dotted key of the first NaN or infinity anywhere in a JSON document, else None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "(top level)", obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _training(data: dict[str, Any], version: int, engine: str) -> TrainingSpec:
+    """plan.json's training; version 1 had no precision/attention/compile: its dtype and the engine's kernel."""
+    training = TrainingSpec.from_json(data)
+    if version == 1 and training.attention == "":
+        fused = get_engine(engine).fused_attention(training)
+        training = training.replace(attention="fused" if fused else "eager")
+    return training
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -145,6 +182,9 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise PlanError(f"plan file {str(path)!r} is nested too deeply to be a plan: regenerate it with "
+                        f"`meshplan plan ... -o {path}`") from None
     return Plan.from_json(data)
 
 

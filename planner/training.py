@@ -2,6 +2,18 @@
 
 Orthogonal to the model and the cluster. The global batch counts sequences;
 tokens per step = global_batch_size * seq_len.
+
+Two precisions: `dtype` is what activations, norms, attention and the stored
+low-precision weights are kept in; `precision` is how the block GEMMs run.
+For bf16/fp16/fp32 they are the same. For fp8 (per-tensor scaling, Hopper and
+later: Transformer Engine's delayed/current scaling, torchao's float8) and
+mxfp8 (32-element block scaling, Blackwell only) the GEMM operands are cast to
+8 bits around a bf16 (or fp16) model: `dtype` stays the 16-bit type. What each
+engine keeps in higher precision is its recipe (planner.engines).
+
+`attention` ("fused" | "eager") names the attention kernel; "" means the
+engine's default and is resolved when a plan is built. `compile` is
+torch.compile per block (torchtitan's and meshplan's engines).
 """
 
 from __future__ import annotations
@@ -13,10 +25,16 @@ from typing import Any
 from topologies.errors import PlanError
 
 DTYPES = ("bf16", "fp16", "fp32")
+PRECISIONS = (*DTYPES, "fp8", "mxfp8")
+FP8_PRECISIONS = ("fp8", "mxfp8")
+ATTENTION_KINDS = ("fused", "eager")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Sequences per step or tokens per sequence beyond 2^24 (16.7M) are typos, not runs.
 MAX_SIZE = 1 << 24
+# Tokens per optimizer step: 256x the largest published batch (16M tokens, Llama 3
+# 405B); beyond it the search would enumerate millions of data-parallel shapes.
+MAX_TOKENS_PER_STEP = 1 << 32
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -33,6 +51,9 @@ class TrainingSpec:
     dtype: str = "bf16"  # compute dtype of matmuls and activations
     optimizer: str = "adamw"  # adamw: two fp32 moments; sgd: one fp32 momentum
     grad_dtype: str = "fp32"  # dtype gradients are reduced and kept in
+    precision: str = ""  # how block GEMMs run: bf16 | fp16 | fp32 | fp8 | mxfp8 ("" = dtype)
+    attention: str = ""  # fused | eager ("" = the engine's default, resolved in a plan)
+    compile: bool = False  # torch.compile per transformer block
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -41,12 +62,29 @@ class TrainingSpec:
                 raise PlanError(f"training: {key} must be a positive integer, got {value!r}")
             if value > MAX_SIZE:
                 raise PlanError(f"training: {key} = {value} is absurd (at most {MAX_SIZE}); check the value")
+        if self.seq_len * self.global_batch_size > MAX_TOKENS_PER_STEP:
+            raise PlanError(f"training: seq_len ({self.seq_len}) x global_batch_size ({self.global_batch_size}) = "
+                            f"{self.seq_len * self.global_batch_size:,} tokens per step, more than "
+                            f"{MAX_TOKENS_PER_STEP:,}: use a smaller --global-batch")
         if self.dtype not in DTYPES:
             raise PlanError(f"training: dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.grad_dtype not in DTYPES:
             raise PlanError(f"training: grad_dtype must be one of {DTYPES}, got {self.grad_dtype!r}")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"training: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.precision == "":
+            object.__setattr__(self, "precision", self.dtype)
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"training: precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision in DTYPES and self.precision != self.dtype:
+            raise PlanError(f"training: precision {self.precision!r} with dtype {self.dtype!r}: a 16/32-bit "
+                            "precision is the dtype itself; set both alike (--precision sets both)")
+        if self.precision in FP8_PRECISIONS and self.dtype == "fp32":
+            raise PlanError(f"training: precision {self.precision} runs around a bf16 or fp16 model, got dtype fp32")
+        if self.attention not in ("", *ATTENTION_KINDS):
+            raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"training: compile must be true or false, got {self.compile!r}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -55,6 +93,18 @@ class TrainingSpec:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        """Block GEMMs run in 8 bits (per-tensor fp8 or block-scaled mxfp8)."""
+        return self.precision in FP8_PRECISIONS
+
+    def fused_attention(self, engine_default: bool) -> bool:
+        """The attention kernel: the training's choice, else the engine's default."""
+        return engine_default if self.attention == "" else self.attention == "fused"
+
+    def replace(self, **changes: Any) -> TrainingSpec:
+        return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +116,13 @@ class TrainingSpec:
         if missing:
             raise PlanError(f"plan.json 'training' is missing keys: {', '.join(missing)}")
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def training_for(seq_len: int, global_batch_size: int, precision: str = "bf16", **rest: Any) -> TrainingSpec:
+    """A TrainingSpec from a `--precision` value: fp8/mxfp8 keep a bf16 model, others are the dtype."""
+    dtype = "bf16" if precision in FP8_PRECISIONS else precision
+    return TrainingSpec(seq_len=seq_len, global_batch_size=global_batch_size, dtype=dtype, precision=precision,
+                        **rest)
 
 
 def default_seq_len(model_max_seq_len: int) -> int:

@@ -102,13 +102,13 @@ def cli():
     return run_cli
 
 
-TIERS = ("unit", "cli", "multiproc", "gpu")  # tests/<tier>/...: the folder is the marker
+TIERS = ("unit", "cli", "multiproc", "gpu", "consumers")  # tests/<tier>/...: the folder is the marker
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test by its folder, and skip the gpu tier when CUDA is absent.
 
-    A test outside the four tier folders is an error: its tier would be unknown,
+    A test outside the tier folders is an error: its tier would be unknown,
     so `make test-fast` could silently leave it out or run a slow test early.
     """
     for item in items:

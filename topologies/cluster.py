@@ -12,6 +12,15 @@ root port through cascaded switches (PXB), and on one NUMA node (NODE; SYS
 across sockets). `nvlink_bridge_pairs` adds NVLink bridges between GPUs 2i and
 2i+1. A detected node instead carries the label matrix it was measured with
 (`gpu_links`), exactly as `nvidia-smi topo -m` printed it.
+
+A "node" is an NVLink domain: the GPUs that reach each other over NVLink.
+In a DGX/HGX box that is the box. In a rack-scale system (GB200/GB300 NVL72)
+it is the rack: 72 GPUs on one NVLink switch fabric, in compute trays of
+`gpus_per_tray` (4) GPUs, each tray with its own NICs. Such a domain can be
+used in part: a job of n GPUs that is not a multiple of 72 takes, per rack,
+the largest whole number of trays that divides n (128 GPUs: two racks of 64,
+16 trays each, how 72-GPU racks run power-of-two layouts), so TP, EP and CP
+groups of up to a domain stay on NVLink.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ from topologies.errors import TopologyError
 from topologies.hardware import GPUSpec, get_gpu
 
 INTRA_NODE_KINDS = ("nvswitch", "pcie", "host")
+# Sizes beyond any machine built (the largest 2025 clusters hold ~2^17 GPUs; the
+# largest NVLink domain, NVL576, 576): a larger number is a typo, and bounding it
+# keeps every per-rank table the planner and `topo bench` build small.
+MAX_WORLD_SIZE = 2**20
+MAX_GPUS_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -44,14 +58,22 @@ class Cluster:
     nvlink_bridge_pairs: bool = False  # NVLink bridges join GPUs 2i and 2i+1 (PCIe boxes)
     gpu_links: tuple[tuple[str, ...], ...] = ()  # detected `nvidia-smi topo -m` labels; () = derive
     gpu_nic_links: tuple[tuple[str, ...], ...] = ()  # detected GPU x NIC labels; () = derive
+    gpus_per_tray: int = 0  # rack-scale NVLink domains: GPUs per compute tray (0: the node is one box)
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "n_nodes", "nodes_per_leaf", "gpus_per_pcie_switch"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 1, got {getattr(self, key)!r}")
-        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node"):
+        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node", "gpus_per_tray"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 0, got {getattr(self, key)!r}")
+        if self.gpus_per_node > MAX_GPUS_PER_NODE or self.nics_per_node > MAX_GPUS_PER_NODE:
+            raise TopologyError(f"cluster {self.name!r}: gpus_per_node ({self.gpus_per_node}) and nics_per_node "
+                                f"({self.nics_per_node}) must be at most {MAX_GPUS_PER_NODE}")
+        if self.n_nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise TopologyError(f"cluster {self.name!r}: {self.n_nodes} nodes x {self.gpus_per_node} GPUs = "
+                                f"{self.n_nodes * self.gpus_per_node:,} GPUs exceeds the {MAX_WORLD_SIZE:,} meshplan "
+                                "models; use fewer nodes")
         if self.intra_node not in INTRA_NODE_KINDS:
             raise TopologyError(
                 f"cluster {self.name!r}: intra_node must be one of {INTRA_NODE_KINDS}, got {self.intra_node!r}"
@@ -63,6 +85,10 @@ class Cluster:
             )
         if self.nvlink_bridge_pairs and self.gpu.nvlink_links == 0:
             raise TopologyError(f"cluster {self.name!r}: nvlink_bridge_pairs needs NVLink, {self.gpu.name} has none")
+        for key in ("nic_gbit_per_s", "inter_node_oversubscription"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < float("inf"):
+                raise TopologyError(f"cluster {self.name!r}: {key} must be a finite number, got {value!r}")
         if self.nic_gbit_per_s <= 0 or self.inter_node_oversubscription < 1:
             raise TopologyError(
                 f"cluster {self.name!r}: nic_gbit_per_s must be > 0 (got {self.nic_gbit_per_s}) and "
@@ -132,10 +158,19 @@ class Cluster:
         per = self.gpus_per_node
         if not isinstance(n_gpus, int) or n_gpus < 1:
             raise TopologyError(f"--gpus must be a positive integer, got {n_gpus!r}")
+        if n_gpus > MAX_WORLD_SIZE:
+            raise TopologyError(f"--gpus {n_gpus:,} exceeds the {MAX_WORLD_SIZE:,} GPUs meshplan models; "
+                                "use a smaller count")
         if n_gpus <= per:
             links = tuple(row[:n_gpus] for row in self.gpu_links[:n_gpus])
+            nics = self.nics_per_node * n_gpus // per if self.gpus_per_tray else self.nics_per_node
             return dataclasses.replace(self, gpus_per_node=n_gpus, n_nodes=1, gpu_links=links,
-                                       gpu_nic_links=self.gpu_nic_links[:n_gpus])
+                                       gpu_nic_links=self.gpu_nic_links[:n_gpus], nics_per_node=nics)
+        if n_gpus % per and self.gpus_per_tray:
+            domain = _partial_domain(n_gpus, per, self.gpus_per_tray)
+            if domain:
+                return dataclasses.replace(self, gpus_per_node=domain, n_nodes=n_gpus // domain,
+                                           nics_per_node=self.nics_per_node * domain // per)
         if n_gpus % per:
             lower, upper = n_gpus // per * per, -(-n_gpus // per) * per
             raise TopologyError(
@@ -144,3 +179,11 @@ class Cluster:
             )
         return dataclasses.replace(self, n_nodes=n_gpus // per)
 
+
+
+def _partial_domain(n_gpus: int, per_domain: int, per_tray: int) -> int:
+    """GPUs used per NVLink domain for n_gpus: whole trays, at most per_domain, dividing n_gpus (0: none)."""
+    for trays in range(per_domain // per_tray, 0, -1):
+        if n_gpus % (trays * per_tray) == 0:
+            return trays * per_tray
+    return 0

@@ -10,6 +10,7 @@ what-if a user can type is one a file can hold, and the other way round.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -39,10 +40,18 @@ def _as_bool(text: str) -> bool:
 
 
 def _as_float(text: Any) -> float:
+    """A finite, non-negative number: NaN would act as infinite bandwidth and inf cannot be saved in JSON."""
+    if isinstance(text, bool):
+        raise ValueError("expected a number, not true/false")
     try:
-        return float(text)
-    except (TypeError, ValueError):
+        value = float(text)
+    except (TypeError, ValueError, OverflowError):
         raise ValueError("expected a number") from None
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number (NaN and infinity are refused)")
+    if value < 0:
+        raise ValueError("expected a number >= 0")
+    return value
 
 
 def _as_int(text: Any) -> int:
@@ -52,16 +61,26 @@ def _as_int(text: Any) -> int:
     return int(value)
 
 
+MAX_GPU_MEMORY_GIB = 1 << 20  # 1 PiB per GPU: far beyond any device, and int(value * GIB) stays finite
+
+
+def _gib_to_bytes(text: Any) -> int:
+    value = _as_float(text)
+    if value > MAX_GPU_MEMORY_GIB:
+        raise ValueError(f"expected at most {MAX_GPU_MEMORY_GIB} GiB")
+    return int(value * GIB)
+
+
 # Cluster fields a user may set, with the parser of their value.
 CLUSTER_KEYS: dict[str, Callable[[Any], Any]] = {
     "gpus_per_node": _as_int, "n_nodes": _as_int, "intra_node": str, "nics_per_node": _as_int,
     "nic_gbit_per_s": _as_float, "inter_node_oversubscription": _as_float, "nodes_per_leaf": _as_int,
     "gpus_per_pcie_switch": _as_int, "gpus_per_pcie_root": _as_int, "gpus_per_numa_node": _as_int,
-    "nvlink_bridge_pairs": _as_bool, "description": str, "name": str,
+    "nvlink_bridge_pairs": _as_bool, "description": str, "name": str, "gpus_per_tray": _as_int,
 }
 # GPU what-ifs: key -> (GPUSpec field, parser that also converts to the field's unit).
 GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "gpu_memory_gib": ("memory_bytes", lambda v: int(_as_float(v) * GIB)),
+    "gpu_memory_gib": ("memory_bytes", lambda v: _gib_to_bytes(v)),
     "gpu_memory_gbytes_per_s": ("memory_gbytes_per_s", _as_float),
     "nvlink_gbytes_per_s": ("nvlink_gbytes_per_s", _as_float),
     "nvlink_links": ("nvlink_links", _as_int),
@@ -95,7 +114,9 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(fh)
     except OSError as exc:
         raise TopologyError(f"cannot read cluster file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except UnicodeDecodeError:
+        raise TopologyError(f"cluster file {path} is not UTF-8 text (a binary file?); give a TOML file") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise TopologyError(f"cluster file {path} is not valid TOML: {exc}") from None
 
 
@@ -212,7 +233,6 @@ def write_cluster_toml(cluster: Cluster, path: str) -> None:
             lines.append(f"{key} = [")
             lines.extend(f"  {_toml_value(list(row))}," for row in rows)
             lines.append("]")
-    try:
-        Path(path).write_text("\n".join(lines) + "\n")
-    except OSError as exc:
-        raise TopologyError(f"cannot write {path}: {exc.strerror}") from None
+    from topologies.files import write_text
+
+    write_text(path, "\n".join(lines) + "\n", what="cluster TOML")

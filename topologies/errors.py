@@ -56,6 +56,12 @@ def nearest(name: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {lowered[hit[0]]!r}?)" if hit else ""
 
 
+class InterruptedRun(MeshplanError):
+    """The user pressed Ctrl-C during a run: printed without 'error:', exit 130 as a shell would."""
+
+    exit_code = 130
+
+
 class HardwareError(MeshplanError):
     """This machine lacks what a verb needs (no NVIDIA driver, no GPU). Exit code 1."""
 

@@ -39,6 +39,7 @@ class GPUSpec:
     bf16_flops: float  # dense BF16 tensor-core FLOP/s (0 where absent: T4, V100)
     fp16_flops: float  # dense FP16 tensor-core FLOP/s
     fp8_flops: float = 0.0  # dense FP8 FLOP/s, 0 where the GPU has none
+    mxfp8_flops: float = 0.0  # dense MXFP8 (block-scaled FP8) FLOP/s, Blackwell and later; 0 where absent
     nvlink_gbytes_per_s: float = 0.0  # per GPU, per direction, all links together; 0: no NVLink
     pcie_gen: int = 4  # PCIe generation of the host link (x16)
     kind: str = "gpu"  # "gpu" or "cpu" (the CPU stand-in for tests)
@@ -47,6 +48,12 @@ class GPUSpec:
     pcie_p2p: bool = True  # False where the driver disables GPU peer-to-peer over PCIe (GeForce 40xx)
 
     def __post_init__(self) -> None:
+        for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
+                    "fp8_flops", "nvlink_gbytes_per_s"):
+            value = getattr(self, key)
+            # NaN passes every comparison below and would price a link or a GEMM as free
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise TopologyError(f"GPU {self.name!r}: {key} must be a finite number >= 0, got {value!r}")
         if self.memory_bytes <= 0 or self.memory_gbytes_per_s <= 0:
             raise TopologyError(f"GPU {self.name!r}: memory_bytes and memory_gbytes_per_s must be positive")
         if self.pcie_gen not in PCIE_X16_RAW_GBYTES_PER_S:
@@ -59,11 +66,11 @@ class GPUSpec:
             raise TopologyError(f"GPU {self.name!r}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for a compute dtype (bf16, fp16, fp32, tf32, fp8)."""
+        """Dense peak FLOP/s for a compute dtype (bf16, fp16, fp32, tf32, fp8, mxfp8)."""
         value = {"fp32": self.fp32_flops, "tf32": self.tf32_flops, "bf16": self.bf16_flops,
-                 "fp16": self.fp16_flops, "fp8": self.fp8_flops}.get(dtype)
+                 "fp16": self.fp16_flops, "fp8": self.fp8_flops, "mxfp8": self.mxfp8_flops}.get(dtype)
         if value is None:
-            raise TopologyError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32, tf32 or fp8")
+            raise TopologyError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32, tf32, fp8 or mxfp8")
         if value <= 0:
             raise TopologyError(f"{self.name} has no {dtype} tensor cores; pick another dtype or GPU")
         return value
@@ -93,9 +100,9 @@ class GPUSpec:
 def _gpu(name: str, memory_bytes: float, hbm: float, fp32: float, tf32: float, bf16: float, fp16: float,
          **rest: Any) -> GPUSpec:
     """Catalog entry with FLOP/s given in TFLOP/s, as spec sheets print them."""
-    fp8 = rest.pop("fp8", 0.0)
+    fp8, mxfp8 = rest.pop("fp8", 0.0), rest.pop("mxfp8", 0.0)
     return GPUSpec(name, int(memory_bytes), hbm, fp32 * TFLOPS, tf32 * TFLOPS, bf16 * TFLOPS, fp16 * TFLOPS,
-                   fp8_flops=fp8 * TFLOPS, **rest)
+                   fp8_flops=fp8 * TFLOPS, mxfp8_flops=mxfp8 * TFLOPS, **rest)
 
 
 GPUS: dict[str, GPUSpec] = {
@@ -126,8 +133,35 @@ GPUS: dict[str, GPUSpec] = {
         # NVIDIA DGX B200 datasheet, divided by its 8 GPUs: 72 PF FP8*, 36 PF BF16/FP16*, 18 PF TF32*
         # (sparse, halved); 1,440 GB HBM3e at 64 TB/s in total; NVLink5 1.8 TB/s bidirectional per GPU
         # (18 links). FP32 75 TFLOP/s from the HGX B200 spec table (600 TF for 8 GPUs).
-        _gpu("b200", 180 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500,
+        # Blackwell's fifth-generation tensor cores run MXFP8 (OCP microscaling, 32-element blocks)
+        # at the FP8 rate (NVIDIA Blackwell architecture technical brief).
+        _gpu("b200", 180 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
              nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=5),
+        # NVIDIA H800 SXM (the H100 die for export markets): compute and HBM3 as H100 SXM (989
+        # BF16, 1979 FP8 TFLOP/s dense; 80 GB at 3.35 TB/s); NVLink cut to 400 GB/s bidirectional
+        # (8 links of NVLink4; DeepSeek-V3 report, section 3.2.2: 160 GB/s achieved of 200 per
+        # direction); PCIe Gen5.
+        _gpu("h800", 80 * GIB, 3350, 67, 494.7, 989.4, 989.4, fp8=1978.9,
+             nvlink_gbytes_per_s=200, nvlink_links=8, nvlink_gen=4, pcie_gen=5),
+        # NVIDIA GB200 NVL72 datasheet, divided by its 72 GPUs: 360 PF FP8/FP6*, 180 PF BF16/FP16*,
+        # 90 PF TF32* (sparse, halved: 2.5 PF bf16, 5 PF fp8 per GPU); 13.4 TB HBM3e at 576 TB/s
+        # (186 GB at 8 TB/s per GPU); 5,760 FP32 TFLOP/s (80 per GPU); NVLink5 130 TB/s for the rack
+        # (1.8 TB/s bidirectional per GPU, 18 links). Its Grace host link is NVLink-C2C; PCIe Gen6
+        # to the ConnectX-7/8 NICs.
+        _gpu("gb200", 186 * GB, 8000, 80, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
+        # NVIDIA GB300 NVL72 datasheet, divided by 72: 360 PF FP8*, 180 PF BF16/FP16* (sparse,
+        # halved: 2.5 PF bf16, 5 PF fp8 per GPU; Blackwell Ultra raises FP4, not FP8); 20 TB
+        # HBM3e at 576 TB/s (288 GB at 8 TB/s per GPU); FP32 6 PF (83 per GPU); NVLink5 1.8 TB/s
+        # bidirectional per GPU; ConnectX-8 800 Gbit/s per GPU (PCIe Gen6).
+        _gpu("gb300", 288 * GB, 8000, 83, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
+        # NVIDIA DGX B300 datasheet, divided by its 8 GPUs: 72 PF FP8 training* (sparse, halved:
+        # 4.5 PF fp8, 2.25 PF bf16 per GPU, as B200), 2.3 TB HBM3e (288 GB per GPU) at 8 TB/s
+        # per GPU; NVLink5 14.4 TB/s in total (1.8 TB/s bidirectional per GPU); 8 ConnectX-8
+        # 800 Gbit/s ports; PCIe Gen6.
+        _gpu("b300", 288 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
         # NVIDIA L40S datasheet: 91.6 FP32, 366 TF32*, 733 BF16/FP16*, 1466 FP8* TFLOP/s (sparse,
         # halved); 48 GB GDDR6 at 864 GB/s; no NVLink; PCIe Gen4 x16.
         _gpu("l40s", 48 * GB, 864, 91.6, 183, 362.05, 362.05, fp8=733, pcie_gen=4),

@@ -175,10 +175,10 @@ def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected") -> C
 def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
     """Map `nvidia-smi --query-gpu=name` (e.g. 'NVIDIA A100-SXM4-80GB') to the catalog, with its memory."""
     up = name.upper().replace(" ", "")
-    rules = [("H200", "h200"), ("B200", "b200"), ("L40S", "l40s"), ("4090", "rtx4090"), ("3090", "rtx3090"),
-             ("T4", "t4"), ("V100", "v100")]
+    rules = [("H200", "h200"), ("GB200", "gb200"), ("GB300", "gb300"), ("B200", "b200"), ("B300", "b300"),
+             ("H800", "h800"), ("L40S", "l40s"), ("4090", "rtx4090"), ("3090", "rtx3090"), ("T4", "t4"), ("V100", "v100")]
     key = next((v for k, v in rules if k in up), None)
-    if "H100" in up or "H800" in up:
+    if "H100" in up or ("H800" in up and "PCIE" in up):
         key = "h100-pcie" if ("PCIE" in up or "NVL" in up) else "h100-sxm"
     elif "A100" in up or "A800" in up:
         key = "a100-80g-pcie" if "PCIE" in up else ("a100-40g-sxm" if "40GB" in up else "a100-80g-sxm")

@@ -13,14 +13,18 @@ them. FLOPs follow the planner's conventions so the two line up:
   memory copy of N bytes:      2 * N bytes moved (read + write)
 
 Timing: one warm-up call, then repeats until at least `min_reps` calls and
-`min_time_s` seconds; the FASTEST repeat is kept: on a shared machine other
-processes only ever add time (a descheduled thread, a cache flushed), so the
-minimum is the best estimate of what the hardware does undisturbed.
+`min_time_s` seconds; the MEDIAN repeat is kept. The simulator predicts what a
+training rank gets, and a rank shares its machine: with its peer ranks (two
+ranks on two cores leave each one core, and `meshplan calibrate` runs one
+benchmark process per rank at once to reproduce that), and on a shared host
+with whatever else runs. The fastest repeat would describe an idle machine
+that training never sees; the median is robust to one descheduled repeat.
 On CUDA every timed call is bracketed by `torch.cuda.synchronize()`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,9 +77,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call_s(fn: Callable[[], Any], device: torch.device, min_reps: int = 5, min_time_s: float = 0.05,
+def time_call_s(fn: Callable[[], Any], device: torch.device, min_reps: int = 7, min_time_s: float = 0.05,
                 max_reps: int = 100) -> float:
-    """Fastest wall time of fn() on device over the repeats, after one warm-up call."""
+    """Median wall time of fn() on device over the repeats, after one warm-up call."""
     fn()
     _synchronize(device)
     times: list[float] = []
@@ -84,7 +88,7 @@ def time_call_s(fn: Callable[[], Any], device: torch.device, min_reps: int = 5, 
         fn()
         _synchronize(device)
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def bench_gemm(m: int, n: int, k: int, dtype: str, device: torch.device) -> GemmSample:

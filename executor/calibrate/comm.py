@@ -7,9 +7,11 @@ others wait at a world barrier, so torchrun's start-up is paid once.
 
 Sizes follow nccl-tests (and `topologies.collectives`): all_reduce the buffer,
 all_gather the FULL gathered output, reduce_scatter the FULL input, send_recv
-the message. A sample's time is the slowest rank's mean over back-to-back
-repetitions after one warm-up, as nccl-tests reports it; send_recv is half of
-a ping-pong round trip between ranks 0 and 1.
+the message. A sample's time is the slowest rank's median over timed
+repetitions after one warm-up (nccl-tests reports a mean; on a shared host a
+median is robust to one descheduled repetition); send_recv is half of a
+ping-pong round trip between ranks 0 and 1. CPU ranks run with the thread
+count the executor gives them (`threads`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 PROGRESS_PREFIX = "calibrate-comm-progress"
@@ -37,10 +41,15 @@ class CommSample:
     time_s: float
 
 
-def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, reps: int = 5,
-                        on_progress: Callable[[int, int], None] | None = None,
-                        ) -> tuple[list[CommSample], int | None]:
-    """Run the benchmark under torchrun with max_ranks local ranks: (samples, other_bytes).
+def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, reps: int = 9,
+                        threads: int = 1, on_progress: Callable[[int, int], None] | None = None,
+                        block: tuple[Any, int, int] | None = None,
+                        ) -> tuple[list[CommSample], int | None, dict[str, Any] | None]:
+    """Run the benchmark under torchrun with max_ranks local ranks: (samples, other_bytes, blocks).
+
+    block: (ModelSpec, micro-batch, sequence length) to also time one executor
+    block plain, under TP and under FSDP on all ranks (`executor.calibrate.blocks`,
+    CPU only); blocks is then rank 0's times, else None.
 
     other_bytes (CUDA only, else None): device memory rank 0 uses beyond
     PyTorch's allocator after the collectives ran: CUDA context + NCCL buffers.
@@ -49,15 +58,19 @@ def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, rep
     from topologies.errors import ExecutionError
 
     if max_ranks < 2:
-        return [], None
+        return [], None, None
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
         out = Path(tmp) / "comm.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max_ranks}",
                "-m", "executor.calibrate.comm", "--device", device, "--out", str(out), "--reps", str(reps),
                "--sizes", ",".join(str(s) for s in sizes_bytes)]
+        if block is not None and device == "cpu":
+            spec_path = Path(tmp) / "model.json"
+            spec_path.write_text(json.dumps(block[0].to_json()))
+            cmd += ["--block", f"{spec_path}:{block[1]}:{block[2]}"]
         env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.startswith(PROGRESS_PREFIX) and on_progress:
@@ -69,7 +82,7 @@ def measure_collectives(device: str, sizes_bytes: list[int], max_ranks: int, rep
             raise ExecutionError(f"collective benchmark with {max_ranks} ranks on {device} failed "
                                  f"(exit {proc.returncode}): {tail}")
         result = json.loads(out.read_text())
-        return [CommSample(**row) for row in result["samples"]], result["other_bytes"]
+        return [CommSample(**row) for row in result["samples"]], result["other_bytes"], result.get("blocks")
 
 
 # ---- the torchrun worker ---------------------------------------------------
@@ -115,16 +128,18 @@ def _time_collective(fn, reps: int, group, device) -> float:  # noqa: ANN001
     fn()
     sync()
     dist.barrier(group=group)
-    start = time.perf_counter()
+    times = []
     for _ in range(reps):
+        start = time.perf_counter()
         fn()
-    sync()
-    mean = torch.tensor([(time.perf_counter() - start) / reps], dtype=torch.float64, device=device)
-    dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=group)
-    return float(mean.item())
+        sync()
+        times.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median.item())
 
 
-def _worker(device_kind: str, sizes: list[int], reps: int, out: str) -> None:
+def _worker(device_kind: str, sizes: list[int], reps: int, out: str, block: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -151,12 +166,19 @@ def _worker(device_kind: str, sizes: list[int], reps: int, out: str) -> None:
                 if rank == 0:
                     print(f"{PROGRESS_PREFIX} {done} {total}", flush=True)
         dist.barrier()
+    blocks = None
+    if block:
+        from executor.calibrate.blocks import time_blocks
+
+        path, micro_batch, seq_len = block.rsplit(":", 2)
+        blocks = time_blocks(path, int(micro_batch), int(seq_len), reps, world)
     if rank == 0:
         other = None
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             other = int(total - free - torch.cuda.memory_reserved(device))
-        Path(out).write_text(json.dumps({"samples": [asdict(s) for s in samples], "other_bytes": other}))
+        Path(out).write_text(json.dumps({"samples": [asdict(s) for s in samples], "other_bytes": other,
+                                         "blocks": blocks}))
     dist.barrier()  # no rank tears gloo down while another still uses it
     dist.destroy_process_group()
 
@@ -167,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", required=True, help="comma-separated sizes in bytes")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--block", default=None, help="MODEL_JSON:MICRO_BATCH:SEQ_LEN: also time one block")
     args = parser.parse_args(argv)
-    _worker(args.device, [int(s) for s in args.sizes.split(",")], args.reps, args.out)
+    _worker(args.device, [int(s) for s in args.sizes.split(",")], args.reps, args.out, args.block)
 
 
 if __name__ == "__main__":

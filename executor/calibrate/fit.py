@@ -16,9 +16,15 @@ measured time), so a 100 us GEMM weighs as much as a 100 ms one.
   link_efficiency,             the topology model's collective times reproduce the
   latency_scale                measured ones (log least squares, see fit_comm); only
                                the link classes of this one node are measured
+  collective_scale             per operation, what the fitted model still misses
+                               (fit_collective_scale), at the plan's message sizes
   other_bytes                  device memory in use beyond PyTorch's allocator on a
                                rank that ran NCCL collectives (CUDA context, NCCL
                                buffers); CUDA only, None on CPU
+  with --model (fit_blocks, from one executor block timed plain, under TP and FSDP):
+  compute level                one factor on the three efficiencies so the plain
+                               block's kernels + host time match its measurement
+  collective_overhead_s        the TP and FSDP blocks' surplus per collective issued
 
 `update_profile_from_run` folds a real training run into a profile (the rule
 is in its docstring).
@@ -109,7 +115,8 @@ def fit_comm(samples: Sequence[CommSample], cluster: Cluster) -> tuple[dict[str,
     and launch latency; both minimize sum(log(t_model / t_measured)^2) with
     t_model = CollectiveModel(cluster, eff, latency_scale).time_s - the
     simulator's own collective model. collective_overhead_s (framework
-    dispatch) is not separable from latency on one node and keeps its value.
+    dispatch) is not separable from latency in bare collectives: `fit_blocks`
+    measures it inside real TP and FSDP blocks.
     """
     import numpy as np
     from scipy.optimize import least_squares
@@ -134,10 +141,32 @@ def fit_comm(samples: Sequence[CommSample], cluster: Cluster) -> tuple[dict[str,
     return efficiencies(float(fit.x[0])), float(fit.x[1])
 
 
+def fit_collective_scale(samples: Sequence[CommSample], cluster: Cluster, efficiency: dict[str, float],
+                         latency_scale: float, sizes: Sequence[int] | None = None) -> dict[str, float]:
+    """collective_scale: per operation, the geometric mean of measured over modelled time.
+
+    The alpha-beta model with one link efficiency and one latency scale is the
+    same for every operation; a backend's own algorithm is not (gloo's
+    reduce-scatter costs about a full all-reduce). Only samples at `sizes`
+    (the plan's messages, within 1%) count when given, so the factor is right
+    where the plan reads it.
+    """
+    from topologies.collectives import CollectiveModel
+
+    model = CollectiveModel(cluster, efficiency=efficiency, latency_scale=latency_scale)
+    ratios: dict[str, list[float]] = {}
+    for s in samples:
+        if sizes and min(abs(math.log(s.size_bytes / max(z, 1))) for z in sizes) > 0.01:
+            continue
+        ratios.setdefault(s.op, []).append(s.time_s / model.time_s(s.op, s.size_bytes, tuple(range(s.n_ranks))))
+    return {op: _clamp(_geomean(r), 1e-3, 1e3) for op, r in sorted(ratios.items())}
+
+
 def fit_profile(*, gpu: GPUSpec, dtype: str, base: CalibrationProfile, gemm: Sequence[GemmSample],
                 attention: Sequence[AttentionSample], memory: Sequence[MemorySample],
                 adamw: tuple[float, int] | None, layer_overhead_s: float | None, comm: Sequence[CommSample],
-                cluster: Cluster, other_bytes: int | None, source: str, date: str) -> CalibrationProfile:
+                cluster: Cluster, other_bytes: int | None, source: str, date: str,
+                scale_sizes: Sequence[int] | None = None) -> CalibrationProfile:
     """Every fit above, combined into one profile (fields without measurements keep `base`)."""
     peak = gpu.peak_flops(dtype)
     eff, knee = fit_gemm([s for s in gemm if s.dtype == dtype], peak, base)
@@ -158,6 +187,8 @@ def fit_profile(*, gpu: GPUSpec, dtype: str, base: CalibrationProfile, gemm: Seq
     if fitted_comm:
         changes["link_efficiency"] = {**base.link_efficiency, **fitted_comm[0]}
         changes["latency_scale"] = fitted_comm[1]
+        changes["collective_scale"] = fit_collective_scale(comm, cluster, changes["link_efficiency"],
+                                                           fitted_comm[1], scale_sizes)
     if other_bytes is not None:
         changes["other_bytes"] = other_bytes
     return base.replace(**changes)
@@ -170,32 +201,17 @@ def prediction_errors(profile: CalibrationProfile, gpu: GPUSpec, dtype: str,
     return [gemm_time_s(s.m, s.n, s.k, peak, profile) / s.time_s - 1.0 for s in gemm if s.dtype == dtype]
 
 
-COMPUTE_FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")
-
-
-def scale_compute(profile: CalibrationProfile, factor: float) -> CalibrationProfile:
-    """The profile of a machine `factor` times faster at its local work.
-
-    Every compute efficiency is multiplied by factor (capped at 1.5) and the
-    host overhead per layer divided by it; communication is left alone.
-    """
-    changes: dict[str, Any] = {k: min(EFF_BOUNDS[1], getattr(profile, k) * factor) for k in COMPUTE_FIELDS}
-    return profile.replace(layer_overhead_s=profile.layer_overhead_s / factor, **changes)
-
-
 def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa: ANN001
              measured_peak_bytes: int | None) -> tuple[CalibrationProfile, dict[str, Any]]:
     """Fold one measured training step into a profile. The rule:
 
-    1. time: find the factor f such that simulate_step(plan, scale_compute(
-       profile, f)) equals the measured step time: gemm_, attention_ and
-       memory_efficiency multiplied by f, layer_overhead_s divided by it
-       (bisection on log f; the step time falls monotonically as f grows).
-       Communication and the pipeline stay as the profile has them: one run
-       of one layout pins down one number best, "how fast is this machine at
-       its own work", and small models are host-bound, large ones GPU-bound,
-       so both local terms move together. When no f reaches the measurement
-       (a step made of communication), f stops at its bound, `reached` False.
+    1. time: per-part corrections (compute, host overhead, optimizer, each
+       collective the layout issues), weighted by how much each part weighs
+       in this run's simulated step and how uncertain calibrate's measurement
+       of it is, scaled until the simulator reproduces the measured step
+       (`executor.calibrate.fold`). A part the run does not exercise keeps its
+       value, so what is learnt carries over to layouts that use it.
+       `compute_factor` is the compute part's speed factor (< 1: slower).
     2. memory: other_bytes = measured peak - the memory model's tensor bytes
        (its peak without `other`), at least 0: what the run's allocator peak
        holds beyond the modelled tensors (the executor records
@@ -203,22 +219,15 @@ def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa:
        remainder, not the CUDA context). Unchanged when the run recorded no
        peak, and for CPU runs, whose peak is the process's resident set.
     """
+    from executor.calibrate.fold import fold_step
     from planner.memory.estimate import estimate_memory
     from planner.simulate.step import simulate_step
 
-    def step_s(f: float) -> float:
-        return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, scale_compute(profile, f),
-                             engine=plan.engine).step_time_s
+    def step_s(p: CalibrationProfile) -> float:
+        return simulate_step(plan.model, plan.training, plan.layout, plan.cluster, p, engine=plan.engine).step_time_s
 
-    low, high = 1e-3, 1e3
-    reached = step_s(low) >= measured_step_s >= step_s(high)
-    for _ in range(60):
-        mid = math.sqrt(low * high)
-        low, high = (mid, high) if step_s(mid) > measured_step_s else (low, mid)
-    factor = math.sqrt(low * high)
-    new = scale_compute(profile, factor)
-    info: dict[str, Any] = {"compute_factor": factor, "reached": reached, "step_time_s_before": step_s(1.0),
-                            "step_time_s_after": step_s(factor), "measured_step_time_s": measured_step_s}
+    new, info = fold_step(step_s, profile, measured_step_s)
+    info["compute_factor"] = 1.0 / info["levers"].get("compute", 1.0)
     if measured_peak_bytes and plan.cluster.gpu.kind != "cpu":
         est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
         new = new.replace(other_bytes=max(0, int(measured_peak_bytes) - est.peak_bytes))
@@ -240,3 +249,66 @@ def update_profile_from_run(plan_path: Path, measured: dict[str, Any], profile_p
     source = profile.source if run in profile.source else f"{profile.source}; folded run {run}"
     new.replace(gpu=plan.cluster.gpu.name, source=source, date=datetime.date.today().isoformat()).save(profile_path)
     return {**info, "profile": str(profile_path)}
+
+
+def fit_blocks(profile: CalibrationProfile, gpu: GPUSpec, dtype: str, model: Any, cluster: Cluster,
+               blocks: dict[str, Any]) -> dict[str, Any]:
+    """Profile changes from one executor block timed plain, under TP and under FSDP (`blocks`).
+
+    The simulator prices a layer's pass as combine(kernels + exposed comm,
+    host, p) with host = layer_overhead_s per pass (1 forward, 2 backward)
+    plus collective_overhead_s per collective issued (TP: 2 in the forward, 2
+    in the backward; ZeRO-3: 1 and 2).
+
+    1. compute level: the plain block at the plan's shapes, with the ranks
+       sharing the cores, is the most faithful measurement of a layer; the
+       kernel fits set the shape dependence, and one factor on gemm_,
+       attention_ and memory_efficiency makes kernels + host (the tiny-block
+       layer_overhead_s) reproduce it (clamped to 5x either way).
+    2. collective_overhead_s: what the TP and FSDP blocks take beyond their
+       kernels, modelled collectives and host time, per collective issued
+       (the median of the two, at least 0): DTensor's redistributions,
+       FSDP2's hooks and copies.
+    """
+    import statistics
+
+    from planner.layout import Layout
+    from planner.memory.params import layer_params_split
+    from planner.simulate.comm import StepComm
+    from planner.simulate.compute import fsdp_copy_times, layer_times
+
+    peak, d = gpu.peak_flops(dtype), DTYPE_BYTES[dtype]
+    mb, seq, world = int(blocks["micro_batch"]), int(blocks["seq_len"]), int(blocks["world"])
+    p, layer = profile.overlap_exponent, profile.layer_overhead_s
+
+    def kernels_s(cal: CalibrationProfile, layout: Layout) -> float:
+        cal = cal.for_engine("meshplan")  # the executor's kernels
+        lt = layer_times(model, seq, d, layout, gpu, peak, cal) + fsdp_copy_times(model, d, 4, layout, gpu, cal)
+        return lt.forward_s + lt.backward_s
+
+    def busy_s(measured: float, host: float) -> float:  # inverse of combine in its first argument
+        return max(measured**p - host**p, 1e-9) ** (1.0 / p)
+
+    def host_s(measured: float, busy: float) -> float:  # inverse of combine in its second argument
+        return max(measured**p - busy**p, 0.0) ** (1.0 / p)
+
+    plain = Layout(micro_batch_size=mb)
+    factor = _clamp(kernels_s(profile, plain) / busy_s(float(blocks["plain"]), 3.0 * layer), 0.2, 5.0)
+    changes: dict[str, Any] = {k: _clamp(getattr(profile, k) * factor, EFF_BOUNDS[0], EFF_BOUNDS[1])
+                               for k in ("gemm_efficiency", "attention_efficiency", "memory_efficiency")}
+    cal = profile.replace(**changes)
+    per_call = []
+    if blocks.get("tp"):
+        tp = Layout(tp=world, micro_batch_size=mb)
+        comm = 4 * StepComm(cluster, tp, cal).tp_point_s(mb * seq * model.hidden * d, False)
+        per_call.append((host_s(float(blocks["tp"]), kernels_s(cal, tp) + comm) - 3.0 * layer) / 4.0)
+    if blocks.get("fsdp"):
+        z3 = Layout(dp_shard=world, zero_stage=3, micro_batch_size=mb)
+        step = StepComm(cluster, z3, cal)
+        params = sum(layer_params_split(model, 1, 1))
+        comm = 2 * step.time_s("all_gather", params * d, ("dp_shard",)) + \
+            step.time_s("reduce_scatter", params * 4, ("dp_shard",))
+        per_call.append((host_s(float(blocks["fsdp"]), kernels_s(cal, z3) + comm) - 3.0 * layer) / 3.0)
+    if per_call:
+        changes["collective_overhead_s"] = max(0.0, statistics.median(per_call))
+    return changes

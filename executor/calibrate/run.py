@@ -12,9 +12,11 @@ Then `executor.calibrate.fit` fits the profile's parameters and the profile
 is written to --out, with every raw sample beside it (<out>.samples.json) so a
 fit can be audited or redone.
 
-On CPU the kernels run on one thread: the executor's CPU ranks run under
-torchrun, which sets OMP_NUM_THREADS=1, so one "device" of the cpu cluster
-is one core.
+On CPU the kernels run as the executor's ranks do: max-ranks processes at
+once, each with cores // ranks threads (`executor.calibrate.kernels`), so the
+profile prices a rank that shares the machine; `comm_overlap` is 0 when every
+core has a rank (gloo's transfers then run on the computing cores).
+`--model` adds the shapes of that model's layouts (`executor.calibrate.shapes`).
 
 Grids: "full" (default), "quick" (under 2 minutes on a 2-core CPU) and
 "tiny" (seconds; for tests). Sizes differ per device: a 2-core CPU runs a
@@ -93,35 +95,6 @@ def local_cluster(machine: Machine, n: int):
     return Cluster(name="local", gpu=machine.gpu, gpus_per_node=n, intra_node=intra, nics_per_node=1)
 
 
-def _adamw_step_s(n_params: int, device) -> float:  # noqa: ANN001
-    """One foreach AdamW step over n_params fp32 parameters in 8 tensors (the executor's optimizer)."""
-    import torch
-
-    from executor.calibrate.bench import time_call_s
-
-    params = [torch.zeros(n_params // 8, device=device, requires_grad=True) for _ in range(8)]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    return time_call_s(opt.step, device)
-
-
-def _layer_overhead_s(device) -> float:  # noqa: ANN001
-    """Forward time of one tiny executor block (8 tokens of the debug model): host-bound, the GPU work is nil."""
-    import torch
-
-    from executor.calibrate.bench import time_call_s
-    from executor.model import Block, rope_tables
-    from planner.model.load import load_model
-
-    spec = load_model("debug")
-    block = Block(spec).to(device)
-    x = torch.randn(1, 8, spec.hidden, device=device)
-    cos, sin = rope_tables(spec.head_dim, 8, device)
-    with torch.no_grad():
-        return time_call_s(lambda: block(x, cos, sin), device, min_reps=20)
-
-
 def _steps(grid: dict[str, Any], machine: Machine, name: str) -> list[tuple[str, str, tuple]]:
     """(benchmark kind, dtype, arguments) for every single-device measurement of the grid."""
     dtypes = (machine.dtype,) + (EXTRA_DTYPES_FULL_GPU if machine.device == "cuda" and name == "full" else ())
@@ -132,67 +105,100 @@ def _steps(grid: dict[str, Any], machine: Machine, name: str) -> list[tuple[str,
     return steps + [("adamw", "fp32", (grid["adamw"],)), ("layer", "", ())]
 
 
+def plan_steps(grid: dict[str, Any], machine: Machine, name: str, shapes: Any) -> tuple[list, dict[str, Any]]:
+    """The benchmark steps with a plan's shapes added (`executor.calibrate.shapes`), and the grid they extend."""
+    if shapes is None:
+        return _steps(grid, machine, name), grid
+    grid = {**grid, "gemm": list(dict.fromkeys([*shapes.gemm, *grid["gemm"]])), "attention": list(shapes.attention),
+            "adamw": shapes.adamw_params, "comm": sorted({*grid["comm"], *shapes.comm_bytes})}
+    return _steps(grid, machine, name), grid
+
+
 def run_calibration(device: str | None = None, quick: bool = False, max_ranks: int | None = None,
-                    out: Path | None = None, grid_name: str | None = None) -> tuple[Any, dict[str, Any]]:
-    """Measure, fit, write the profile (and its samples); returns (profile, summary)."""
+                    out: Path | None = None, grid_name: str | None = None, model: Any = None,
+                    seq_len: int | None = None, micro_batches: tuple[int, ...] = (1, 2),
+                    ) -> tuple[Any, dict[str, Any]]:
+    """Measure, fit, write the profile (and its samples); returns (profile, summary).
+
+    With `model` (a ModelSpec), the GEMMs, attention, AdamW and messages of its
+    layouts on up to max_ranks ranks at `seq_len` and `micro_batches` join the
+    grid, and the GEMM, attention and per-collective fits use those shapes only.
+    """
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from executor.calibrate.bench import bench_attention, bench_gemm, bench_memory
     from executor.calibrate.comm import measure_collectives
     from executor.calibrate.fit import fit_profile, prediction_errors
+    from executor.calibrate.kernels import measure_kernels, samples_from_times, threads_per_rank, usable_cores
+    from executor.calibrate.shapes import plan_shapes
     from planner.simulate.calibration import default_calibration
+    from planner.training import DTYPE_BYTES
     from topologies.terminal import console
 
     machine = detect_machine(device, max_ranks)
     name = grid_name or ("quick" if quick else "full")
-    grid = GRIDS[(machine.device, name)]
-    dev = torch.device("cuda", 0) if machine.device == "cuda" else torch.device("cpu")
-    if machine.device == "cpu":
-        torch.set_num_threads(1)  # one CPU rank = one thread, as torchrun runs them (OMP_NUM_THREADS=1)
-    results: dict[str, list] = {"gemm": [], "attention": [], "copy": []}
-    extra: dict[str, Any] = {}
-    steps = _steps(grid, machine, name)
+    ranks = max(machine.max_ranks, 1)
+    shapes = None
+    if model is not None:
+        shapes = plan_shapes(model, seq_len or min(model.max_seq_len, 4096), micro_batches, ranks,
+                             DTYPE_BYTES[machine.dtype])
+    steps, grid = plan_steps(GRIDS[(machine.device, name)], machine, name, shapes)
+    cores = usable_cores()
+    sharing = ranks if machine.device == "cpu" else 1  # GPUs: one rank per device, nothing shared
+    threads = threads_per_rank(cores, ranks, os.environ.get("OMP_NUM_THREADS")) if machine.device == "cpu" else 1
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console(stderr=True), transient=False) as progress:
-        task = progress.add_task(f"{machine.gpu.name}: kernels", total=len(steps))
-        for kind, dtype, args in steps:
-            progress.update(task, description=f"{machine.gpu.name}: {kind} {dtype} {args}")
-            if kind == "gemm":
-                results["gemm"].append(bench_gemm(*args, dtype, dev))
-            elif kind == "attention":
-                results["attention"].append(bench_attention(*args, dtype, dev))
-            elif kind == "copy":
-                results["copy"].append(bench_memory(args[0], dev))
-            elif kind == "adamw":
-                extra["adamw"] = (_adamw_step_s(args[0], dev), args[0] // 8 * 8)
-            else:
-                extra["layer_overhead_s"] = _layer_overhead_s(dev)
-            progress.advance(task)
+        label = f"{machine.gpu.name}: kernels" + (f" ({sharing} ranks x {threads} threads at once)" if sharing > 1 else "")
+        task = progress.add_task(label, total=len(steps))
+        times = measure_kernels(steps, machine.device, sharing, threads,
+                                on_progress=lambda done: progress.update(task, completed=done))
         comm_task = progress.add_task(f"collectives over 2..{machine.max_ranks} ranks", total=None)
-        comm, other = measure_collectives(machine.device, grid["comm"], machine.max_ranks,
-                                          on_progress=lambda d, t: progress.update(comm_task, completed=d, total=t))
+        block = (model, micro_batches[-1], seq_len or min(model.max_seq_len, 4096)) if model is not None else None
+        comm, other, blocks = measure_collectives(
+            machine.device, grid["comm"], machine.max_ranks, threads=threads, block=block,
+            on_progress=lambda d, t: progress.update(comm_task, completed=d, total=t))
         if not comm:
             progress.update(comm_task, description="collectives: one rank, nothing to measure", completed=1, total=1)
+    results, extra = samples_from_times(steps, times)
     if machine.device == "cuda" and other is None:
+        dev = torch.device("cuda", 0)
         free, total = torch.cuda.mem_get_info(dev)
         other = int(total - free - torch.cuda.memory_reserved(dev))
     date = datetime.date.today().isoformat()
+    plan_gemm = set(shapes.gemm) if shapes else set()
+    fit_gemm = [s for s in results["gemm"] if (s.m, s.n, s.k) in plan_gemm] or results["gemm"]
+    base = default_calibration(machine.gpu)
+    if machine.device == "cpu":  # collectives and Python run on the computing cores when every core has a rank
+        shared = sharing * threads >= cores
+        base = base.replace(comm_overlap=0.0 if shared else 1.0, overlap_exponent=1.0 if shared else
+                            base.overlap_exponent)
+    what = f"{name} grid" + (f" + {model.name} shapes (seq {seq_len}, micro-batches {list(micro_batches)})"
+                             if model is not None else "")
     profile = fit_profile(
-        gpu=machine.gpu, dtype=machine.dtype, base=default_calibration(machine.gpu), gemm=results["gemm"],
+        gpu=machine.gpu, dtype=machine.dtype, base=base, gemm=fit_gemm,
         attention=results["attention"], memory=results["copy"], adamw=extra["adamw"],
-        layer_overhead_s=extra["layer_overhead_s"], comm=comm, cluster=local_cluster(machine, max(machine.max_ranks, 1)),
-        other_bytes=other, source=f"meshplan calibrate ({name} grid, {machine.device}, torch {torch.__version__})",
-        date=date)
+        layer_overhead_s=extra["layer_overhead_s"], comm=comm, cluster=local_cluster(machine, ranks),
+        other_bytes=other, source=f"meshplan calibrate ({what}, {machine.device}, {sharing} ranks x {threads} "
+        f"threads, torch {torch.__version__})", date=date,
+        scale_sizes=tuple(shapes.comm_bytes) if shapes else None)
+    if blocks:
+        from executor.calibrate.fit import fit_blocks
+
+        profile = profile.replace(**fit_blocks(profile, machine.gpu, machine.dtype, model,
+                                               local_cluster(machine, ranks), blocks))
     errors = prediction_errors(profile, machine.gpu, machine.dtype, results["gemm"])
     summary = _summary(machine, name, results, comm, errors, profile)
     if out is not None:
+        from topologies.files import is_regular_destination, write_text
+
         profile.save(out)
         samples = {k: [vars(s) for s in v] for k, v in results.items()}
         samples.update(comm=[vars(s) for s in comm], adamw=extra["adamw"], layer_overhead_s=extra["layer_overhead_s"],
-                       other_bytes=other, summary=summary)
-        Path(out).with_suffix(".samples.json").write_text(json.dumps(samples, indent=1))
+                       other_bytes=other, summary=summary, sharing_ranks=sharing, threads_per_rank=threads,
+                       blocks=blocks)
+        if is_regular_destination(out):  # beside a file; a device or pipe gets the profile only
+            write_text(Path(out).with_suffix(".samples.json"), json.dumps(samples, indent=1), what="samples")
     return profile, summary
 
 
@@ -249,10 +255,14 @@ def render_summary(summary: dict[str, Any], out: str) -> None:
                       f"{summary['hbm_gbytes_per_s_spec']:.0f}", "memory_efficiency", f"{p['memory_efficiency']:.3f}")
     table.add_row("", "", "optimizer_bytes_per_param", f"{p['optimizer_bytes_per_param']:.1f}")
     table.add_row("", "", "layer_overhead_s", f"{p['layer_overhead_s'] * 1e6:.0f} us")
+    table.add_row("", "", "collective_overhead_s", f"{p['collective_overhead_s'] * 1e6:.0f} us")
     for key, bw in summary["comm_best_busbw_gbytes_per_s"].items():
         table.add_row(f"{key} busbw", f"{bw:.2f} GB/s", "", "")
     links = ", ".join(f"{k} {v:.2f}" for k, v in p["link_efficiency"].items())
     table.add_row("", "", "link_efficiency / latency_scale", f"{links or 'defaults'} / {p['latency_scale']:.2f}")
+    scales = ", ".join(f"{op} x{v:.2f}" for op, v in p.get("collective_scale", {}).items())
+    table.add_row("", "", "collective_scale", scales or "none")
+    table.add_row("", "", "comm_overlap", f"{p.get('comm_overlap', 1.0):.2f}")
     if p.get("other_bytes") is not None:
         table.add_row("", "", "other_bytes", f"{p['other_bytes'] / GIB:.2f} GiB")
     console().print(table)

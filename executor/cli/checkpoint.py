@@ -8,7 +8,6 @@ torch is imported inside the verb, never at `meshplan --help`.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import click
@@ -17,7 +16,7 @@ from topologies.errors import UsageError
 from topologies.terminal import emit_json
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n")
 def checkpoint() -> None:
     """Work with the checkpoints `execute --checkpoint-every K` writes under OUT/checkpoints/."""
 
@@ -34,7 +33,9 @@ def export(path: str, to: str, as_json: bool) -> None:
     which means the checkpoint its `latest` pointer names.
     """
     from executor.components.checkpoint import consolidate
+    from topologies.files import check_output
 
+    check_output(to, "--to", stdout_ok=False)
     step_dir = resolve_checkpoint(Path(path))
     state = consolidate(step_dir)
     n_bytes = write_state_dict(state, Path(to))
@@ -77,16 +78,17 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def write_state_dict(state: dict, to: Path) -> int:
-    """torch.save to a temporary file, then rename: a failed export never leaves half a file."""
+    """torch.save through topologies.files (atomic for a regular file, in place for a device); bytes written."""
     import torch
 
-    tmp = to.with_name(f".{to.name}.tmp")
-    try:
-        torch.save(state, tmp)
-        tmp.replace(to)
-    except (OSError, RuntimeError) as exc:  # torch.save reports some failed writes as RuntimeError
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-        raise UsageError(f"cannot write {str(to)!r}: {reason}") from None
-    return to.stat().st_size
+    from topologies.files import write_with
+
+    written = 0
+
+    def save(f) -> None:
+        nonlocal written
+        torch.save(state, f)
+        written = f.tell() if f.seekable() else 0
+
+    write_with(to, save, what="state dict")
+    return written

@@ -18,12 +18,13 @@ PRINT_LAUNCH = ("torchrun", "slurm")
 
 
 def _positive_float(ctx, param, value):
-    if value is not None and not value > 0:
-        raise click.BadParameter(f"must be > 0, got {value}")
+    if value is not None and not 0 < value < float("inf"):  # NaN fails both comparisons
+        raise click.BadParameter(f"must be a finite number > 0, got {value}")
     return value
 
 
-@click.command("execute", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("execute", context_settings={"help_option_names": ["-h", "--help"]},
+               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_RUN.steps, show_default=True,
               help="Optimizer steps to run.")
@@ -50,12 +51,14 @@ def _positive_float(ctx, param, value):
               help="Save a checkpoint every K steps (0: never).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), default=None, help="Keep only the newest N checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out; metrics.jsonl is appended.")
+@click.option("--overwrite", is_flag=True,
+              help="Start over in an existing --out: delete its metrics, summary and checkpoints first.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each transformer block (after recomputation, before FSDP; torchtitan's order).")
 def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, lr: float | None,
             log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
             max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
-            resume: bool, compile_: bool) -> None:
+            resume: bool, overwrite: bool, compile_: bool) -> None:
     """Train with the layout of PLAN.json on this machine's GPUs (or CPU ranks for a cpu-cluster plan).
 
     One node: runs torchrun itself with one worker per rank. Several nodes:
@@ -69,10 +72,15 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     if node_rank >= nnodes:
         raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
     if nnodes > 1 and rdzv_endpoint is None and not (print_launch or dry_run):
+        from executor.preflight import Found, check_hardware
+
+        check_hardware(plan, Found.detect(), nnodes)  # no GPU here says more than a missing endpoint
         raise UsageError(
             f"the plan runs on {nnodes} nodes: give every node --nnodes {nnodes} --node-rank R "
             "--rdzv-endpoint HOST:PORT (node 0's address); --print-launch torchrun prints the commands"
         )
+    if resume and overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
     flags = RunFlags(steps=steps, out=out, seed=seed, data=data, lr=lr, log_every=log_every,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
@@ -90,7 +98,12 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
 
         run_dry(plan)
         return
-    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, flags.replace(out=str(run_dir)))
+    if node_rank == 0:  # other nodes may share node 0's directory; node 0 alone decides what it holds
+        from executor.preflight import check_run_dir
+
+        check_run_dir(run_dir, resume, overwrite)
+    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, flags.replace(out=str(run_dir)),
+         clear=overwrite and node_rank == 0)
 
 
 def _launch_text(plan, plan_path: str, kind: str, nnodes: int, rdzv_endpoint: str | None, flags: RunFlags) -> str:
@@ -110,15 +123,18 @@ def _shell_word(arg: str) -> str:
 
 
 def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-         max_restarts: int, flags: RunFlags) -> None:
+         max_restarts: int, flags: RunFlags, clear: bool = False) -> None:
     from executor.launch import launch, run_id, torchrun_argv
     from executor.parallel.mesh import device_type_for
-    from executor.preflight import Found, check_data, check_hardware, prepare_out
+    from executor.preflight import Found, check_data, check_hardware, clear_run_dir, prepare_out
+    from topologies.errors import InterruptedRun
     from topologies.terminal import log
 
     check_hardware(plan, Found.detect(), nnodes)
     source = check_data(plan, flags.data, flags.seed)
     plan_text = plan_path.read_text()
+    if clear:
+        clear_run_dir(run_dir)
     prepare_out(run_dir, plan_text)
     nproc = plan.cluster.gpus_per_node
     on_cpu = device_type_for(plan) == "cpu"
@@ -128,7 +144,27 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "
         f"ZeRO-{lay.zero_stage}); data: {source}; run dir: {run_dir}")
     argv = torchrun_argv(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, run_id(plan_text), worker_args)
-    launch(argv, nproc, on_cpu)
+    try:
+        launch(argv, nproc, on_cpu)
+    except (InterruptedRun, KeyboardInterrupt):
+        raise InterruptedRun(interrupted_line(run_dir)) from None
     summary = run_dir / "summary.json"
     if summary.exists():
         log(f"execute: done; metrics in {run_dir / 'metrics.jsonl'}, summary in {summary}")
+
+
+def interrupted_line(run_dir: Path) -> str:
+    """'interrupted at step N; last checkpoint step-K; continue with --resume', from what the run left."""
+    from executor.components.checkpoint import CHECKPOINTS, latest_step
+    from executor.components.measure import read_metrics
+
+    try:
+        step = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
+    except UsageError:
+        step = 0
+    ckpt = latest_step(run_dir / CHECKPOINTS) if (run_dir / CHECKPOINTS).is_dir() else None
+    if ckpt is None:
+        return (f"interrupted at step {step}; no checkpoint was written (--checkpoint-every K keeps one); "
+                f"summary in {run_dir / 'summary.json'}")
+    return (f"interrupted at step {step}; last checkpoint step-{ckpt}; continue with --resume "
+            f"(--out {run_dir})")

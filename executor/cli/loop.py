@@ -14,27 +14,47 @@ import click
 from topologies.terminal import emit_json, log
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan calibrate --quick --out h100.json\n  meshplan plan --model 8B --gpus 8 --calibration h100.json\n")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default="profile.json", show_default=True,
               help="Where to write the calibration profile (JSON).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Device to measure; default cuda when a GPU is visible, else cpu.")
 @click.option("--quick", is_flag=True, help="A small grid: under 2 minutes on a 2-core CPU.")
-@click.option("--max-ranks", type=int, default=None,
+@click.option("--max-ranks", type=click.IntRange(min=1, max=1024), default=None,
               help="Largest collective group to measure (default: all local GPUs; on CPU min(cores, 4)).")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON only.")
+@click.option("--model", "model_name", default=None,
+              help="Also measure the shapes this model's layouts run (preset, alias or config path): GEMMs at "
+                   "its TP shards and micro-batches, its attention, its message sizes.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+              help="Sequence length for --model (default: its native context, at most 4096).")
+@click.option("--micro-batch", "micro_batches", type=click.IntRange(min=1), multiple=True,
+              help="Micro-batch size(s) for --model (repeatable; default 1 and 2).")
 @click.option("--grid", "grid_name", type=click.Choice(["tiny", "quick", "full"]), default=None, hidden=True,
               help="Benchmark grid (tests use tiny); overrides --quick.")
 def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, as_json: bool,
+              model_name: str | None, seq_len: int | None, micro_batches: tuple[int, ...],
               grid_name: str | None) -> None:
     """Measure this machine (GEMM, attention, memory bandwidth, collectives) and fit a calibration profile.
 
     The profile is what `plan`, `compare` and `simulate` accept with --calibration.
     """
     from executor.calibrate.run import run_calibration
+    from topologies.files import check_output
 
+    check_output(out, "--out", stdout_ok=False)  # before minutes of measuring, not after
+    model = None
+    if model_name is not None:
+        from planner.model.load import load_model
+
+        model = load_model(model_name)
+    elif seq_len is not None or micro_batches:
+        from topologies.errors import UsageError
+
+        raise UsageError("--seq-len and --micro-batch describe the shapes of --model: add --model NAME")
     profile, summary = run_calibration(device=device, quick=quick, max_ranks=max_ranks, out=Path(out),
-                                       grid_name=grid_name)
+                                       grid_name=grid_name, model=model, seq_len=seq_len,
+                                       micro_batches=micro_batches or (1, 2))
     if as_json:
         emit_json(profile.to_json())
         return
@@ -43,30 +63,32 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
     render_summary(summary, out)
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan report runs/p\n  meshplan report runs/p --png report.png --update-calibration h100.json\n")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only: predicted, measured, error.")
 @click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
               help="Write a chart: step time per step and peak memory, measured against predicted.")
 @click.option("--update-calibration", "profile_path", type=click.Path(dir_okay=False), default=None,
               help="Fold this run into a calibration profile (created from the GPU's defaults if absent).")
-@click.option("--warmup-steps", type=int, default=None,
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
               help="Leading steps to skip (default 2 when at least 3 remain).")
 def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | None,
            warmup_steps: int | None) -> None:
     """A run's measured step time, tokens/s, MFU and peak memory next to its plan's prediction."""
     from executor.validate.report import build_report, plot_report, render_report
+    from topologies.files import check_output
 
+    check_output(png, "--png", image=True)
+    check_output(profile_path, "--update-calibration", stdout_ok=False)
     doc, rows = build_report(run_dir, warmup_steps)
     if profile_path:
         from executor.calibrate.fit import update_profile_from_run
 
         update = update_profile_from_run(Path(run_dir) / "plan.json", doc["measured"], Path(profile_path))
         doc["calibration_update"] = update
-        log(f"updated {profile_path}: local speed (compute efficiencies, 1 / layer overhead) x{update['compute_factor']:.3f} "
-            f"(simulated step {update['step_time_s_before']:.4g} s -> {update['step_time_s_after']:.4g} s, "
-            f"measured {update['measured_step_time_s']:.4g} s)"
-            + ("" if update["reached"] else "; the measurement is out of the compute model's reach")
+        from executor.calibrate.fold import describe
+
+        log(f"updated {profile_path}: time of " + describe(update)
             + (f"; other_bytes {update['other_bytes']:,}" if "other_bytes" in update else ""))
     if png:
         plot_report(doc, rows, png)
@@ -77,7 +99,7 @@ def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | Non
         render_report(doc)
 
 
-@click.command("validate-memory")
+@click.command("validate-memory", epilog="\b\nExamples:\n  meshplan validate-memory plan.json\n  meshplan validate-memory plan.json --rank 0 --rank 7 --json\n")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @click.option("--rank", "ranks", type=int, multiple=True,

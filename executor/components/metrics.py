@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,60 +45,63 @@ def mfu(plan: Plan, tokens_per_s: float, peak_flops: float) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to OUT/metrics.jsonl (truncated first unless resuming)."""
+    """Appends one JSON line per step to OUT/metrics.jsonl (truncated first unless resuming).
+
+    The first record after a resume carries `"resumed": true`: that step pays
+    the warm-up again, and the measurement leaves it out.
+    """
 
     def __init__(self, out_dir: Path, append: bool) -> None:
         self.path = out_dir / "metrics.jsonl"
+        self.mark_resume = append
         if not append:
             self.path.write_text("")
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.mark_resume:
+            record = {**record, "resumed": True}
+            self.mark_resume = False
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records by step, the last entry of a step winning (a resumed run may repeat steps)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                by_step[record["step"]] = record
-    return [by_step[s] for s in sorted(by_step)]
+    """Records by step, the last entry of a step winning (see executor.components.measure)."""
+    from executor.components.measure import read_metrics as read
+
+    return read(path)
 
 
-def summarize(plan: Plan, records: list[dict[str, Any]], device: str) -> dict[str, Any]:
+def summarize(plan: Plan, records: list[dict[str, Any]], device: str,
+              interrupted_at_step: int | None = None) -> dict[str, Any]:
     """Measured figures next to the plan's prediction, and their ratios.
 
-    Step time is the median over steps after the first (which pays for
-    warm-up: allocator, lazy initialization, first collectives).
+    The figures are `executor.components.measure.measure`'s, with the warm-up
+    rule `meshplan report` uses, so summary.json and the report agree.
     """
-    timed = records[1:] or records
-    step_time = statistics.median(r["step_time_s"] for r in timed)
-    tokens_per_s = plan.training.tokens_per_step / step_time
-    measured = {
-        "steps": len(records),
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_s,
-        "mfu": statistics.median(r["mfu"] for r in timed),
-        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
-    }
+    from executor.components.measure import measure, warmup_steps
+
+    skip = warmup_steps(len(records), None)
+    measured = measure(plan, records, skip)
+    measured["warmup_steps"] = skip
     summary: dict[str, Any] = {"device": device, "world_size": plan.world_size, "measured": measured,
                                "predicted": None, "measured_over_predicted": None}
+    if interrupted_at_step is not None:
+        summary["interrupted_at_step"] = interrupted_at_step
     if plan.prediction is not None:
         pred = plan.prediction
         predicted = {"step_time_s": pred.step_time_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu,
                      "peak_memory_bytes": pred.peak_memory_bytes}
         summary["predicted"] = predicted
-        summary["measured_over_predicted"] = {k: (measured[k] / v if v else None) for k, v in predicted.items()}
+        summary["measured_over_predicted"] = {k: (measured[k] / v if v and measured[k] is not None else None)
+                                              for k, v in predicted.items()}
     return summary
 
 
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
-    (out_dir / "summary.json").write_text(dumps_json(summary) + "\n")
+    from topologies.files import write_text
+
+    write_text(out_dir / "summary.json", dumps_json(summary) + "\n", what="summary")
 
 
 class ProgressLine:

@@ -92,7 +92,8 @@ def check_supported(plan: Plan) -> None:
     """
     from planner.engines import executor_refusal
 
-    reason = executor_refusal(plan.model, plan.layout, plan.training.dtype, plan.cluster.gpu.kind != "cpu")
+    reason = executor_refusal(plan.model, plan.layout, plan.training.dtype, plan.cluster.gpu.kind != "cpu",
+                              plan.training)
     if reason:
         raise PlanError(reason)
     if plan.training.seq_len > plan.model.max_seq_len:

@@ -3,16 +3,9 @@
 Pure Python (no torch): it reads RUN_DIR/metrics.jsonl and RUN_DIR/plan.json,
 the run directory format `meshplan execute` writes (ARCHITECTURE.md).
 
-Measured figures, from the optimizer steps left after the warm-up:
-  rows            the LAST entry for each step counts (a resumed run appends, so
-                  a re-run step appears twice; the later one is what happened)
-  step_time_s     median of step_time_s (robust to one slow step on a shared host)
-  tokens_per_s    tokens_per_step / step_time_s   (tokens_per_step from the plan)
-  model_tflops_per_gpu  model_flops_per_token * tokens_per_s / world_size / 1e12
-  mfu             model_tflops_per_gpu * 1e12 / gpu.peak_flops(dtype)
-  peak_memory_bytes  max over the counted steps (a peak is a peak, not an average);
-                  null when the run recorded none
-The throughput figures are derived from the step time with the same formulas
+Measured figures come from `executor.components.measure` (the same function
+summary.json uses: rows, warm-up, resumed steps, MFU denominator are defined
+there). The throughput figures are derived from the step time with the same formulas
 the simulator uses for its prediction, so the errors compare like with like.
 
 Memory: the executor records torch.cuda.max_memory_allocated, i.e. tensor
@@ -21,8 +14,6 @@ memory model's `other` category stands for. So the peak-memory error compares
 the measurement with predicted.tensor_peak_bytes (the prediction without
 `other`). CPU runs record the process's resident set (the interpreter and
 libraries included): not comparable, so their memory error is null.
-The warm-up default skips the first 2 steps (allocator, autotuning, lazy init)
-when at least 3 remain, otherwise as many as leave one step.
 
 error[k] = (predicted[k] - measured[k]) / measured[k]: +0.10 means the plan
 promised 10% more than the run gave (for step time: predicted 10% too slow).
@@ -30,81 +21,16 @@ promised 10% more than the run gave (for step time: predicted 10% too slow).
 
 from __future__ import annotations
 
-import json
-import statistics
 from pathlib import Path
 from typing import Any
 
+from executor.components.measure import measure, read_metrics, warmup_steps
 from planner.plan import Plan, Prediction, load_plan
 from topologies.errors import UsageError
 from topologies.hardware import GIB
 
-DEFAULT_WARMUP_STEPS = 2
 COMPARED = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "peak_memory_bytes")
 THROUGHPUT = COMPARED[:-1]
-METRIC_KEYS = ("step", "step_time_s")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl rows, the last entry per step, ordered by step.
-
-    A line cut short by a crash (the last one, not valid JSON) is skipped;
-    any other malformed line is a UsageError naming the line.
-    """
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"{str(path)!r} does not exist: is this a run directory written by "
-                         "`meshplan execute ... --out DIR`?") from None
-    by_step: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                continue
-            raise UsageError(f"{path}: line {number} is not valid JSON") from None
-        missing = [k for k in METRIC_KEYS if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise UsageError(f"{path}: line {number} lacks the keys {', '.join(missing)}")
-        by_step[int(row["step"])] = row
-    if not by_step:
-        raise UsageError(f"{path} holds no optimizer steps: run `meshplan execute` with --steps >= 1")
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def warmup_steps(n_steps: int, requested: int | None) -> int:
-    """How many leading steps to skip: the request, else the default, always leaving one."""
-    if requested is not None:
-        if requested < 0:
-            raise UsageError(f"--warmup-steps must be >= 0, got {requested}")
-        if requested >= n_steps:
-            raise UsageError(f"--warmup-steps {requested} leaves none of the run's {n_steps} steps")
-        return requested
-    return DEFAULT_WARMUP_STEPS if n_steps > DEFAULT_WARMUP_STEPS else max(0, n_steps - 1)
-
-
-def measure(plan: Plan, rows: list[dict[str, Any]], skip: int) -> dict[str, Any]:
-    """The measured figures of the counted steps (see the module docstring)."""
-    counted = rows[skip:]
-    step_time_s = statistics.median(float(r["step_time_s"]) for r in counted)
-    tokens_per_s = plan.training.tokens_per_step / step_time_s
-    tflops = plan.model.model_flops_per_token(plan.training.seq_len) * tokens_per_s / plan.world_size / 1e12
-    peaks = [int(r["peak_memory_bytes"]) for r in counted if r.get("peak_memory_bytes")]
-    losses = [float(r["loss"]) for r in counted if isinstance(r.get("loss"), (int, float))]
-    return {
-        "step_time_s": step_time_s,
-        "tokens_per_s": tokens_per_s,
-        "model_tflops_per_gpu": tflops,
-        "mfu": tflops * 1e12 / plan.cluster.gpu.peak_flops(plan.training.dtype),
-        "peak_memory_bytes": max(peaks) if peaks else None,
-        "step_time_min_s": min(float(r["step_time_s"]) for r in counted),
-        "step_time_max_s": max(float(r["step_time_s"]) for r in counted),
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-    }
 
 
 def predicted(plan: Plan) -> Prediction:
@@ -136,8 +62,13 @@ def build_report(run_dir: str | Path, warmup: int | None = None) -> tuple[dict[s
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"run directory {str(run_dir)!r} does not exist")
+    if not (run_dir / "plan.json").is_file():
+        raise UsageError(f"{str(run_dir)!r} is not a run directory (no plan.json): give the --out directory of "
+                         "`meshplan execute PLAN.json --out DIR`")
     plan = load_plan(run_dir / "plan.json")
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    from topologies.terminal import log
+
+    rows = read_metrics(run_dir / "metrics.jsonl", warn=lambda message: log(f"warning: {message}"))
     skip = warmup_steps(len(rows), warmup)
     pred = predicted(plan).to_json()
     pred_figures = {k: pred.get(k) for k in COMPARED}
@@ -155,7 +86,7 @@ def build_report(run_dir: str | Path, warmup: int | None = None) -> tuple[dict[s
                                                    "micro_batch_size", "grad_accum_steps", "recompute")},
         "steps_total": len(rows),
         "warmup_steps": skip,
-        "steps_counted": len(rows) - skip,
+        "steps_counted": meas["steps_counted"],
         "predicted": pred_figures,
         "measured": meas,
         "error": relative_errors(plan, pred_figures, meas),
@@ -225,5 +156,6 @@ def plot_report(report: dict[str, Any], rows: list[dict[str, Any]], path: str | 
     ax_m.set(ylabel="GiB", title="peak memory (worst rank)")
     ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from topologies.files import save_figure
+
+    save_figure(fig, path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from planner.model.load import load_model
 from planner.model.presets import PRESETS, SIZE_ALIASES
 from planner.model.spec import ModelSpec
 from topologies.terminal import console, emit_json
@@ -26,7 +25,7 @@ def model_summary(m: ModelSpec) -> dict:
     }
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan models list\n  meshplan models show 70B\n  meshplan models show ./Llama-3.1-8B/config.json\n")
 def models() -> None:
     """The model catalog: presets, size aliases and config files."""
 
@@ -60,7 +59,9 @@ def list_models(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def show_model(name: str, as_json: bool) -> None:
     """Show one model's architecture and parameter count (NAME: preset, size alias or config.json)."""
-    m = load_model(name)
+    from planner.cli.inputs import load_model_arg
+
+    m = load_model_arg(name)
     summary = model_summary(m)
     if as_json:
         emit_json(summary)

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import click
 
+from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
+from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
 from planner.search.candidates import Pins
+from planner.training import ATTENTION_KINDS, PRECISIONS
+from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
@@ -20,8 +24,12 @@ SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "
 def _common(f):
     """Options shared by plan and compare (model, batch, engine, calibration)."""
     for decorator in reversed([
-        click.option("--model", required=True, help="Preset name, size alias (13B) or config.json path."),
-        click.option("--gpus", type=POSITIVE, required=True, help="Number of GPUs (whole nodes beyond the first)."),
+        config_option,
+        click.option("--model", required=True,
+                     help="Preset name, size alias (13B), config.json path or Hugging Face snapshot directory."),
+        click.option("--gpus", required=True, metavar="N|LO-HI|auto",
+                     help="Number of GPUs (whole nodes beyond the first); `plan` also takes a range (8-512) or "
+                          "auto, to sweep the counts the cluster allows."),
         click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                      help="Override a cluster field, e.g. --set nic_gbit_per_s=200 (repeatable)."),
         click.option("--seq-len", type=POSITIVE, default=None,
@@ -39,7 +47,7 @@ def _common(f):
     return f
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan plan --model 70B --gpus 64\n  meshplan plan --model 405B --gpus auto --tokens 15T --price-per-gpu-hour 2.5\n  meshplan plan --model ./Llama-3.1-8B --gpus 8-64 --memory-headroom 10\n  meshplan plan --config job.toml -o plan.json --png memory.png\n")
 @click.option("--cluster", default="dgx-h100", show_default=True, help="Cluster preset name or TOML path.")
 @_common
 @click.option("--tp", type=POSITIVE, default=None, help="Pin the tensor-parallel degree.")
@@ -49,45 +57,90 @@ def _common(f):
 @click.option("--cp", type=POSITIVE, default=None, help="Pin the context-parallel degree.")
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="Pin the ZeRO stage (0: DDP, dp_shard 1).")
 @click.option("--micro-batch", type=POSITIVE, default=None, help="Pin the micro-batch size (sequences).")
-@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None, help="Pin activation recomputation.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Pin sequence parallelism (default: both are searched when tp > 1).")
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
 @click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
 @click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
+# ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+              help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
+                   "Blackwell) around a bf16 model.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
+              help="Pin activation recomputation: selective = attention core (Megatron), op = per-op "
+                   "selective checkpointing (torchtitan), full = whole blocks. Default: searched.")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default=None,
+              help="Attention kernel: fused (flash/cuDNN) or eager (softmax over materialized scores). "
+                   "Default: the engine's.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile per block (torchtitan, meshplan).")
+# ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
+# How many GPUs, how long, how much (planner.search.sweep), and how much memory to leave free.
+@click.option("--memory-headroom", "headroom_pct", type=FiniteFloat(0, 90), default=None, metavar="PCT",
+              help="Percent of GPU memory a plan leaves free [default: 5].")
+@click.option("--tokens", default=None, metavar="COUNT",
+              help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
+@click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
+              help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, recompute, sequence_parallel, pp_schedule, virtual_stages, ep, etp, top, output,
-         png):
+         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
+         recompute, attention, compile_, top, output, png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
-    3 when no layout fits, with the smallest shortfall and what would fix it.
+    3 when no layout fits, with the smallest shortfall, how many GPUs would
+    fit, and what else would fix it. `--gpus auto` or a range answers how many
+    GPUs to use instead.
     """
+    from planner.cli.inputs import headroom_fraction
+    from planner.search.sweep import parse_gpus, parse_tokens
+    from topologies.files import check_output
+
+    check_output(output, "-o")
+    check_output(png, "--png", image=True)
+    gpu_range = parse_gpus(gpus)
+    train_tokens = parse_tokens(tokens) if tokens is not None else None
     pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
                 virtual_stages=virtual_stages, ep=ep, etp=etp)
-    the_plan, result = search_plan(model, cluster, gpus, overrides, seq_len, global_batch, pins, engine,
-                                   calibration, top)
+    request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
+                          headroom_fraction(headroom_pct),
+                          TrainingOptions(precision, attention or "", compile_))
+    try:
+        if gpu_range.is_sweep:
+            from planner.cli.sweep import run_sweep
+
+            run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
+            return
+        the_plan, result = search_plan_request(request, gpu_range.lo)
+    except InfeasibleError as exc:
+        if as_json:  # a script reading stdout gets an answer too, not an empty string
+            emit_json({"feasible": False, "error": str(exc), "exit_code": exc.exit_code})
+        raise
     if output:
         the_plan.save(output)
     if png:
-        from planner.memory.chart import plot_memory
-        from planner.search.explain import short
+        plot_plan_memory(the_plan, result, png, request.usable_fraction)
+    cost = None
+    if train_tokens is not None:
+        from planner.search.sweep import training_cost
 
-        plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
-                     for i, s in enumerate(result.ranked)], png, capacity_bytes=the_plan.cluster.gpu.memory_bytes)
+        cost = training_cost(train_tokens, result.best.result.tokens_per_s, the_plan.cluster.world_size, price)
     if as_json:
-        emit_json(the_plan.to_json())
+        emit_json({**the_plan.to_json(), **({"training_cost": cost} if cost else {})})
         return
     _print_plan(the_plan, result, output, png)
+    if cost:
+        from planner.search.sweep import describe_cost
+
+        console().print(describe_cost(cost))
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan compare --model 70B --gpus 64 --cluster dgx-h100,dgx-a100-80g\n  meshplan compare --model 8B --gpus 16 --what-if nic_gbit_per_s=100,200,400 --png nic.png\n  meshplan compare --model 70B --gpus 64 --cluster dgx-h100,dgx-b200 --price-per-gpu-hour 2.5,4\n")
 @click.option("--cluster", "clusters", default="dgx-h100", show_default=True,
               help="Comma-separated cluster presets or TOML paths, compared side by side.")
 @_common
@@ -101,11 +154,21 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
             price_per_gpu_hour, png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
+    from planner.search.sweep import parse_gpus
+    from topologies.files import check_output
 
+    check_output(png, "--png", image=True)
+    gpu_range = parse_gpus(gpus)
+    if gpu_range.is_sweep:
+        raise UsageError(f"compare --gpus {gpus!r}: compare takes one GPU count; sweep counts with "
+                         f"`meshplan plan --gpus {gpus}`")
+    gpus = gpu_range.lo
+    model = resolve_model_arg(model)
+    load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                             price_per_gpu_hour)
     if png:
-        plot_compare(rows, png)
+        plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:
         emit_json({"model": model, "gpus": gpus, "variants": [r.to_json() for r in rows]})
         return
@@ -113,25 +176,14 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
 
 
 def search_plan(model_name: str, cluster_name: str, gpus: int, overrides: tuple[str, ...], seq_len: int | None,
-                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int):
+                global_batch: int | None, pins: Pins, engine: str, calibration: str | None, top: int,
+                options: TrainingOptions = TrainingOptions()):
     """Resolve the inputs, search, and return (Plan, SearchResult); typed errors when nothing can run."""
-    from planner.model.load import load_model
-    from planner.search.candidates import check_pins
-    from planner.search.explain import build_plan, no_layout_error
-    from planner.search.search import search
-    from planner.simulate.calibration import load_calibration
-    from planner.training import default_seq_len
-    from topologies.cluster_load import load_cluster, parse_overrides
+    from planner.search.search import USABLE_MEMORY_FRACTION
 
-    model = load_model(model_name)
-    cluster = load_cluster(cluster_name, gpus, parse_overrides(overrides))
-    seq = seq_len or default_seq_len(model.max_seq_len)
-    profile = load_calibration(calibration, cluster.gpu)
-    check_pins(cluster.world_size, model, seq, global_batch, pins)
-    result = search(model, cluster, seq, global_batch, pins, engine, profile, top)
-    if not result.ranked:
-        raise no_layout_error(result, pins, cluster.world_size)
-    return build_plan(model, cluster, result, engine), result
+    request = PlanRequest(model_name, cluster_name, tuple(overrides), seq_len, global_batch, pins, engine,
+                          calibration, top, USABLE_MEMORY_FRACTION, options)
+    return search_plan_request(request, gpus)
 
 
 def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
@@ -143,9 +195,10 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     if not out.is_terminal:  # a pipe or file has no width to respect: do not squeeze the table
         out.width = max(out.width, 120)
     m, c, t = the_plan.model, the_plan.cluster, the_plan.training
-    out.print(f"[bold]{m.name}[/] ({_si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
+    out.print(f"[bold]{m.name}[/] ({si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
-              f"global batch {t.global_batch_size} ({_si(t.tokens_per_step)} tokens), engine {the_plan.engine}")
+              f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
+              f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}")
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)
@@ -159,8 +212,8 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
             f"v{lay.virtual_stages}" if lay.pp_schedule == "interleaved-1f1b" else "")
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
-                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute, sched,
-                      f"{r.step_time_s:.3f}", _si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
+                      f"{lay.micro_batch_size}x{lay.grad_accum_steps}", lay.recompute + (f":{lay.recompute_layers}" if lay.recompute_layers else ""), sched,
+                      f"{r.step_time_s:.3f}", si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)
@@ -170,11 +223,3 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     for path, what in ((output, "plan"), (png, "memory chart")):
         if path:
             out.print(f"wrote {what} to {path}")
-
-
-def _si(value: float) -> str:
-    """1234567 -> '1.23M': short numbers for narrow tables."""
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= div:
-            return f"{value / div:.3g}{unit}"
-    return f"{value:.3g}"

@@ -19,7 +19,7 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
                   ("embedding_sync", "  of which tied-embedding sync"))
 
 
-@click.command()
+@click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n")
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome/Perfetto trace of one step (open it at ui.perfetto.dev).")
@@ -34,7 +34,10 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
+    from topologies.files import check_output
 
+    check_output(trace_path, "--trace")
+    check_output(png_path, "--png", image=True)
     plan = load_plan(plan_path)
     cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)
@@ -49,7 +52,10 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     if png_path:
         from planner.simulate.trace import plot_gantt
 
-        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path)
+        c = plan.cluster
+        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path,
+                   title=f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): tp {layout.tp}, pp "
+                         f"{layout.pp}, dp {layout.dp}, ZeRO-{layout.zero_stage}")
         log(f"wrote {png_path}")
     prediction = result.prediction()
     if as_json:

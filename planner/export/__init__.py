@@ -5,12 +5,19 @@ language. `export_plan(plan, target)` turns a Plan into one file for one
 engine, plus the list of what that engine cannot express: an export never
 silently drops part of a plan. Each target is a module of its own:
 
-  torchtitan  job config TOML       (planner.export.torchtitan)
+  torchtitan  job config TOML (0.2) or Python config module (0.3) (planner.export.torchtitan)
   megatron    Megatron-LM arguments (planner.export.megatron)
-  deepspeed   ds_config.json (+ hostfile with hosts) (planner.export.deepspeed)
+  deepspeed   ds_config.json + mpu module (+ hostfile with hosts) (planner.export.deepspeed)
   accelerate  accelerate config YAML (planner.export.accelerate)
   torchrun    per-node launch script running `meshplan execute` (planner.export.launch)
   slurm       sbatch script running `meshplan execute` (planner.export.launch)
+
+A target whose file format or option names changed between releases takes a
+`target_version` (`meshplan export --target-version`): torchtitan 0.2 / 0.3,
+DeepSpeed before / from 0.19.7 (MiCS removed), Megatron-Core releases.
+What a target cannot run at all is refused with ExportRefused (exit 2);
+what it can run only in a nearby form is exported in that form, with a note
+that says what changed and what simulate_step predicts it costs.
 
 Nothing here imports torch: exporting is part of the planning path.
 """
@@ -25,6 +32,15 @@ from planner.plan import Plan
 from topologies.errors import UsageError, nearest
 
 TARGETS: tuple[str, ...] = ("torchtitan", "megatron", "deepspeed", "accelerate", "torchrun", "slurm")
+# The release each target's export is written for when no --target-version is given,
+# and the oldest / first-unsupported releases accepted (the versions tests/consumers installs).
+DEFAULT_VERSIONS = {"torchtitan": "0.2", "megatron": "0.16", "deepspeed": "0.19.8", "accelerate": "1.15"}
+VERSION_RANGES = {"torchtitan": ((0, 2), (0, 4)), "megatron": ((0, 12), (1,)),
+                  "deepspeed": ((0, 16, 4), (1,)), "accelerate": ((1, 10), (2,))}
+
+
+class ExportRefused(UsageError):
+    """The target cannot run this plan in any nearby form; the message says why and what to use. Exit 2."""
 
 
 @dataclass(frozen=True)
@@ -71,23 +87,45 @@ def check_hosts(plan: Plan, hosts: Sequence[str] | None) -> tuple[str, ...]:
     return names
 
 
+def target_version(target: str, version: str | None) -> tuple[int, ...]:
+    """The release `target` is exported for: `version` checked against VERSION_RANGES, or the default."""
+    from planner.export.common import parse_version
+
+    if target not in DEFAULT_VERSIONS:
+        if version is not None:
+            raise UsageError(f"--target-version applies to {', '.join(DEFAULT_VERSIONS)}; the {target} export "
+                             "runs `meshplan execute`, which has no versions: drop the flag")
+        return ()
+    parsed = parse_version(version if version is not None else DEFAULT_VERSIONS[target])
+    low, high = VERSION_RANGES[target]
+    if not low <= parsed < high:
+        show = ".".join
+        raise UsageError(f"--target-version {version} for {target}: meshplan writes {target} "
+                         f"{show(map(str, low))} up to (not including) {show(map(str, high))}")
+    return parsed
+
+
 def export_plan(plan: Plan, target: str, hosts: Sequence[str] | None = None,
-                plan_path: str = "plan.json") -> ExportResult:
-    """Export `plan` for `target` (one of TARGETS).
+                plan_path: str = "plan.json", version: str | None = None) -> ExportResult:
+    """Export `plan` for `target` (one of TARGETS), for release `version` of it (default DEFAULT_VERSIONS).
 
     `hosts` names the nodes in order (node 0 first); it fills DeepSpeed's
     hostfile and the rendezvous address of the launch scripts. `plan_path`
     is the plan file the torchrun/slurm scripts pass to `meshplan execute`.
+    Raises ExportRefused when the target cannot run the plan in any form.
     """
     from planner.export import accelerate, deepspeed, launch, megatron, torchtitan
 
+    if target not in TARGETS:
+        raise UsageError(f"unknown export target {target!r}{nearest(target, TARGETS)}; use one of {', '.join(TARGETS)}")
     names = check_hosts(plan, hosts)
+    release = target_version(target, version)
     if target == "torchtitan":
-        return torchtitan.export(plan)
+        return torchtitan.export(plan, release)
     if target == "megatron":
-        return megatron.export(plan)
+        return megatron.export(plan, release)
     if target == "deepspeed":
-        return deepspeed.export(plan, names)
+        return deepspeed.export(plan, names, release)
     if target == "accelerate":
         return accelerate.export(plan, names)
     if target == "torchrun":

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from planner.layout import Layout
 from planner.plan import Plan, with_stage_layers
+from planner.training import TrainingSpec
+from topologies.errors import MeshplanError, UsageError
+from topologies.hardware import GIB
 
 
 def summary_lines(plan: Plan) -> list[str]:
@@ -48,3 +52,37 @@ def notes_lines(notes: Iterable[str]) -> list[str]:
 def stage_layers(plan: Plan) -> tuple[int, ...]:
     """Transformer layers per (virtual) pipeline stage, in model order (balanced when the plan leaves it empty)."""
     return with_stage_layers(plan.model, plan.layout).layers_per_stage
+
+
+def predicted_change(plan: Plan, layout: Layout, engine: str | None = None,
+                     training: TrainingSpec | None = None) -> str:
+    """What running `layout` instead of the plan's costs, as simulate_step predicts it (one clause).
+
+    Used by every exporter that maps a layout its target cannot run to the
+    nearest one it can: the note then says what changes in time and memory.
+    `engine` is whose traits run the changed layout (default: the plan's);
+    `training` replaces the plan's where the change also moves the batch.
+    """
+    from planner.simulate.step import simulate_step
+
+    engine = engine or plan.engine
+    layout = with_stage_layers(plan.model, layout)
+    try:
+        before = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, engine=engine)
+        after = simulate_step(plan.model, training or plan.training, layout, plan.cluster, engine=engine)
+    except MeshplanError as exc:  # a layout the simulator cannot price: say so rather than guess
+        return f"predicted cost unknown ({exc})"
+    gib, cap = GIB, plan.cluster.gpu.memory_bytes
+    change = after.step_time_s / before.step_time_s - 1
+    fits = "fits" if after.memory.peak_bytes <= cap else "does NOT fit"
+    return (f"predicted step {before.step_time_s:.3g} s -> {after.step_time_s:.3g} s ({change:+.1%}), peak memory "
+            f"{before.memory.peak_bytes / gib:.1f} -> {after.memory.peak_bytes / gib:.1f} GiB per GPU "
+            f"({fits} in {cap / gib:.0f} GiB; {engine} engine)")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.19.8' -> (0, 19, 8); a UsageError naming the value otherwise."""
+    parts = text.strip().lstrip("v").split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise UsageError(f"--target-version must look like 0.19 or 0.19.8, got {text!r}")
+    return tuple(int(p) for p in parts)

@@ -122,9 +122,36 @@ def slurm_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: in
     return out + f'srun --nodes={n} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$cmd"\n'
 
 
+def execute_refusal(plan: Plan) -> str | None:
+    """Why `meshplan execute` would refuse this plan, naming the engine whose launcher to use; None if it runs.
+
+    The scripts only wrap `meshplan execute`, so a plan its executor refuses
+    (planner.engines.executor_refusal) must say so instead of promising a run.
+    """
+    from planner.engines import get_engine
+
+    on_gpu = plan.cluster.gpu.kind == "gpu"
+    reason = get_engine("meshplan").refusal(plan.model, plan.layout, plan.training.dtype, on_gpu)
+    if reason is None:
+        return None
+    other = plan.engine if plan.engine != "meshplan" else "megatron"
+    return (f"`meshplan execute` refuses this plan ({reason}); launch it with {other}'s own launcher instead: "
+            f"`meshplan export --to {other}`")
+
+
 def export_torchrun(plan: Plan, plan_path: str, hosts: tuple[str, ...] = ()) -> ExportResult:
-    return ExportResult("torchrun", torchrun_script(plan, plan_path, hosts), "launch_torchrun.sh")
+    return _with_refusal(ExportResult("torchrun", torchrun_script(plan, plan_path, hosts), "launch_torchrun.sh"), plan)
 
 
 def export_slurm(plan: Plan, plan_path: str, hosts: tuple[str, ...] = ()) -> ExportResult:
-    return ExportResult("slurm", slurm_script(plan, plan_path, hosts), "launch.sbatch")
+    return _with_refusal(ExportResult("slurm", slurm_script(plan, plan_path, hosts), "launch.sbatch"), plan)
+
+
+def _with_refusal(result: ExportResult, plan: Plan) -> ExportResult:
+    """The script with the executor's refusal in its notes and in place of its 'could not express: nothing'."""
+    reason = execute_refusal(plan)
+    if reason is None:
+        return result
+    nothing = comment_block(notes_lines(()))
+    text = result.text.replace(nothing, comment_block(notes_lines([reason])), 1)
+    return ExportResult(result.target, text, result.filename, (reason,), result.extra_files)

@@ -1,7 +1,12 @@
 """Export to Megatron-LM: its command-line arguments, as a bash array.
 
 Argument names follow megatron/training/arguments.py of Megatron-Core 0.14
-(2025). Megatron builds its groups in the order tp-cp-ep-dp-pp (tp fastest),
+(2025), which 0.15, 0.16 and main still accept. `--target-version` below
+0.14 writes the older names (checked against the core_v0.12.0 and
+core_v0.13.0 trees): Megatron-FSDP was `--use-custom-fsdp` and had no
+fsdp_dtensor checkpoint format; 0.12 has no --pipeline-model-parallel-layout,
+only --decoder-first/last-pipeline-num-layers for a split whose middle
+stages are even. Megatron builds its groups in the order tp-cp-ep-dp-pp (tp fastest),
 the same rank grid as meshplan's (pp, dp_replicate, dp_shard, cp, tp), so
 the degrees carry over one to one.
 
@@ -25,20 +30,25 @@ from __future__ import annotations
 
 import shlex
 
-from planner.export import ExportResult
-from planner.export.common import comment_block, notes_lines, stage_layers, summary_lines
+from planner.export import ExportRefused, ExportResult
+from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
 from planner.plan import Plan
 
 Arg = tuple[str, ...]  # one option and its values, e.g. ("--micro-batch-size", "1")
 
 
-def export(plan: Plan) -> ExportResult:
-    args, notes = build_args(plan)
+MEGATRON_FSDP_RENAMED = (0, 14)  # --use-custom-fsdp became --use-megatron-fsdp (+ --ckpt-format fsdp_dtensor)
+LAYOUT_ADDED = (0, 13)  # first release with --pipeline-model-parallel-layout
+
+
+def export(plan: Plan, version: tuple[int, ...] = (0, 16)) -> ExportResult:
+    args, notes = build_args(plan, version)
     lay = plan.layout
-    header = ["Megatron-LM arguments (Megatron-Core 0.14, megatron/training/arguments.py) written by "
+    shown = ".".join(map(str, version))
+    header = [f"Megatron-LM arguments (Megatron-Core {shown}, megatron/training/arguments.py) written by "
               "`meshplan export`"]
     text = "#!/usr/bin/env bash\n" + comment_block(header + summary_lines(plan) + notes_lines(notes))
-    if max(lay.tp, lay.cp) > 1 and ("--use-megatron-fsdp",) not in args:
+    if max(lay.tp, lay.cp) > 1 and not {("--use-megatron-fsdp",), ("--use-custom-fsdp",)} & set(args):
         text += "# Megatron requires this with TP or CP on GPUs before Blackwell (validate_args)\n"
         text += "export CUDA_DEVICE_MAX_CONNECTIONS=1\n"
     text += "MEGATRON_ARGS=(\n" + "".join(f"  {shlex.join(a)}\n" for a in args) + ")\n"
@@ -50,15 +60,15 @@ def export(plan: Plan) -> ExportResult:
     return ExportResult("megatron", text, "megatron_args.sh", tuple(notes))
 
 
-def build_args(plan: Plan) -> tuple[list[Arg], list[str]]:
+def build_args(plan: Plan, version: tuple[int, ...] = (0, 16)) -> tuple[list[Arg], list[str]]:
     """Megatron's options for the plan (each with its values) and the notes on what they cannot express."""
     notes: list[str] = []
-    args = _parallel_args(plan, notes) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
+    args = _parallel_args(plan, notes, version) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
     args += _precision_args(plan, notes) + _model_args(plan, notes)
     return args, notes
 
 
-def _parallel_args(plan: Plan, notes: list[str]) -> list[Arg]:
+def _parallel_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> list[Arg]:
     lay = plan.layout
     args: list[Arg] = [("--tensor-model-parallel-size", str(lay.tp)),
                        ("--pipeline-model-parallel-size", str(lay.pp)),
@@ -71,10 +81,10 @@ def _parallel_args(plan: Plan, notes: list[str]) -> list[Arg]:
         args.append(("--sequence-parallel",))
     if lay.cp > 1 and plan.training.seq_len % (2 * lay.cp):
         notes.append(f"cp {lay.cp}: Megatron needs seq_len ({plan.training.seq_len}) divisible by 2 * cp")
-    return args + _pipeline_args(plan, notes) + _zero_args(plan, notes)
+    return args + _pipeline_args(plan, notes, version) + _zero_args(plan, notes, version)
 
 
-def _pipeline_args(plan: Plan, notes: list[str]) -> list[Arg]:
+def _pipeline_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> list[Arg]:
     lay = plan.layout
     if lay.pp == 1:
         return []
@@ -86,7 +96,15 @@ def _pipeline_args(plan: Plan, notes: list[str]) -> list[Arg]:
     counts = stage_layers(plan)
     if len(set(counts)) == 1:
         return [("--num-layers-per-virtual-pipeline-stage", str(counts[0]))] if lay.virtual_stages > 1 else []
-    return [("--pipeline-model-parallel-layout", pipeline_layout(counts))]
+    if version >= LAYOUT_ADDED:
+        return [("--pipeline-model-parallel-layout", pipeline_layout(counts))]
+    if lay.virtual_stages == 1 and len(set(counts[1:-1])) <= 1:
+        return [("--decoder-first-pipeline-num-layers", str(counts[0])),
+                ("--decoder-last-pipeline-num-layers", str(counts[-1]))]
+    raise ExportRefused(
+        f"layers per stage {list(counts)}: Megatron-Core before 0.13 splits unevenly only through the first and "
+        "last stage (--decoder-first/last-pipeline-num-layers) without virtual stages; export with "
+        "--target-version 0.13 or later (--pipeline-model-parallel-layout), or plan an even split")
 
 
 def pipeline_layout(counts: tuple[int, ...]) -> str:
@@ -94,7 +112,7 @@ def pipeline_layout(counts: tuple[int, ...]) -> str:
     return "E," + "|".join(f"t*{n}" for n in counts) + ",L"
 
 
-def _zero_args(plan: Plan, notes: list[str]) -> list[Arg]:
+def _zero_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> list[Arg]:
     lay = plan.layout
     if lay.zero_stage == 0:
         return []
@@ -104,13 +122,17 @@ def _zero_args(plan: Plan, notes: list[str]) -> list[Arg]:
     if lay.pp > 1:
         notes.append(f"ZeRO-{lay.zero_stage} with pp {lay.pp}: Megatron-FSDP is not documented with pipeline "
                      "parallelism; exported as the distributed optimizer (ZeRO-1), so gradients"
-                     + (" and parameters" if lay.zero_stage == 3 else "") + " stay replicated over dp and "
-                     "per-GPU memory is higher than planned")
+                     + (" and parameters" if lay.zero_stage == 3 else "") + " stay replicated over dp: "
+                     + predicted_change(plan, lay.replace(zero_stage=1), "megatron"))
         return [("--use-distributed-optimizer",), *instances]
     if lay.dp_replicate > 1:
         notes.append(f"HSDP (dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}): exported as Megatron-FSDP "
-                     f"sharding over all {lay.dp} data-parallel ranks, so sharded collectives cross the replicas")
+                     f"sharding over all {lay.dp} data-parallel ranks, so sharded collectives cross the replicas: "
+                     + predicted_change(plan, lay.replace(dp_replicate=1, dp_shard=lay.dp), "megatron"))
     strategy = "optim_grads" if lay.zero_stage == 2 else "optim_grads_params"
+    if version < MEGATRON_FSDP_RENAMED:
+        return [("--use-custom-fsdp",), ("--data-parallel-sharding-strategy", strategy),
+                ("--use-distributed-optimizer",), ("--no-gradient-accumulation-fusion",)]
     return [("--use-megatron-fsdp",), ("--data-parallel-sharding-strategy", strategy),
             ("--use-distributed-optimizer",), ("--no-gradient-accumulation-fusion",),
             ("--ckpt-format", "fsdp_dtensor")]
@@ -126,6 +148,9 @@ def _recompute_args(plan: Plan) -> list[Arg]:
     """selective recomputes the attention core (Megatron's default module core_attn), full every layer."""
     if plan.layout.recompute == "selective":
         return [("--recompute-granularity", "selective")]
+    if plan.layout.recompute == "full" and plan.layout.recompute_layers:  # the first N layers of each chunk
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                ("--recompute-num-layers", str(plan.layout.recompute_layers))]
     if plan.layout.recompute == "full":
         return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                 ("--recompute-num-layers", "1")]
@@ -150,6 +175,13 @@ def _precision_args(plan: Plan, notes: list[str]) -> list[Arg]:
     elif tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype} with dtype {tr.dtype}: Megatron reduces in fp32 or bf16 only")
     args.append(("--optimizer", "adam" if tr.optimizer == "adamw" else "sgd"))  # Megatron's adam is AdamW
+    if tr.precision == "fp8":  # Transformer Engine: E4M3 forward, E5M2 gradients, per-tensor delayed scaling
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed")]
+    elif tr.precision == "mxfp8":
+        args += [("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")]
+    if tr.attention == "eager":
+        notes.append("attention eager: the plan assumed unfused softmax attention (the 2021-22 Megatron-LM); "
+                     "select Megatron's unfused attention backend to match it")
     return args
 
 

@@ -1,18 +1,29 @@
-"""Export to torchtitan: a job config TOML.
+"""Export to torchtitan: a job config TOML (0.2) or a Python config module (0.3).
 
-Field names follow torchtitan's TOML JobConfig (torchtitan/config/job_config.py
-of the 0.2 line, 2025): [training] local_batch_size / global_batch_size /
-seq_len / mixed_precision_param / enable_cpu_offload, [parallelism]
-data_parallel_replicate_degree / data_parallel_shard_degree /
+torchtitan 0.2 reads a TOML JobConfig (torchtitan/config/job_config.py):
+[model] name / flavor, [training] local_batch_size / global_batch_size /
+seq_len / mixed_precision_param / mixed_precision_reduce / enable_cpu_offload,
+[parallelism] data_parallel_replicate_degree / data_parallel_shard_degree /
 fsdp_reshard_after_forward / tensor_parallel_degree / context_parallel_degree /
 pipeline_parallel_degree / pipeline_parallel_schedule /
 pipeline_parallel_microbatch_size / module_fqns_per_model_part /
-expert_parallel_degree, [activation_checkpoint] mode. (torchtitan's main
-branch has since moved to Python config objects and renamed two PP fields:
-pipeline_parallel_module_fqns_per_model_part and num_pp_microbatches.)
+expert_parallel_degree, [activation_checkpoint] mode. torchtitan 0.3 dropped
+TOML: `torchtitan.train --module M --config F` imports module M and calls F()
+for a Trainer.Config, so the 0.3 export is such a module, starting from the
+registered llama3 config of the model and setting TrainingConfig,
+ParallelismConfig (same field names, plus enable_sequence_parallel) and the
+activation checkpointing policy object. tests/consumers loads both with
+torchtitan's ConfigManager and parallelizes a meta model under a fake group.
 
-torchtitan orders its mesh pp, dp_replicate, dp_shard, cp, tp -- the same as
-meshplan's rank grid -- so the degrees carry over one to one.
+The model shape comes from a flavor torchtitan registers (0.2: debugmodel,
+8B, 70B, 405B; 0.3 also 1B, 3B), never from the file, so a model whose shape
+is none of them is refused rather than trained at the wrong size.
+
+torchtitan orders its mesh pp, dp_replicate, dp_shard, cp, tp, the same as
+meshplan's rank grid, so the degrees carry over one to one, except plain DDP
+next to TP/PP: torchtitan 0.2's parallelize_llama refuses DDP on a mesh of
+more than one dimension, so those replicas are exported as FSDP2 shards
+without resharding after forward (ZeRO-2), with the predicted cost.
 
 Batch arithmetic. torchtitan runs global_batch_size // (local_batch_size * dp)
 gradient-accumulation steps, and with PP splits each local batch into
@@ -24,48 +35,99 @@ and in both cases global = micro * grad_accum * dp, as in the plan.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from planner.export import ExportResult
-from planner.export.common import notes_lines, stage_layers, summary_lines
+from planner.engines import ENGINE_NAMES
+from planner.export import ExportRefused, ExportResult
+from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
 from planner.export.toml_emit import dumps
-from planner.layout import stage_ranges
+from planner.layout import Layout, stage_ranges
 from planner.plan import Plan
 
 # meshplan pp_schedule -> torch.distributed.pipelining schedule name (get_schedule_class)
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zb-v": "ZBVZeroBubble"}
 # meshplan dtype -> training.mixed_precision_param (torchtitan accepts bfloat16 or float32)
 PARAM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# llama3 flavors torchtitan registers: (hidden, layers, heads, kv heads, vocab) -> (flavor, first release, 0.3 config)
+FLAVORS = {
+    (4096, 32, 32, 8, 128256): ("8B", (0, 2), "llama3_8b"),
+    (8192, 80, 64, 8, 128256): ("70B", (0, 2), "llama3_70b"),
+    (16384, 126, 128, 8, 128256): ("405B", (0, 2), "llama3_405b"),
+    (2048, 16, 32, 8, 128256): ("1B", (0, 3), None),
+    (3072, 28, 24, 8, 128256): ("3B", (0, 3), None),
+}
+PYTHON_CONFIGS = (0, 3)  # first release configured by a Python module instead of TOML
 
 
-def export(plan: Plan) -> ExportResult:
+def _engine(plan: Plan) -> str:
+    """Whose traits price a changed layout: torchtitan's where planner.engines has it, else the plan's."""
+    return "torchtitan" if "torchtitan" in ENGINE_NAMES else plan.engine
+
+
+def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
     notes: list[str] = []
+    flavor, config_fn = model_flavor(plan, version)
+    notes += _model_notes(plan)
+    training = _training(plan, notes)
+    run = _runnable_layout(plan, version, notes)
+    parallelism = _parallelism(plan, run, version, notes)
+    ac = plan.layout.recompute
+    if ac == "op":  # torchtitan's own per-op selective checkpointing: what meshplan modelled
+        ac = "selective"
+    elif ac == "selective":
+        notes.append("recompute 'selective': torchtitan's per-op selective AC saves matmul and attention outputs "
+                     "by its own policy; meshplan modelled recomputing the attention core only")
+    notes += _engine_notes(plan)
+    header = summary_lines(plan) + notes_lines(notes)
+    if version >= PYTHON_CONFIGS:
+        return _python_module(plan, config_fn, training, parallelism, ac, header, notes)
     tables: dict[str, dict[str, Any]] = {
         "job": {"description": f"meshplan export: {plan.model.name} on {plan.world_size} ranks"},
-        "model": _model(plan, notes),
-        "training": _training(plan, notes),
-        "parallelism": _parallelism(plan, notes),
-        "activation_checkpoint": _activation_checkpoint(plan, notes),
+        "model": {"name": "llama3", "flavor": flavor},
+        "training": training,
+        "parallelism": parallelism,
+        "activation_checkpoint": {"mode": ac, **({"selective_ac_option": "op"} if ac == "selective" else {})},
     }
-    header = ["torchtitan job config (TOML JobConfig, torchtitan 0.2) written by `meshplan export`"]
-    header += summary_lines(plan) + notes_lines(notes)
-    text = dumps(tables, header)
+    text = dumps(tables, ["torchtitan job config (TOML JobConfig, torchtitan 0.2) written by `meshplan export`"]
+                 + header)
     return ExportResult("torchtitan", text, f"{plan.model.name}.toml", tuple(notes))
 
 
-def _model(plan: Plan, notes: list[str]) -> dict[str, Any]:
+def model_flavor(plan: Plan, version: tuple[int, ...]) -> tuple[str, str | None]:
+    """The registered llama3 flavor with the plan's shape (and its 0.3 config function); refused otherwise."""
     m = plan.model
-    notes.append(
-        f"model shape: torchtitan reads it from a registered flavor, not from this file; register flavor "
-        f"{m.name!r} with dim={m.hidden}, n_layers={m.n_layers}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, "
-        f"vocab_size={m.vocab}, FFN hidden {m.ffn_hidden}"
-    )
+    key = (m.hidden, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab)
+    hit = FLAVORS.get(key)
+    if hit is None or version < hit[1] or (version >= PYTHON_CONFIGS and hit[2] is None):
+        known = ", ".join(f"{name} (hidden {k[0]}, {k[1]} layers, {k[2]} heads, {k[3]} kv heads, vocab {k[4]})"
+                          for k, (name, since, fn) in FLAVORS.items()
+                          if version >= since and (fn or version < PYTHON_CONFIGS))
+        raise ExportRefused(
+            f"torchtitan builds llama3 models from registered flavors only: {known}; model {m.name!r} (hidden "
+            f"{m.hidden}, {m.n_layers} layers, {m.n_heads} heads, {m.n_kv_heads} kv heads, vocab {m.vocab}) is "
+            "none of them. Plan one of those models (e.g. --model llama3-8b), or export --to megatron or "
+            "--to deepspeed, which take the shape from the export")
+    return hit[0], hit[2]
+
+
+def _model_notes(plan: Plan) -> list[str]:
+    m = plan.model
     if (m.mlp, m.norm, m.position, m.bias) != ("swiglu", "rmsnorm", "rope", False) or m.moe is not None:
-        notes.append(
-            f"architecture: torchtitan's llama3 is SwiGLU + RMSNorm + RoPE without biases; this model has "
-            f"mlp={m.mlp}, norm={m.norm}, position={m.position}, bias={m.bias}, moe={m.moe is not None}"
-        )
-    return {"name": "llama3", "flavor": m.name}
+        return [f"architecture: torchtitan's llama3 is SwiGLU + RMSNorm + RoPE without biases; this model has "
+                f"mlp={m.mlp}, norm={m.norm}, position={m.position}, bias={m.bias}, moe={m.moe is not None}"]
+    return []
+
+
+def _engine_notes(plan: Plan) -> list[str]:
+    """Whose traits predicted this plan: torchtitan's engine where planner.engines has one."""
+    if plan.engine == "torchtitan":
+        return []
+    if "torchtitan" in ENGINE_NAMES:
+        return [f"prediction: this plan was made for --engine {plan.engine}; `meshplan plan ... --engine "
+                "torchtitan` predicts torchtitan's own step (its layout choice may differ)"]
+    return [f"prediction: made for --engine {plan.engine}; meshplan has no torchtitan engine yet, and "
+            "torchtitan runs FSDP2/DTensor as meshplan's own executor does"]
 
 
 def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
@@ -80,6 +142,11 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     entries["mixed_precision_reduce"] = "float32"
     if tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype}: torchtitan reduces gradients in float32 only")
+    if tr.fp8:  # torchao float8 / MX converters: their TOML keys differ between torchtitan releases
+        notes.append(f"precision {tr.precision}: enable torchtitan's {'float8' if tr.precision == 'fp8' else 'mx'} "
+                     "model converter with FSDP float8 all-gathers (what the plan assumed); not written here")
+    if tr.compile:
+        notes.append("compile: enable torchtitan's torch.compile of the model (per block); not written here")
     if lay.offload != "none":
         entries["enable_cpu_offload"] = True
         if lay.offload == "optimizer":
@@ -90,26 +157,54 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     return entries
 
 
-def _parallelism(plan: Plan, notes: list[str]) -> dict[str, Any]:
+def ddp_refused(layout: Layout, version: tuple[int, ...]) -> bool:
+    """Whether torchtitan would take the plan's replicas as DDP on a multi-dimensional mesh (0.2 refuses it).
+
+    torchtitan 0.2 applies FSDP when dp_shard or cp > 1, else DDP when
+    dp_replicate > 1; its DDP accepts a 1-D mesh only. 0.3 always uses FSDP2.
+    """
+    return (version < PYTHON_CONFIGS and layout.zero_stage == 0 and layout.dp_replicate > 1
+            and layout.dp_shard == 1 and layout.cp == 1 and max(layout.tp, layout.pp) > 1)
+
+
+def _runnable_layout(plan: Plan, version: tuple[int, ...], notes: list[str]) -> Layout:
+    lay = plan.layout
+    if not ddp_refused(lay, version):
+        return lay
+    run = lay.replace(dp_replicate=1, dp_shard=lay.dp, zero_stage=2)
+    notes.append(f"DDP (dp_replicate {lay.dp_replicate}, ZeRO-0) with tp {lay.tp} / pp {lay.pp}: torchtitan 0.2 "
+                 f"refuses DDP on a mesh of more than one dimension; exported as FSDP2 over data_parallel_shard_"
+                 f"degree {lay.dp} without resharding after forward (ZeRO-2): "
+                 + predicted_change(plan, run, _engine(plan)))
+    return run
+
+
+def _parallelism(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[str]) -> dict[str, Any]:
     lay = plan.layout
     entries: dict[str, Any] = {
-        "data_parallel_replicate_degree": lay.dp_replicate,
-        "data_parallel_shard_degree": lay.dp_shard,
+        "data_parallel_replicate_degree": run.dp_replicate,
+        "data_parallel_shard_degree": run.dp_shard,
     }
-    if lay.zero_stage > 0:
-        entries["fsdp_reshard_after_forward"] = "always" if lay.zero_stage == 3 else "never"
+    if run.zero_stage > 0:
+        entries["fsdp_reshard_after_forward"] = "always" if run.zero_stage == 3 else "never"
     if lay.zero_stage == 1:
         notes.append(f"ZeRO-1: torchtitan has no optimizer-only sharding; exported as FSDP2 without resharding "
-                     f"after forward (ZeRO-2: gradients sharded over dp_shard {lay.dp_shard} too)")
-    if lay.zero_stage == 0 and lay.dp_replicate > 1 and max(lay.tp, lay.cp, lay.pp) > 1:
-        notes.append(f"DDP with tp {lay.tp} / cp {lay.cp} / pp {lay.pp}: torchtitan applies DDP only to 1-D "
-                     f"meshes; use ZeRO-2 (data_parallel_shard_degree) instead")
-    if lay.cp > 1 and lay.zero_stage > 0:
-        notes.append(f"cp {lay.cp}: torchtitan shards FSDP over dp_shard * cp = {lay.dp_shard * lay.cp} ranks, "
-                     f"meshplan over dp_shard {lay.dp_shard}; per-rank model state is smaller than planned")
+                     f"after forward (ZeRO-2: gradients sharded over dp_shard {lay.dp_shard} too): "
+                     + predicted_change(plan, lay.replace(zero_stage=2), _engine(plan)))
+    if lay.zero_stage == 0 and lay.dp_replicate > 1 and not ddp_refused(lay, version) and (
+            version >= PYTHON_CONFIGS or lay.cp > 1):
+        notes.append(f"ZeRO-0: torchtitan {'0.3' if version >= PYTHON_CONFIGS else '0.2 with cp > 1'} replicates "
+                     f"over dp_replicate {lay.dp_replicate} with FSDP2 (fully_shard on a replicate mesh), "
+                     "not torch DDP; the same memory, gradients reduced per FSDP unit")
+    if lay.cp > 1 and run.zero_stage > 0:
+        notes.append(f"cp {lay.cp}: torchtitan shards FSDP over dp_shard * cp = {run.dp_shard * lay.cp} ranks, "
+                     f"meshplan over dp_shard {run.dp_shard}; per-rank model state is smaller than planned")
     entries["tensor_parallel_degree"] = lay.tp
     if lay.tp > 1 and not lay.sequence_parallel:
-        notes.append(f"sequence_parallel off: torchtitan always uses sequence parallel with tp {lay.tp}")
+        if version >= PYTHON_CONFIGS:
+            entries["enable_sequence_parallel"] = False
+        else:
+            notes.append(f"sequence_parallel off: torchtitan 0.2 always uses sequence parallel with tp {lay.tp}")
     entries["context_parallel_degree"] = lay.cp
     entries["pipeline_parallel_degree"] = lay.pp
     if lay.pp > 1:
@@ -131,10 +226,35 @@ def _model_parts(plan: Plan) -> list[list[str]]:
     return parts
 
 
-def _activation_checkpoint(plan: Plan, notes: list[str]) -> dict[str, Any]:
-    mode = plan.layout.recompute
-    if mode != "selective":
-        return {"mode": mode}
-    notes.append("recompute 'selective': torchtitan's per-op selective AC saves matmul and attention outputs "
-                 "by its own policy; meshplan modelled recomputing the attention core only")
-    return {"mode": "selective", "selective_ac_option": "op"}
+def module_name(plan: Plan) -> str:
+    """The 0.3 config module's import name: meshplan_ + the model name as an identifier."""
+    return "meshplan_" + re.sub(r"\W", "_", plan.model.name.lower())
+
+
+def _python_module(plan: Plan, config_fn: str | None, training: dict[str, Any], parallelism: dict[str, Any],
+                   ac: str, header: list[str], notes: list[str]) -> ExportResult:
+    """torchtitan 0.3's config: a module whose meshplan_plan() returns the registered config, re-parallelized."""
+    name = module_name(plan)
+    ac_expr = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[ac]
+
+    if plan.layout.pp > 1:  # Trainer.Config refuses CUDA graphs with pipeline parallelism (0.3)
+        training = {**training, "disable_cuda_graphs": True}
+        notes.append("CUDA graphs off: torchtitan 0.3 does not capture CUDA graphs with pipeline parallelism "
+                     "(training.disable_cuda_graphs); meshplan's prediction assumed none either")
+        header = summary_lines(plan) + notes_lines(notes)
+
+    def assign(section: str, fields: dict[str, Any]) -> str:
+        return "".join(f"    cfg.{section}.{k} = {v!r}\n" for k, v in fields.items())
+
+    text = comment_block(["torchtitan config module (torchtitan 0.3) written by `meshplan export`",
+                          f"run: PYTHONPATH=<this folder> torchrun --nproc-per-node {plan.cluster.gpus_per_node} "
+                          f"... -m torchtitan.train --module {name} --config meshplan_plan"] + header)
+    text += ("from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: F401\n"
+             f"from torchtitan.models.llama3.config_registry import {config_fn}\n\n\n"
+             "def meshplan_plan():\n"
+             f'    """torchtitan\'s registered {config_fn}() with the plan\'s batch, degrees and recompute."""\n'
+             f"    cfg = {config_fn}()\n"
+             + assign("training", training) + assign("parallelism", parallelism) +
+             f"    cfg.activation_checkpoint = {ac_expr}\n"
+             "    return cfg\n")
+    return ExportResult("torchtitan", text, f"{name}.py", tuple(notes))

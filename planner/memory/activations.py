@@ -27,6 +27,7 @@ because (bytes per token, "sp" = split by t only with sequence parallel,
                fc1 input       D*h       sp   (2)
                GELU in, out    2*D*f     tp   (16 when f = 4h)
                SwiGLU          4*D*f     tp   (w1 out, w3 out, silu out, product)
+                               3*D*f     tp   fused (Megatron: fc1's 2f output, the product)
                dropout mask    1*h       sp   (1)      dropout > 0
 Fused (flash) attention, the meshplan engine's default because our executor
 calls SDPA, keeps no s^2 term: it saves Q, K, V, its output (which is also the
@@ -71,6 +72,25 @@ both whole tables per block (FSDP2's mixed precision casts a block's inputs),
 meshplan's executor cuts the tables to the sequence and casts them once per
 forward (executor.model.Transformer.forward), so the estimate leaves them out.
 
+Per-op selective checkpointing ("op", torchtitan's default `selective` mode
+with `selective_ac_option = "op"`): each block runs under
+torch.utils.checkpoint with a policy that saves the outputs of the ops in
+its save list -- aten.mm, the SDPA kernels (flash, memory-efficient) and the
+functional reduce-scatter -- except every second mm of a block, counted in
+call order; everything else (norms, activations, rotary, the skipped mms) is
+recomputed in the backward. Besides the block's input that keeps, per token,
+with the projections called in torchtitan's order (wq, wk, wv, wo; w1, w3,
+w2 for SwiGLU, fc1, fc2 for GELU): the 1st, 3rd, 5th ... mm outputs (Llama:
+wq q/t, wv kv/t, w1 f/t, w2 h -- w2's output is the row-parallel partial
+sum, full width), and the fused attention's output (q/t) with its fp32
+log-sum-exp (4a/t). Eager attention's math ops are not in the list: nothing
+of the core is kept. `op_saved_terms`.
+
+FP8 with Transformer Engine (Fp8Recipe.saves_fp8_inputs): te.Linear saves
+the 8-bit cast of its input, so the QKV, fc1 and fc2 inputs cost 1 byte per
+element (the output projection's input is also the attention output, kept
+by the attention at D); torchao's float8 saves the 16-bit input (no change).
+
 Norms are assumed fused (they save their input only, plus an fp32 statistic per
 token that is ignored). The logits of the output layer are counted by the
 caller (`output_activation_bytes`).
@@ -108,6 +128,8 @@ def layer_activation_terms(
     fused_attention: bool = True,
     autocast: bool = False,
     sp_saves_gathered: bool = False,
+    fp8_inputs: bool = False,
+    fused_swiglu: bool = False,
 ) -> dict[str, float]:
     """Bytes of each saved tensor of one layer for one micro-batch (no recomputation).
 
@@ -117,6 +139,7 @@ def layer_activation_terms(
     the module docstring (PyTorch's sequence parallel).
     """
     d = dtype_bytes
+    li = 1 if fp8_inputs else d  # bytes per element of a saved linear input (module docstring: FP8)
     r = FP32_BYTES if autocast else d  # residual stream (norm inputs)
     qkv_casts, mlp_casts = (3, 2 if model.mlp == "swiglu" else 1) if autocast else (1, 1)
     tokens = seq_len * micro_batch / cp  # tokens on this rank
@@ -126,7 +149,7 @@ def layer_activation_terms(
     drop = model.dropout > 0
     terms: dict[str, float] = {
         "norm1_input": r * h / sp_div,
-        "qkv_input": qkv_casts * d * h / in_div,
+        "qkv_input": qkv_casts * li * h / in_div,
         "q_k": d * (model.q_dim + model.kv_dim) / tp,
         "v": d * model.n_kv_heads * model.v_head_dim / tp,
         "proj_input": d * model.q_dim / tp,
@@ -143,8 +166,12 @@ def layer_activation_terms(
         terms["attn_dropout_mask"] = MASK_BYTES * h / sp_div
         terms["mlp_dropout_mask"] = MASK_BYTES * h / sp_div
     terms["norm2_input"] = r * h / sp_div
-    terms["mlp_input"] = mlp_casts * d * h / in_div
+    terms["mlp_input"] = mlp_casts * li * h / in_div
     terms.update(_mlp_terms(model, d, tp))
+    if fused_swiglu and model.mlp == "swiglu" and model.moe is None:  # fc1's 2f output, the product: 3f
+        terms["mlp_inner"] -= d * model.ffn_hidden / tp
+    if fp8_inputs and model.moe is None:  # fc2's saved input is one of the f-wide tensors
+        terms["mlp_inner"] -= (d - li) * model.ffn_hidden / tp
     return {k: v * tokens for k, v in terms.items()}
 
 
@@ -175,14 +202,31 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
     return {k: v for k, v in terms.items() if v > 0}
 
 
+@lru_cache(maxsize=4096)
+def op_saved_terms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1,
+                   dtype_bytes: int = 2, fused_attention: bool = True) -> dict[str, float]:
+    """Bytes per-op selective checkpointing keeps of one layer beyond its input (module docstring)."""
+    d, h = dtype_bytes, model.hidden
+    tokens = seq_len * micro_batch / cp
+    ffn = model.ffn_hidden if model.moe is None else model.moe.top_k * model.moe.expert_ffn_hidden
+    mlp = [("w1", ffn / tp), ("w3", ffn / tp), ("w2", h)] if model.mlp == "swiglu" else [("fc1", ffn / tp), ("fc2", h)]
+    mms = [("wq", model.q_dim / tp), ("wk", model.kv_dim / tp), ("wv", model.kv_dim / tp), ("wo", h), *mlp]
+    terms = {f"mm_{name}": d * width for i, (name, width) in enumerate(mms) if i % 2 == 0}
+    if fused_attention:
+        terms["sdpa_output"] = d * model.q_dim / tp
+        terms["sdpa_logsumexp"] = FP32_BYTES * model.n_heads / tp
+    return {k: v * tokens for k, v in terms.items()}
+
+
 def layer_activation_bytes(terms: dict[str, float], recompute: str,
-                           op_saved: float | None = None) -> tuple[float, float]:
+                           op_saved: dict[str, float] | None = None) -> tuple[float, float]:
     """(bytes one layer keeps per micro-batch, transient bytes of recomputing one layer).
 
     none: every term, nothing recomputed. selective: every term but the
     attention core's ("core_": eager scores, or the fused kernel's log-sum-exp),
     which comes back for one layer at a time in the backward.
-    op: the layer input and `op_saved` (per-op SAC, `op_saved_per_token`);
+    op: the layer input plus `op_saved` (op_saved_terms); the backward
+    rebuilds the rest of one layer.
     full: only the layer input (the norm1 input); the backward rebuilds the
     rest of one layer (the input itself is not copied again). Counting the
     transient once per rank keeps none >= selective >= full for any number of
@@ -195,9 +239,9 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
     if recompute == "selective":
         core = sum(v for k, v in terms.items() if k.startswith("core_"))
         return total - core, core
-    if recompute == "op" and op_saved is not None:  # the block input and what the op policy saves
-        kept = terms["norm1_input"] + op_saved
-        return kept, max(0.0, total - kept)
+    if recompute == "op":
+        kept = min(total, terms["norm1_input"] + sum((op_saved or {}).values()))
+        return kept, total - kept
     return terms["norm1_input"], total - terms["norm1_input"]
 
 

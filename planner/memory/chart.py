@@ -18,11 +18,13 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#7f7f7f")
 
 
 def plot_memory(entries: list[tuple[str, dict[str, int]]], path: str | Path,
-                capacity_bytes: int | None = None, title: str = "Memory per GPU (worst rank)") -> None:
+                capacity_bytes: int | None = None, title: str = "Memory per GPU (worst rank)",
+                limit_bytes: int | None = None) -> None:
     """Draw a stacked bar in GiB for each (label, breakdown_bytes) and save it as a PNG.
 
     capacity_bytes, when given, draws the GPU's memory as a dashed line so a
-    bar above it reads as "does not fit".
+    bar above it reads as "does not fit"; limit_bytes draws the planning limit
+    (the GPU's memory less --memory-headroom), the line the search keeps under.
     """
     if not entries:
         raise UsageError("plot_memory needs at least one layout to draw")
@@ -42,6 +44,9 @@ def plot_memory(entries: list[tuple[str, dict[str, int]]], path: str | Path,
         ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
     if capacity_bytes:
         ax.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    if limit_bytes:
+        share = f" ({limit_bytes / capacity_bytes:.0%})" if capacity_bytes else ""
+        ax.axhline(limit_bytes / GIB, color="#d62728", linestyle=":", linewidth=1.2, label=f"planning limit{share}")
     ax.set_ylabel("GiB per GPU")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -107,7 +107,7 @@ from functools import cached_property
 from typing import Any
 
 from planner.engines import dp_path, get_engine
-from planner.layout import Layout
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.activations import (
     FP32_BYTES,
     embedding_dropout_bytes,
@@ -115,7 +115,7 @@ from planner.memory.activations import (
     layer_activation_bytes,
     layer_activation_terms,
     layer_backward_transient,
-    op_saved_per_token,
+    op_saved_terms,
     output_activation_bytes,
 )
 from planner.memory.params import StageParams, pipeline_params
@@ -220,10 +220,17 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     traits = get_engine(engine).memory
     path = dp_path(layout) if traits.step_phases else "published"
     autocast = path in ("none", "ddp") and d < FP32_BYTES
+    eng = get_engine(engine)
+    fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
-                                   autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered)
-    op_saved = op_saved_per_token(model, t, d) * s * b / cp if model.moe is None else None
+                                   autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
+                                   fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
+    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
+        if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
+    if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
+        share = recomputed_fraction(layout, model.n_layers)
+        per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
     if traits.step_phases and cp > 1 and layout.recompute in ("none", "selective"):
         # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
         per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
@@ -254,7 +261,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     (Korthikanti's accounting).
     """
     eng = get_engine(engine)
-    fused = eng.time.fused_attention if fused_attention is None else fused_attention
+    fused = eng.fused_attention(training) if fused_attention is None else fused_attention
     other = default_other_bytes(gpu) if other_bytes is None else other_bytes
     acts = _activations(model, training, layout, engine, fused=fused)
     comm = _activation_comm(model, training, layout, engine)

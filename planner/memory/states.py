@@ -15,7 +15,7 @@ from planner.engines import FP32_BYTES, dp_path, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
 from planner.model.spec import ModelSpec
-from planner.training import TrainingSpec
+from planner.training import DTYPE_BYTES, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,13 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
                  engine: str) -> ModelStates:
     """The model states of one rank of the stage holding `sp` (module docstring table)."""
     eng = get_engine(engine)
-    recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage)
+    recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
+                        DTYPE_BYTES[training.grad_dtype])
     d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
-    expert_shard = sp.expert_shard
-    if eng.executes:  # meshplan's executor folds cp into the FSDP / ZeRO group (torchtitan's dp_shard_cp)
+    if eng.memory.shard_over_cp and layout.zero_stage >= 1:  # the sharding group takes in the cp ranks
         n *= layout.cp
-        # and keeps its E / ep experts whole (left out of FSDP2: executor.parallel.expert reduces them)
+    expert_shard = sp.expert_shard
+    if eng.executes:  # meshplan keeps its E / ep experts whole (not FSDP2's: executor.parallel.expert reduces them)
         expert_shard = 1
 
     def shard(bytes_per_param: int) -> int:
@@ -81,6 +82,9 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             params, copy = 0, (0 if layout.zero_stage == 3 else d * total)
             if recipe.shard_grads:
                 host, grads = host + grads, 0
+    # 8-bit weight copies kept between steps (Transformer Engine's fp8 workspaces), for every block
+    # weight this rank multiplies with: the blocks' parameters, unsharded (planner.engines.Fp8Recipe)
+    params += int(eng.fp8_weight_bytes(training) * sp.block * sp.layers)
     if traits.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)

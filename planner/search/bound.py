@@ -51,13 +51,22 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
-from planner.layout import DP_AXES, Layout, balanced_layers, rank_chunks
+from planner.layout import (
+    DP_AXES,
+    Layout,
+    balanced_layers,
+    rank_chunks,
+    recomputed_fraction,
+    recomputed_share,
+)
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
 from planner.simulate.comm import StepComm, expert_comm_s, group_offsets
 from planner.simulate.compute import (
+    COMPILE_HOST_FACTOR,
     embedding_times,
+    fp8_peak_flops,
     layer_times,
     optimizer_time_s,
     output_times,
@@ -126,13 +135,14 @@ class StepBound:
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
-        return self.for_shape(layout, training).seconds(layout.micro_batch_size, layout.recompute)
+        return self.for_shape(layout, training).seconds(layout.micro_batch_size,
+                                                        (layout.recompute, layout.recompute_layers))
 
     def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
         shape_key = shape.mesh_shape
-        key = (shape_key, shape.zero_stage, shape.ep, shape.etp, shape.pp_schedule, shape.virtual_stages, shape.layers_per_stage,
-               training.dtype, training.grad_dtype, training.optimizer)
+        key = (shape_key, shape.zero_stage, shape.ep, shape.etp, shape.pp_schedule, shape.virtual_stages,
+               shape.layers_per_stage, training.dtype, training.grad_dtype, training.optimizer, training.precision)
         kinds = self._tails.get(key)
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
@@ -180,27 +190,33 @@ class StepBound:
         if hit is None:
             group = group_offsets(shape_key, axes)
             hit = self._times[key] = 0.0 if size_bytes <= 0 or len(group) < 2 else \
-                self.collectives.time_s(op, size_bytes, group)
+                self.collectives.time_s(op, size_bytes, group) * self.cal.collective_scale.get(op, 1.0)
         return hit
 
-    def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str
+    def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str | tuple[str, int]
              ) -> tuple[float, float, float, float]:
-        """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch."""
-        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel,
-               recompute, shape.ep, shape.etp)
+        """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch.
+
+        recompute: a kind, or (kind, recompute_layers) for partial full recomputation.
+        """
+        kind, n = recompute_level(recompute)
+        key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
+               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n,
+               shape.pp * shape.virtual_stages if n else 0, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
-            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=recompute)
+            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
-                             self.traits.fused_attention)
+                             training.fused_attention(self.traits.fused_attention),
+                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile)
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
                 point = StepComm(self.cluster, Layout(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
             hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
-            recomputed = 2 * point if recompute == "full" else 0.0
+            recomputed = 2 * point * recomputed_fraction(layout, self.model.n_layers)
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
                                       recomputed + max(0.0, 2 * point - hidden))
         return hit
@@ -212,7 +228,8 @@ class StepBound:
         dense, experts = layer_params_split(self.model, shape.tp, shape.ep, shape.etp)
         unit = dense + experts
         rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
-        ag = self._time("all_gather", unit * training.dtype_bytes, shape_key, ("dp_shard",)) \
+        gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
+        ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
             if shape.zero_stage == 3 else 0.0
         return ag, ag + rs
 
@@ -256,6 +273,11 @@ class StepBound:
         return hit
 
 
+def recompute_level(recompute: str | tuple[str, int]) -> tuple[str, int]:
+    """(kind, recompute_layers) of a search level: a kind alone recomputes every layer it names."""
+    return (recompute, 0) if isinstance(recompute, str) else recompute
+
+
 class ShapeBound:
     """The bound of one shape for any micro-batch and recomputation (see StepBound.for_shape)."""
 
@@ -267,14 +289,16 @@ class ShapeBound:
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
 
-    def seconds(self, micro_batch_size: int, recompute: str) -> float:
+    def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
         ag, ag_rs = self.fsdp
-        host = p.cal.layer_overhead_s
+        host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
         f_layer = max(max(f, ag) + tp_f + self.expert_s, host)
-        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (3.0 if recompute == "full" else 2.0))
+        kind, n = recompute_level(recompute)
+        share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
+        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (2.0 + share))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
         n = self.per_replica // micro_batch_size
         overlap = p.traits.overlap_dp

@@ -131,7 +131,7 @@ def parse_prices(text: str | None, n_variants: int) -> list[float | None]:
         prices = [float(p) for p in text.split(",")]
     except ValueError:
         raise UsageError(f"--price-per-gpu-hour {text!r} must be a number or one number per variant") from None
-    if any(p <= 0 for p in prices) or len(prices) not in (1, n_variants):
+    if any(not 0 < p < float("inf") for p in prices) or len(prices) not in (1, n_variants):  # NaN fails too
         raise UsageError(f"--price-per-gpu-hour {text!r}: give one positive price, or {n_variants} (one per variant)")
     return prices * n_variants if len(prices) == 1 else prices
 
@@ -180,7 +180,10 @@ def print_compare(rows: list[Row], out, png: str | None) -> None:
         out.print(f"wrote chart to {png}")
 
 
-def plot_compare(rows: list[Row], path: str) -> None:
+CURRENCY = "$"  # --price-per-gpu-hour is read as dollars on the chart's cost axis
+
+
+def plot_compare(rows: list[Row], path: str, title: str = "") -> None:
     """Bar chart of tokens/s per variant (and cost per million tokens when priced); matplotlib imported here."""
     import matplotlib
 
@@ -201,10 +204,13 @@ def plot_compare(rows: list[Row], path: str) -> None:
     ax.set_title("throughput (speed-up vs first)")
     if priced:
         axes[0][1].bar(labels, [r.cost_per_million_tokens for r in feasible], color="#ff7f0e")
-        axes[0][1].set_ylabel("cost per million tokens")
-        axes[0][1].set_title("cost")
+        axes[0][1].set_ylabel(f"cost per million tokens ({CURRENCY})")
+        axes[0][1].yaxis.set_major_formatter(lambda v, _: f"{CURRENCY}{v:,.2f}")
+        axes[0][1].set_title("cost at the given price per GPU-hour")
     for a in axes[0]:
         a.tick_params(axis="x", labelrotation=20)
         a.margins(y=0.15)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.engines import get_engine
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
 from planner.search.candidates import Pins
-from planner.search.search import USABLE_MEMORY_FRACTION, NearMiss, Scored, SearchResult
+from planner.search.search import NearMiss, Scored, SearchResult
 from topologies.cluster import Cluster
 from topologies.errors import InfeasibleError, MeshplanError, PlanError
 from topologies.hardware import GIB
@@ -35,7 +36,8 @@ def describe(layout: Layout) -> str:
         parts.append(f"cp {layout.cp}")
     text = " x ".join(parts) + _experts(layout) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
     if layout.recompute != "none":
-        text += f", {layout.recompute} recompute"
+        text += f", {layout.recompute} recompute" + (
+            f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f", {layout.pp_schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     if layout.offload != "none":
@@ -62,7 +64,7 @@ def short(layout: Layout) -> str:
     text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
     text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
-        text += f" rc-{layout.recompute}"
+        text += f" rc-{layout.recompute}" + (f":{layout.recompute_layers}" if layout.recompute_layers else "")
     if layout.pp > 1:
         text += f" {layout.pp_schedule}" + (f"/v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     return text
@@ -158,11 +160,42 @@ def explanation(result: SearchResult, cluster: Cluster) -> tuple[str, ...]:
     other = next((x for x in result.ranked[2:] if _mesh(x.layout) != _mesh(best.layout)), None)
     if other is not None and _mesh(result.ranked[1].layout) == _mesh(best.layout):
         out.append(f"Best other mesh in the top {len(result.ranked)}: {why_lost(other, best)}.")
+    limit = batch_limit(best)
+    if limit:
+        out.append(limit)
     batch = best.training.global_batch_size
     if batch != result.target_batch:
         out.append(f"Global batch rounded from {result.target_batch} to {batch} sequences "
                    f"(a multiple of dp {best.layout.dp}).")
     return tuple(out)
+
+
+# A pipeline bubble above this share of the step is worth a sentence on the batch.
+BUBBLE_WORTH_NAMING = 0.10
+
+
+def batch_limit(best: Scored) -> str | None:
+    """A sentence when the global batch, not the hardware, limits the layout: a large bubble or dp at its cap.
+
+    The bubble of a 1F1B-like schedule with m micro-batches over p stages is
+    about (p - 1) / (m + p - 1) of the step, so the simulated bubble is scaled
+    by that ratio to say what a larger batch would leave.
+    """
+    r, lay = best.result, best.layout
+    batch = best.training.global_batch_size
+    bubble = r.time_breakdown_s.get("bubble", 0.0) / r.step_time_s if r.step_time_s > 0 else 0.0
+    if lay.pp > 1 and bubble > BUBBLE_WORTH_NAMING:
+        m, p = lay.grad_accum_steps, lay.pp
+        want = max(4 * p, 2 * m)
+        after = bubble * (m + p - 1) / (want + p - 1)
+        return (f"The global batch limits this layout: {m} micro-batches over {p} pipeline stages leave a "
+                f"{bubble:.0%} pipeline bubble; --global-batch {lay.dp * lay.micro_batch_size * want} ({want} "
+                f"micro-batches) would cut it to about {after:.0%}.")
+    if lay.dp == batch and (lay.pp > 1 or lay.tp > 1):
+        return (f"The global batch limits data parallelism: dp {lay.dp} already gives each replica one of the "
+                f"{batch} sequences, so the rest of the GPUs go to tp/pp; --global-batch {2 * batch} would let "
+                "dp grow.")
+    return None
 
 
 def infeasible_message(near: NearMiss | None, pins: Pins, n_gpus: int) -> str:
@@ -181,7 +214,7 @@ def infeasible_message(near: NearMiss | None, pins: Pins, n_gpus: int) -> str:
         fixes.append("a shorter --seq-len")
     fixes.append("GPUs with more memory")
     return (f"no layout fits: the closest ({describe(near.layout)}) needs {near.needed_bytes / GIB:.1f} GiB per GPU "
-            f"({near.what}), has {near.capacity_bytes / GIB:.1f} ({USABLE_MEMORY_FRACTION:.0%} of the GPU's "
+            f"({near.what}), has {near.capacity_bytes / GIB:.1f} ({near.usable_fraction:.0%} of the GPU's "
             f"memory): {', '.join(fixes)}")
 
 
@@ -189,6 +222,9 @@ def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int) -> MeshplanEr
     """Why the search came back empty: memory (InfeasibleError, exit 3) or the pins and batch (PlanError, exit 2)."""
     s = result.stats
     pinned = ", ".join(f"{k}={v}" for k, v in pins.pinned().items()) or "none"
+    if pins.micro_batch_size is not None and pins.micro_batch_size > result.target_batch:
+        return PlanError(f"--micro-batch {pins.micro_batch_size} is larger than the global batch "
+                         f"({result.target_batch} sequences): lower --micro-batch or raise --global-batch")
     if result.near_miss is not None:
         return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus))
     if s.shapes == 0 and s.unsupported:
@@ -220,7 +256,9 @@ def alternative_json(scored: Scored, winner: Scored) -> dict[str, Any]:
 def build_plan(model: ModelSpec, cluster: Cluster, result: SearchResult, engine: str) -> Plan:
     """The plan.json document of the winner, with alternatives and explanation."""
     best = result.best
-    return Plan(model=model, cluster=cluster, training=best.training, layout=best.layout, engine=engine,
+    eng = get_engine(engine)  # plan.json names the attention kernel: no engine default left to resolve
+    training = best.training.replace(attention="fused" if eng.fused_attention(best.training) else "eager")
+    return Plan(model=model, cluster=cluster, training=training, layout=best.layout, engine=engine,
                 prediction=best.result.prediction(),
                 alternatives=tuple(alternative_json(s, best) for s in result.ranked[1:]),
                 explanation=explanation(result, cluster))

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from planner.engines import get_engine
-from planner.layout import Layout, divisors
+from planner.layout import Layout, divisors, partial_recompute_options
 from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
@@ -83,6 +83,7 @@ class NearMiss:
     needed_bytes: int
     capacity_bytes: int
     what: str  # "model state" or "peak memory"
+    usable_fraction: float = USABLE_MEMORY_FRACTION  # of the GPU's memory, from --memory-headroom
 
 
 @dataclass
@@ -126,14 +127,18 @@ class _Context:
     engine: str
     calibration: CalibrationProfile
     bound: StepBound
+    usable_fraction: float = USABLE_MEMORY_FRACTION
+    precision: str = "bf16"  # how block GEMMs run (TrainingSpec.precision); given, never searched
+    attention: str = ""  # fused | eager | "" (the engine's)
+    compile: bool = False
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
 
     @property
     def capacity_bytes(self) -> int:
-        """What a plan may use: USABLE_MEMORY_FRACTION of the GPU's memory."""
-        return int(self.cluster.gpu.memory_bytes * USABLE_MEMORY_FRACTION)
+        """What a plan may use: usable_fraction (default USABLE_MEMORY_FRACTION) of the GPU's memory."""
+        return int(self.cluster.gpu.memory_bytes * self.usable_fraction)
 
     @property
     def other_bytes(self) -> int:
@@ -147,34 +152,47 @@ class _Context:
 
     @property
     def dtype(self) -> str:
-        """bf16 on GPUs; fp32 on CPU ranks, which compute in fp32 whatever a plan says."""
-        return "bf16" if self.on_gpu else "fp32"
+        """bf16 on GPUs (also under fp8/mxfp8 GEMMs); fp32 on CPU ranks, which compute in fp32 whatever a plan says."""
+        if not self.on_gpu:
+            return "fp32"
+        return self.precision if self.precision in ("fp16", "fp32") else "bf16"
 
     def training(self, batch: int) -> TrainingSpec:
         if batch not in self._trainings:
-            self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype)
+            precision = self.precision if self.on_gpu else "fp32"
+            self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype,
+                                                  precision=precision, attention=self.attention,
+                                                  compile=self.compile)
         return self._trainings[batch]
+
+    def recompute_kinds(self) -> tuple[str, ...]:
+        """The pinned or searched recompute kinds this engine implements, lightest first."""
+        kinds = get_engine(self.engine).recompute_kinds
+        return tuple(r for r in recompute_options(self.pins) if r in kinds)
 
     def miss(self, layout: Layout, needed: int, what: str) -> None:
         if self.near_miss is None or needed < self.near_miss.needed_bytes:
-            self.near_miss = NearMiss(layout, needed, self.capacity_bytes, what)
+            self.near_miss = NearMiss(layout, needed, self.capacity_bytes, what, self.usable_fraction)
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
            pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
-           top_k: int = 5) -> SearchResult:
+           top_k: int = 5, usable_memory_fraction: float = USABLE_MEMORY_FRACTION, precision: str = "bf16",
+           attention: str = "", compile: bool = False) -> SearchResult:
     """The top_k layouts for training `model` on `cluster`, best first.
 
     Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
     into an InfeasibleError) or when no layout satisfies the pins and batch
     (`stats.shapes` is 0; `stats.batch_rejected` > 0 when the batch is why).
+    `usable_memory_fraction` is `plan --memory-headroom` (1 - PCT/100).
     """
     started = time.perf_counter()
     calibration = calibration or load_calibration(None, cluster.gpu)
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine))
+                   bound=StepBound(model, cluster, calibration, engine), usable_fraction=usable_memory_fraction,
+                   precision=precision, attention=attention, compile=compile)
     ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
@@ -205,7 +223,7 @@ def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
 
     out = []
     for shape in shapes(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, offload, dp_ok):
-        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu)
+        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu, ctx.training(batches[shape.dp]))
         if refusal:  # the plan must run on our executor (planner.engines)
             ctx.stats.unsupported += 1
             ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
@@ -216,7 +234,7 @@ def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
     return out
 
 
-def _bound(sh: _Shape, mb: int, recompute: str) -> float:
+def _bound(sh: _Shape, mb: int, recompute: tuple[str, int]) -> float:
     """Lower bound of the step time per token."""
     return sh.bound.seconds(mb, recompute) / sh.training.tokens_per_step
 
@@ -229,14 +247,31 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     when popped; if it needs heavier recomputation than its bound assumed, it
     goes back with the bound of that recomputation.
     """
-    recomputes = recompute_options(ctx.pins)
+    recomputes = ctx.recompute_kinds()
+    if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
+        recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
+            ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
     queue = []
+    if not recomputes:
+        return []
+    partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
+    by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
+
+    def levels_of(sh: _Shape) -> tuple[tuple[str, int], ...]:
+        """(kind, recompute_layers) from lightest to heaviest; partial full recomputation before full."""
+        key = (sh.layout.pp, sh.layout.virtual_stages)
+        if key not in by_pipeline:
+            extra = partial_recompute_options(ctx.model.n_layers, *key) if partial else ()
+            by_pipeline[key] = tuple(lv for kind in recomputes for lv in (
+                [("full", n) for n in extra] + [("full", 0)] if kind == "full" else [(kind, 0)]))
+        return by_pipeline[key]
+
     for i, sh in enumerate(shape_list):
         mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
         for mb in mbs:
             accum = sh.per_replica // mb
             if pipeline_allows(sh.layout, accum):
-                queue.append((_bound(sh, mb, recomputes[0]), len(queue), i, mb, 0, False))
+                queue.append((_bound(sh, mb, levels_of(sh)[0]), len(queue), i, mb, 0, False))
     ctx.stats.candidates += len(queue)
     heapq.heapify(queue)
     best: list[Scored] = []  # sorted by key, at most top_k
@@ -248,15 +283,16 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
             break
         sh = shape_list[i]
         if not fits:
-            found = _lightest_fit(ctx, sh, mb, level, recomputes)
+            found = _lightest_fit(ctx, sh, mb, level, levels_of(sh))
             if found is None:
                 continue
             if found != level:
                 counter += 1
-                heapq.heappush(queue, (_bound(sh, mb, recomputes[found]), counter, i, mb, found, True))
+                heapq.heappush(queue, (_bound(sh, mb, levels_of(sh)[found]), counter, i, mb, found, True))
                 continue
         layout = with_stage_layers(ctx.model, sh.layout.replace(
-            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=recomputes[level]))
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels_of(sh)[level][0],
+            recompute_layers=levels_of(sh)[level][1]))
         tick = time.perf_counter()
         result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
         ctx.stats.simulate_s += time.perf_counter() - tick
@@ -267,7 +303,8 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     return best
 
 
-def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tuple[str, ...]) -> int | None:
+def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int,
+                  recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
     if sh.state_fits is None:
         state = model_state_bytes(ctx.model, sh.training, sh.layout, ctx.engine) + ctx.other_bytes
@@ -281,7 +318,7 @@ def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int, recomputes: tu
     level = max([level, *smaller])
     while level < len(recomputes):
         layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
-                                   recompute=recomputes[level])
+                                   recompute=recomputes[level][0], recompute_layers=recomputes[level][1])
         memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:

@@ -12,6 +12,9 @@ How each field enters the time model (see `planner.simulate.compute`):
       A dimension equal to `gemm_knee` doubles the time a large GEMM of the same
       FLOPs would take: tile quantization and pipeline fill of small dimensions
       (TP shrinks n or k by the TP degree, a micro-batch of 1 shrinks m).
+  8-bit GEMMs:       the same formula at the GPU's FP8 (MXFP8) peak with
+      `fp8_gemm_efficiency` in place of gemm_efficiency (a fraction of the 8-bit peak),
+      plus the operand casts as memory-bound work (planner.simulate.compute)
   fused attention:   t = executed FLOPs / (peak * attention_efficiency)
   memory-bound work: t = bytes / (HBM bandwidth * memory_efficiency)
   host overhead:     every layer costs `layer_overhead_s` of host time per forward
@@ -24,6 +27,18 @@ How each field enters the time model (see `planner.simulate.compute`):
   collectives:       `topologies.collectives.CollectiveModel` with `link_efficiency`
       overriding its share of raw bandwidth per link class (nvlink, nvls, pcie,
       net, shm) and `latency_scale` scaling its hop and launch latencies.
+  shared cores:      `comm_overlap` is the share of a collective that can run
+      under the same rank's compute: 1 where the links have their own engines
+      (GPU copy engines, NCCL's SMs beside the compute), 0 where a rank's
+      collectives run on the cores that compute (CPU ranks with one core
+      each, gloo's threads). Only the part that does not fit under the
+      compute's `comm_overlap` share is exposed (DP buckets, FSDP prefetch,
+      TP backward overlap, the CP ring).
+  per collective:    `collective_scale[op]` multiplies the collective model's time
+      of one operation: what the alpha-beta ring model misses of a backend's
+      own algorithm (gloo reduce-scatters through a full all-reduce, say);
+      fitted per operation by `meshplan calibrate`, refined by
+      `report --update-calibration`.
   engines:           `engine_factors[engine]` multiplies compute efficiencies
       for one training engine (`for_engine`, which simulate_step applies). On
       H100 the GEMMs are cuBLAS's in every stack, but eager PyTorch (meshplan's
@@ -42,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -54,7 +70,8 @@ from topologies.hardware import GPUSpec
 # Shipped profiles are package data beside this loader; a source checkout and an
 # installed wheel both expose them as a directory on disk.
 CALIBRATION_DIR = Path(str(resources.files(__package__) / "calibrations"))
-_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")  # also what engine_factors scale
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
+              "fp8_gemm_efficiency")  # also what engine_factors scale
 _NON_NEGATIVE = ("gemm_knee", "layer_overhead_s", "latency_scale", "collective_overhead_s",
                  "optimizer_bytes_per_param")
 
@@ -66,6 +83,8 @@ class CalibrationProfile:
     gpu: str = ""  # GPU name the profile was measured on ("" = generic defaults)
     gemm_efficiency: float = 0.80  # fraction of dense peak large GEMMs reach
     gemm_knee: float = 64.0  # GEMM dimension at which that dimension doubles the time
+    # fraction of the 8-bit dense peak large FP8/MXFP8 GEMMs reach (cuBLASLt FP8 on H100: ~60-70%)
+    fp8_gemm_efficiency: float = 0.60
     attention_efficiency: float = 0.55  # fused (flash) attention, fraction of peak on executed FLOPs
     memory_efficiency: float = 0.80  # fraction of HBM bandwidth memory-bound kernels reach
     # Host overhead describes the software stack, not the silicon: ~50-100 eager PyTorch kernels per
@@ -75,6 +94,8 @@ class CalibrationProfile:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # overrides topologies.links.EFFICIENCY
     latency_scale: float = 1.0  # scales the topology model's hop latencies (nccl-tests based)
     collective_overhead_s: float = 0.0  # host cost of issuing one collective
+    comm_overlap: float = 1.0  # share of a collective that can hide under the same rank's compute
+    collective_scale: dict[str, float] = field(default_factory=dict)  # op -> factor on the model's time
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
     other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
     # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.step): grouped GEMMs of the
@@ -90,6 +111,17 @@ class CalibrationProfile:
     date: str = ""  # when they were measured or fitted (ISO date)
 
     def __post_init__(self) -> None:
+        for key in ("gpu", "source", "date"):
+            if not isinstance(getattr(self, key), str):
+                raise UsageError(f"calibration: {key} must be a string, got {getattr(self, key)!r}")
+        for key in ("link_efficiency", "engine_factors"):
+            if not isinstance(getattr(self, key), dict):
+                raise UsageError(f"calibration: {key} must be an object, got {getattr(self, key)!r}")
+        for key in (*_FRACTIONS, *_NON_NEGATIVE, "overlap_exponent"):
+            value = getattr(self, key)
+            # JSON's NaN and Infinity parse as floats, and NaN passes every range test below
+            if isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+                raise UsageError(f"calibration: {key} must be a finite number, got {value!r}")
         for key in _FRACTIONS:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not 0.0 < value <= 1.5:
@@ -116,6 +148,7 @@ class CalibrationProfile:
         if self.other_bytes is not None and (not isinstance(self.other_bytes, int) or self.other_bytes < 0):
             raise UsageError(f"calibration: other_bytes must be a non-negative integer or null, got {self.other_bytes!r}")
         self._check_engine_factors()
+        self._check_shared_core_fields()
         object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
 
     def _check_engine_factors(self) -> None:
@@ -130,6 +163,19 @@ class CalibrationProfile:
                     raise UsageError(f"calibration: engine_factors[{engine!r}][{key!r}] = {value!r}; keys are "
                                      f"{list(_FRACTIONS)}, values factors in (0, 1] (an engine is never faster "
                                      "than the base: search bounds are priced on the base)")
+
+    def _check_shared_core_fields(self) -> None:
+        from topologies.collectives import OPS
+
+        if not isinstance(self.comm_overlap, (int, float)) or not 0.0 <= self.comm_overlap <= 1.0:
+            raise UsageError(f"calibration: comm_overlap must be a fraction in [0, 1], got {self.comm_overlap!r}")
+        if not isinstance(self.collective_scale, dict):
+            raise UsageError(f"calibration: collective_scale must map collectives to factors, "
+                             f"got {self.collective_scale!r}")
+        for op, value in self.collective_scale.items():
+            if op not in OPS or not isinstance(value, (int, float)) or not 0.0 < value <= 1e3:
+                raise UsageError(f"calibration: collective_scale[{op!r}] = {value!r}; keys are {list(OPS)}, "
+                                 "values factors in (0, 1000]")
 
     def for_engine(self, engine: str) -> CalibrationProfile:
         """The profile `engine` runs at: its factors applied to the base, no factors left (idempotent)."""
@@ -161,9 +207,10 @@ class CalibrationProfile:
             raise UsageError(f"malformed calibration profile: {exc}") from None
 
     def save(self, path: str | Path) -> None:
+        from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        Path(path).write_text(dumps_json(self.to_json()) + "\n")
+        write_text(path, dumps_json(self.to_json()) + "\n", what="calibration profile")
 
 
 # Defaults for GPU kinds without a measured profile file (literature, not fitted
@@ -175,14 +222,22 @@ class CalibrationProfile:
 _GENERIC = {
     "a100": dict(gemm_efficiency=0.80, attention_efficiency=0.55),
     "b200": dict(gemm_efficiency=0.65, attention_efficiency=0.35),
-    "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0),
+    # CPU ranks get one core each from the executor (OMP threads = cores / ranks): gloo's transfers
+    # and the Python that issues the kernels run on the core that computes, so nothing hides
+    # (comm_overlap 0) and host and kernel time add up (overlap_exponent 1).
+    "cpu": dict(gemm_efficiency=0.50, attention_efficiency=0.30, layer_overhead_s=1e-3, gemm_knee=16.0,
+                comm_overlap=0.0, overlap_exponent=1.0),
 }
 # Families that share another's profile. H200 is the H100's GH100 die at the same
 # clocks (989 TFLOP/s dense bf16 on both datasheets) with 141 GB of HBM3e at
 # 4.8 TB/s instead of 80 GB at 3.35: the efficiencies carry over, and the faster
 # memory enters through the GPU spec (memory-bound work, the optimizer step).
 # No published bf16 H200 training table was found to check it against.
-_DERIVED = {"h200": "h100"}
+# H800 is the H100 die with fewer NVLinks: its compute profile is the H100's. B200, B300 and
+# GB300 share GB200's Blackwell tensor cores (B300/GB300 raise FP4, not BF16/FP8; B200 runs at
+# 1,000 W against GB200's 1,200 W, so its profile from GB200 runs is an upper bound) until
+# published runs on them are fitted.
+_DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
 
 
 def _family(gpu_name: str) -> str:
@@ -241,4 +296,12 @@ def _read(path: Path) -> CalibrationProfile:
         raise UsageError(f"cannot read calibration file {str(path)!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"calibration file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    return CalibrationProfile.from_json(data)
+    except UnicodeDecodeError:
+        raise UsageError(f"calibration file {str(path)!r} is not UTF-8 text: give the JSON `meshplan calibrate` "
+                         "writes") from None
+    except RecursionError:
+        raise UsageError(f"calibration file {str(path)!r} is nested too deeply to be a profile") from None
+    try:
+        return CalibrationProfile.from_json(data)
+    except UsageError as exc:
+        raise UsageError(f"calibration file {str(path)!r}: {exc}") from None

@@ -5,8 +5,11 @@ Every collective runs on the groups the rank grid gives for its mesh axes
 pace (a TP group that crosses nodes pays inter-node bandwidth), so one
 representative per distinct placement is priced and the maximum kept. Prices
 come from `topologies.collectives.CollectiveModel` with the calibration's link
-efficiencies and latency scale (GPU time; the host's dispatch cost per call,
-`collective_overhead_s`, is the caller's to place).
+efficiencies and latency scale, times the calibration's `collective_scale` of
+the operation (what a backend's own algorithms add to the ring model: gloo's on
+CPU ranks); GPU time: the host's dispatch cost per call,
+`collective_overhead_s`, and how much of it compute hides (`comm_overlap`)
+are the caller's to place.
 
 Volumes (b micro-batch, s sequence, h hidden, D compute-dtype bytes, G
 gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
@@ -165,6 +168,7 @@ class StepComm:
         self.cal = cal
         self._expert_times: dict[tuple[str, float, str], float] = {}
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
+        self.scale = cal.collective_scale
 
     def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         return representative_groups(self.shape, axes, self.gpus_per_node)
@@ -178,13 +182,14 @@ class StepComm:
             groups = tuple(g[:limit] for g in groups)
         if len(groups[0]) < 2:
             return 0.0
-        return max(self.model.time_s(op, size_bytes, g) for g in groups)
+        return max(self.model.time_s(op, size_bytes, g) for g in groups) * self.scale.get(op, 1.0)
 
     def pair_time_s(self, size_bytes: float, axes: tuple[str, ...], a: int, b: int) -> float:
         """send_recv between members a and b of the groups of `axes` (the worst such pair)."""
         if size_bytes <= 0 or a == b:
             return 0.0
-        return max(self.model.time_s("send_recv", size_bytes, (g[a], g[b])) for g in self.groups(axes))
+        scale = self.scale.get("send_recv", 1.0)
+        return max(self.model.time_s("send_recv", size_bytes, (g[a], g[b])) for g in self.groups(axes)) * scale
 
     # ---- per layer and micro-batch ---------------------------------------------
 

@@ -31,8 +31,26 @@ Three kinds of GPU work, each priced by its own roofline term (parameters in
   again and the reduce-scatter). ZeRO-2 gathers once per step: no per
   micro-batch all-gather copy.
 
+* FP8/MXFP8 (TrainingSpec.precision): the block GEMMs run at the GPU's 8-bit
+  peak at `fp8_gemm_efficiency` (its own fitted fraction: 8-bit GEMMs reach a
+  smaller share of their doubled peak than 16-bit ones, Hopper's FP8 tensor
+  cores accumulate at reduced precision and stall on scale handling), with
+  the same shape penalty. Each GEMM also casts its operands:
+  forward the input [m,k] and the weight [n,k], backward the output gradient
+  [m,n], FP8_CAST_BYTES per element (read 2 bytes, write the 8-bit copy and
+  its transpose for the other GEMM of the backward; the amax reduction is
+  fused into the cast). Attention, norms, the output layer and the
+  optimizer stay in the 16-bit model (planner.engines.Fp8Recipe).
+* torch.compile per block (TrainingSpec.compile): Inductor fuses the norms,
+  rotary, activation and residual adds of a block into a few kernels, so the
+  memory-bound work (and the FP8 casts) moves COMPILE_ELEMENTWISE_FACTOR of the eager bytes and
+  the block issues fewer kernels (COMPILE_HOST_FACTOR of the host time).
+
 Recomputation redoes forward work before the backward: full = the whole
-layer forward, selective = the attention core. The host issues every pass;
+layer forward, selective = the attention core, op = per-op selective
+checkpointing (planner.memory.activations): the elementwise work and every
+second projection (wk, wo, w3 / fc2's partner: the GEMMs whose outputs the
+save list skips); the attention core and the saved projections are not redone. The host issues every pass;
 `combine` overlaps host and GPU time (see `CalibrationProfile`).
 """
 
@@ -40,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.layout import Layout
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.params import layer_params_split
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
@@ -54,14 +72,26 @@ NORM_RESIDUAL_PASSES = 11.0  # 2 norms r+w, 2 bias-dropout-add (r x, r residual,
 # copy-in before reduce-scatter). Fitting 1, 2 or 3 against LLM Foundry's FSDP
 # runs on H100 gave 3.9%, 3.1% and 3.8% validation MAPE: the design's 2 fits best.
 FSDP_COPY_PASSES = 2.0
+# read 2-byte operand, write 1-byte cast and 1-byte transpose (amax fused in the same pass)
+FP8_CAST_BYTES = 4.0
+# torch.compile per block: torchtitan reports +10-20% tokens/s from compile on Llama 3 8B/70B
+# on H100 (docs/performance.md, FSDP bf16), all of it from fused elementwise kernels and
+# fewer launches; 0.5 of the eager memory-bound bytes and 0.5 of the host time per block
+# gives +12% on an 8B FSDP step at 8K tokens, inside that range. A documented factor, not fitted.
+COMPILE_ELEMENTWISE_FACTOR = 0.5
+COMPILE_HOST_FACTOR = 0.5
 
 
-def gemm_time_s(m: float, n: float, k: float, peak_flops: float, cal: CalibrationProfile) -> float:
-    """Time of one [m,k] x [k,n] GEMM; see the module docstring for the shape penalty."""
+def gemm_time_s(m: float, n: float, k: float, peak_flops: float, cal: CalibrationProfile,
+                efficiency: float | None = None) -> float:
+    """Time of one [m,k] x [k,n] GEMM; see the module docstring for the shape penalty.
+
+    efficiency: None is the 16-bit `gemm_efficiency`; 8-bit GEMMs pass `fp8_gemm_efficiency`.
+    """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     shape = 1.0 + cal.gemm_knee * (1.0 / m + 1.0 / n + 1.0 / k)
-    return 2.0 * m * n * k / (peak_flops * cal.gemm_efficiency) * shape
+    return 2.0 * m * n * k / (peak_flops * (efficiency or cal.gemm_efficiency)) * shape
 
 
 def memory_time_s(n_bytes: float, gpu: GPUSpec, cal: CalibrationProfile) -> float:
@@ -182,6 +212,21 @@ def tokens_per_micro_batch(seq_len: int, layout: Layout) -> float:
     return layout.micro_batch_size * seq_len / layout.cp
 
 
+def fp8_peak_flops(precision: str, gpu: GPUSpec) -> float:
+    """The 8-bit peak block GEMMs run at under `precision`, 0 for 16/32-bit precisions."""
+    return gpu.peak_flops(precision) if precision in ("fp8", "mxfp8") else 0.0
+
+
+def _block_gemms_s(gemms, peak: float, fp8_peak: float, cal: CalibrationProfile) -> tuple[float, float, float]:
+    """(GEMM time of one pass, forward cast time, backward cast time) of a layer's block GEMMs."""
+    if not fp8_peak:
+        return sum(c * gemm_time_s(gm, gn, gk, peak, cal) for c, gm, gn, gk in gemms), 0.0, 0.0
+    t = sum(c * gemm_time_s(gm, gn, gk, fp8_peak, cal, cal.fp8_gemm_efficiency) for c, gm, gn, gk in gemms)
+    cast_f = sum(c * (gm * gk + gn * gk) for c, gm, gn, gk in gemms) * FP8_CAST_BYTES
+    cast_b = sum(c * gm * gn for c, gm, gn, gk in gemms) * FP8_CAST_BYTES
+    return t, cast_f, cast_b
+
+
 def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak: float, gpu: GPUSpec,
               cal: CalibrationProfile) -> tuple[float, float]:
     """(routed-expert GEMMs, MoE memory-bound work) of an average layer, forward, on the busiest rank.
@@ -217,17 +262,18 @@ def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
 
 
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
-                peak: float, cal: CalibrationProfile, fused_attention: bool = True) -> PassTimes:
+                peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
+                compile: bool = False) -> PassTimes:
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 
     Depends on the layout's tp, cp, ep, etp, micro-batch, recompute and sequence
-    parallelism only (planner.search.bound caches it by those).
+    parallelism, and on the precision (fp8_peak > 0: 8-bit block GEMMs; routed
+    experts stay 16-bit here) and compile only (planner.search.bound caches it by those).
     """
     h, tp = model.hidden, layout.tp
     m = tokens_per_micro_batch(seq_len, layout)
     dense, _ = mlp_gemms(model, m, layout)
-    gemms = sum(count * gemm_time_s(gm, gn, gk, peak, cal)
-                for count, gm, gn, gk in attention_gemms(model, m, tp) + dense)
+    gemms, cast_f, cast_b = _block_gemms_s(attention_gemms(model, m, tp) + dense, peak, fp8_peak, cal)
     expert_gemms, moe_memory = moe_times(model, m, dtype_bytes, layout, peak, gpu, cal)
     gemms += expert_gemms
     heads = layout.micro_batch_size * model.n_heads / tp
@@ -242,11 +288,29 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     act_passes = 3.0 if model.mlp == "swiglu" else 2.0
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
     elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal) + moe_memory
-    forward = gemms + core_f + elementwise
-    # op (per-op SAC): every second matmul and the elementwise ops again, the attention kernel saved
-    recompute = {"none": 0.0, "selective": core_f, "op": gemms / 2 + elementwise, "full": forward}[layout.recompute]
+    cast_f, cast_b = memory_time_s(cast_f, gpu, cal), memory_time_s(cast_b, gpu, cal)
+    if compile:  # Inductor fuses the casts into the kernels around them as well
+        elementwise, cast_f, cast_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in (elementwise, cast_f, cast_b))
+    forward = gemms + cast_f + core_f + elementwise
+    if layout.recompute == "op":
+        skipped = _op_recomputed_gemms(model, m, layout)
+        redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
+        recompute = redo + memory_time_s(redo_cast, gpu, cal) + elementwise
+    else:
+        share = recomputed_fraction(layout, model.n_layers)
+        recompute = {"none": 0.0, "selective": core_f, "full": share * forward}[layout.recompute]
     # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
-    return PassTimes(forward, gemms + core_b + 2.0 * elementwise, gemms, recompute)
+    return PassTimes(forward, gemms + cast_b + core_b + 2.0 * elementwise, gemms, recompute)
+
+
+def _op_recomputed_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
+    """The projections per-op SAC does not save (every second mm: wk, wo, and w3 or fc2's partner)."""
+    h, tp = model.hidden, layout.tp
+    ffn = model.ffn_hidden if model.moe is None else model.moe.top_k * model.moe.expert_ffn_hidden
+    out = [(1.0, m, model.kv_dim / tp, h), (1.0, m, h, model.q_dim / tp)]
+    if model.mlp == "swiglu":
+        out.append((1.0, m, ffn / tp, h))
+    return tuple(out)
 
 
 def fsdp_copy_times(model: ModelSpec, dtype_bytes: int, grad_bytes: int, layout: Layout, gpu: GPUSpec,

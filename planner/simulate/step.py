@@ -6,9 +6,13 @@ Recipe (all times per micro-batch unless said otherwise):
    overhead overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
    FSDP gathers beyond what the compute hides, EP all-to-alls
-   (`planner.simulate.comm`);
+   (`planner.simulate.comm`); compute hides at most the calibration's
+   `comm_overlap` share of its own time (0 on CPU ranks sharing their cores);
 2. a chunk (virtual stage) is its layers, plus the embedding on chunk 0 and
-   the output layer and loss on the last chunk: the imbalance is real;
+   the output layer and loss on the last chunk: the imbalance is real; the
+   ends carry their own communication: the FSDP root unit's gather and
+   reduce-scatter, TP's embedding and output all-reduces and, for engines
+   without a vocabulary-parallel loss, the logits all-gather;
 3. the pipeline schedule runs as events (`planner.simulate.pipeline`); each rank's
    busy and idle time come out of it;
 4. after its last backward a rank reduces gradients over data parallel (the
@@ -27,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import DP_AXES, Layout
+from planner.layout import DP_AXES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
@@ -35,8 +39,10 @@ from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.comm import StepComm, expert_comm_s
 from planner.simulate.compute import (
+    COMPILE_HOST_FACTOR,
     combine,
     embedding_times,
+    fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
     layer_gemms,
@@ -100,9 +106,15 @@ class _Unit:
 
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
-                bwd_s: float, attention_s: float, tp_hidden_s: float
+                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0
                 ) -> tuple[dict[str, float], dict[str, float], int, int]:
-    """Exposed communication of one layer pass (forward, backward) and the collectives each issues."""
+    """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
+
+    gather_bytes: bytes per parameter FSDP all-gathers (1 for float8 all-gathers, else the dtype's).
+    Compute hides communication only up to `overlap` (the calibration's
+    comm_overlap) of its own time: 0 where collectives run on the computing cores.
+    """
+    fwd_s, bwd_s, attention_s, tp_hidden_s = (overlap * t for t in (fwd_s, bwd_s, attention_s, tp_hidden_s))
     d = training.dtype_bytes
     m = tokens_per_micro_batch(training.seq_len, layout)
     act = m * model.hidden * d
@@ -110,12 +122,12 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     calls_f = calls_b = 0
     if layout.tp > 1:
         per_point = 2 if layout.sequence_parallel else 1
-        points_b = 4 if layout.recompute == "full" else 2
+        points_b = 2 + 2 * recomputed_fraction(layout, model.n_layers)
         point = comm.tp_point_s(act, layout.sequence_parallel)
         # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
         comm_f["tp_comm"] = 2 * point
         comm_b["tp_comm"] = (points_b - 2) * point + max(0.0, 2 * point - tp_hidden_s)
-        calls_f, calls_b = 2 * per_point, points_b * per_point
+        calls_f, calls_b = 2 * per_point, round(points_b * per_point)
     if layout.cp > 1:  # the ring hides under the attention core of the same pass
         ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
@@ -128,7 +140,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        ag = comm.time_s("all_gather", (dense + experts) * d, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, ("dp_shard",)) \
+            if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
@@ -140,22 +153,25 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
-                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits) -> _Unit:
+                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
     kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
-                     traits.fused_attention)
+                     training.fused_attention(traits.fused_attention),
+                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
+    gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
-                                                   lt.backward_s, attention, tp_hidden)
-    passes_b = 3.0 if layout.recompute == "full" else 2.0
+                                                   lt.backward_s, attention, tp_hidden, gather_bytes,
+                                                   cal.comm_overlap)
+    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
     p = cal.overlap_exponent
-    f = combine(lt.forward_s + sum(comm_f.values()), cal.layer_overhead_s + calls_f * cal.collective_overhead_s, p)
-    b = combine(lt.backward_s + sum(comm_b.values()),
-                passes_b * cal.layer_overhead_s + calls_b * cal.collective_overhead_s, p)
+    host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
+    f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)
+    b = combine(lt.backward_s + sum(comm_b.values()), passes_b * host + calls_b * cal.collective_overhead_s, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
     return _Unit(f, b, w, comm_f, comm_b)
 
@@ -171,6 +187,59 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
             combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
 
 
+def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
+                    cal: CalibrationProfile, ends: tuple[float, float, float, float]
+                    ) -> tuple[float, float, float, float]:
+    """Exposed FSDP communication of the root units (embedding, final norm, output) per micro-batch.
+
+    The executor shards each stage's root like a block (ZeRO-2/3): ZeRO-3
+    all-gathers it once per micro-batch (the root stays gathered from its
+    forward through its backward) and both stages reduce-scatter its gradient
+    after the backward. The embedding's unit is priced on chunk 0, the
+    output's on the last chunk when another rank owns it; compute hides it up
+    to `comm_overlap` of that end's own time. On small models the vocabulary
+    matrices hold as many parameters as several layers.
+    """
+    if layout.zero_stage < 2 or layout.dp_shard == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    out: list[float] = []
+    for end, rank in ((0, owner[0]), (2, owner[-1])):
+        if end == 2 and rank == owner[0]:  # one root holds both ends: priced once, on the embedding
+            out += [0.0, 0.0]
+            continue
+        root = stage_params(model, layout, rank).root
+        ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
+        out += [max(0.0, ag - cal.comm_overlap * ends[end]), max(0.0, rs - cal.comm_overlap * ends[end + 1])]
+    return out[0], out[1], out[2], out[3]
+
+
+def _ends_tp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, gpu_peak_bw: float,
+                  cal: CalibrationProfile, engine: str) -> tuple[float, float, float, float]:
+    """TP communication of the model's ends per micro-batch (embedding F, B, output F, B).
+
+    A vocabulary-split embedding all-reduces its output (m*h) in the forward;
+    the column-split output layer all-reduces its input gradient in the
+    backward. An engine without a vocabulary-parallel loss (MemoryTraits)
+    all-gathers the logits (m*V) to every TP rank and runs the loss over the
+    full vocabulary there: the gather and the extra (1 - 1/t) of the loss's
+    fp32 passes (`output_times` prices V/t) join the output's forward.
+    """
+    if layout.tp == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    d = training.dtype_bytes
+    m = tokens_per_micro_batch(training.seq_len, layout)
+    act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
+    emb = 0.0 if model.tie_embeddings else act
+    out_f = 0.0
+    if not get_engine(engine).memory.vocab_parallel_loss:
+        loss_extra = 3 * 4 * m * model.vocab * (1 - 1 / layout.tp) / (gpu_peak_bw * cal.memory_efficiency)
+        out_f = comm.time_s("all_gather", m * model.vocab * d, ("tp",)) + loss_extra / 2
+        return emb, 0.0, out_f, act + loss_extra / 2
+    return emb, 0.0, out_f, act
+
+
 def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, float]
               ) -> tuple[float, float, float, float]:
     """The last stage also runs the multi-token-prediction modules: one layer and one more
@@ -182,8 +251,12 @@ def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, fl
 
 
 def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, float, float],
-                     split_w: bool) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
-    """durations[kind][chunk], per-chunk compute and exposed comm by kind for one micro-batch."""
+                     split_w: bool, ends_comm: dict[str, tuple[float, float, float, float]] | None = None
+                     ) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
+    """durations[kind][chunk], per-chunk compute and exposed comm by kind for one micro-batch.
+
+    `ends` include the exposed communication `ends_comm` (by kind: fsdp_comm, tp_comm), counted as such."""
+    ends_comm = ends_comm or {}
     n_chunks = layout.pp * layout.virtual_stages
     durations: list[list[float]] = [[], [], []]
     compute = []
@@ -196,9 +269,11 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
         durations[F].append(f)
         durations[B].append(b - w)
         durations[W].append(w)
-        compute.append(f + b - layers * (cf + cb))
+        at_end = {k: (sum(v[:2]) if c == 0 else 0.0) + (sum(v[2:]) if c == n_chunks - 1 else 0.0)
+                  for k, v in ends_comm.items()}
+        compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
         for k in LAYER_COMM_KEYS:
-            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]))
+            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]) + at_end.get(k, 0.0))
     return durations, compute, comm_kinds
 
 
@@ -229,7 +304,7 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
     if traits.overlap_dp and reduce_s > 0:
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes)
-        reduce_s = max(last_bucket, reduce_s - last_backward_s)
+        reduce_s = max(last_bucket, reduce_s - cal.comm_overlap * last_backward_s)
     gather = 0.0
     if layout.zero_stage in (1, 2):
         gather = comm.time_s("all_gather", sp.dense * d, ("dp_shard",)) + \
@@ -260,7 +335,7 @@ def step_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, cluste
     attention kernel (the engine's, or `traits`).
     """
     cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    fused = (traits or get_engine(engine).time).fused_attention
+    fused = training.fused_attention((traits or get_engine(engine).time).fused_attention)
     return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, engine, cal.other_bytes,
                            fused_attention=fused)
 
@@ -284,9 +359,13 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
-    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits)
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
-    durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w)
+    ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
+                 "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
+                                          engine)}
+    ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
+    durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
@@ -340,6 +419,8 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
     """
     cal = calibration or load_calibration(None, cluster.gpu)
     peak = cluster.gpu.peak_flops(training.dtype) * cal.gemm_efficiency
+    if training.fp8:  # the faster of the two GEMM rates bounds the block GEMMs
+        peak = max(peak, fp8_peak_flops(training.precision, cluster.gpu) * cal.fp8_gemm_efficiency)
     m = tokens_per_micro_batch(training.seq_len, layout)
     passes = 4.0 if layout.recompute == "full" else 3.0
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))

@@ -66,10 +66,9 @@ def trace_json(result: StepResult, schedule: str, pp: int, virtual_stages: int) 
 
 
 def write_trace(result: StepResult, schedule: str, pp: int, virtual_stages: int, path: str | Path) -> None:
-    try:
-        Path(path).write_text(json.dumps(trace_json(result, schedule, pp, virtual_stages)))
-    except OSError as exc:
-        raise UsageError(f"cannot write trace to {str(path)!r}: {exc.strerror}") from None
+    from topologies.files import write_text
+
+    write_text(path, json.dumps(trace_json(result, schedule, pp, virtual_stages)), what="trace")
 
 
 def plot_gantt(result: StepResult, schedule: str, pp: int, virtual_stages: int, path: str | Path,
@@ -90,21 +89,29 @@ def plot_gantt(result: StepResult, schedule: str, pp: int, virtual_stages: int, 
         offset, height = rows[stream]
         color = _color(stream, name)
         bars.setdefault((stage * pitch + offset, height, color), []).append((start, end - start))
-    fig, ax = plt.subplots(figsize=(12, 1.8 + 0.75 * pp))
+    fig, ax = plt.subplots(figsize=(12, 2.0 + 1.0 * pp))
     for (y, height, color), spans in bars.items():
         ax.broken_barh(spans, (y, height), facecolors=color, edgecolor="white", linewidth=0.2)
-    ax.set_yticks([s * pitch + 0.45 for s in range(pp)], [f"stage {s}" for s in range(pp)])
+    # every row labelled: the stage's compute row, then its communication tracks beneath it
+    track_names = {"compute": "stage {s} compute", "TP": "TP/CP/EP/FSDP", "PP": "PP send/recv", "DP": "DP reduce"}
+    ticks = [(s * pitch + off + h / 2, name.format(s=s)) for s in range(pp)
+             for (off, h), name in zip(rows.values(), track_names.values(), strict=True)]
+    ax.set_yticks([y for y, _ in ticks], [label for _, label in ticks], fontsize=7)
+    for tick, (_, label) in zip(ax.get_yticklabels(), ticks, strict=True):
+        if "compute" in label:
+            tick.set_fontweight("bold")
     ax.set_ylim(pitch * pp, -0.1)
     ax.set_xlim(0, result.step_time_s)
     ax.set_xlabel("time in step (s)")
     b = result.time_breakdown_s
-    ax.set_title(title or (f"one step: {result.step_time_s:.3f} s, bubble {b['bubble']:.3f} s, "
-                           f"exposed comm {b['exposed_comm']:.3f} s, MFU {100 * result.mfu:.1f}%"))
+    detail = (f"one step: {result.step_time_s:.3f} s, bubble {b['bubble']:.3f} s, "
+              f"exposed comm {b['exposed_comm']:.3f} s, MFU {100 * result.mfu:.1f}%")
+    ax.set_title(f"{title}\n{detail}" if title else detail, fontsize=10)
     legend = [Patch(color=_COLORS[k], label=label) for k, label in
               (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("comm", "TP/CP/EP/FSDP comm"),
                ("PP", "PP send"), ("dp_comm", "DP reduce / gather"), ("optimizer", "optimizer"))]
     fig.legend(handles=legend, loc="lower center", ncol=7, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.6 / (1.8 + 0.75 * pp), 1, 1))  # keep the legend's strip free
+    fig.tight_layout(rect=(0, 0.6 / (2.0 + 1.0 * pp), 1, 1))  # keep the legend's strip free
     save_figure(fig, path)
 
 

@@ -40,3 +40,18 @@ def _cpu_plan():
     return Plan(model=model, cluster=load_cluster("cpu", 2),
                 training=TrainingSpec(seq_len=64, global_batch_size=4, dtype="fp32"),
                 layout=with_stage_layers(model, Layout(dp_shard=2, zero_stage=3, micro_batch_size=2)))
+
+
+def test_calibrate_with_a_model_measures_its_shapes_and_blocks(cli, tmp_path):
+    """--model adds the plan's GEMMs and times one executor block plain, under TP and FSDP on 2 gloo ranks."""
+    out = tmp_path / "profile.json"
+    r = cli("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--model", "debug",
+            "--seq-len", "64", "--micro-batch", "2", "--out", str(out), timeout=600)
+    assert r.code == 0, r.stderr
+    profile = CalibrationProfile.from_json(json.loads(out.read_text()))
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert {(g["m"], g["n"], g["k"]) for g in samples["gemm"]} >= {(128, 64 + 2 * 32, 64), (128, 256, 64)}
+    blocks = samples["blocks"]
+    assert blocks["world"] == 2 and all(blocks[k] > 0 for k in ("plain", "tp", "fsdp"))
+    assert samples["sharing_ranks"] == 2 and profile.comm_overlap in (0.0, 1.0)
+    assert set(profile.collective_scale) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}

@@ -114,7 +114,7 @@ def check_run_dir(out, plan, records) -> None:
     assert all(METRIC_KEYS <= set(r) for r in records)
     assert load_plan(out / "plan.json").to_json() == load_plan(plan).to_json()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["measured"]["final_loss"] == records[-1]["loss"]
+    assert summary["measured"]["loss_last"] == records[-1]["loss"]
     assert summary["measured"]["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in records)
     assert summary["predicted"]["step_time_s"] == load_plan(plan).prediction.step_time_s
     assert summary["measured_over_predicted"]["tokens_per_s"] == pytest.approx(

@@ -18,7 +18,7 @@ from conftest import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.export import TARGETS, ExportResult, export_plan
+from planner.export import TARGETS, ExportRefused, ExportResult, export_plan
 from planner.export.toml_emit import dumps
 from planner.layout import Layout
 from planner.model.load import load_model
@@ -80,9 +80,31 @@ VARIANTS = {
 }
 
 
+# torchtitan builds only the llama3 flavors it registers: the same layouts on llama3-8b (32 layers).
+TT_VARIANTS = {
+    "8b": lambda: make_plan(16, "llama3-8b", tp=8, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128),
+    "3d": lambda: make_plan(32, "llama3-8b", tp=4, pp=4, dp_shard=2, zero_stage=1, micro_batch_size=1,
+                            grad_accum_steps=128, sequence_parallel=True, pp_schedule="interleaved-1f1b",
+                            virtual_stages=2, recompute="full"),
+    "zbv_uneven": lambda: make_plan(32, "llama3-8b", tp=8, pp=2, dp_shard=2, zero_stage=2, micro_batch_size=1,
+                                    grad_accum_steps=128, pp_schedule="zb-v", virtual_stages=2,
+                                    layers_per_stage=(7, 9, 9, 7)),
+    "cp": lambda: make_plan(16, "llama3-8b", tp=4, cp=2, dp_shard=2, zero_stage=3, micro_batch_size=1,
+                            grad_accum_steps=128),
+    "ddp_gpipe": lambda: make_plan(16, "llama3-8b", tp=2, pp=4, dp_replicate=2, micro_batch_size=2,
+                                   grad_accum_steps=64, pp_schedule="gpipe", recompute="selective"),
+    "plan_verb_8b": lambda: plan_verb("--model", "llama3-8b", "--gpus", "16"),
+}
+
+
 @pytest.fixture(params=sorted(VARIANTS))
 def plan(request) -> Plan:
     return VARIANTS[request.param]()
+
+
+@pytest.fixture(params=sorted(TT_VARIANTS))
+def tt_plan(request) -> Plan:
+    return TT_VARIANTS[request.param]()
 
 
 def _comments(text: str) -> str:
@@ -92,14 +114,20 @@ def _comments(text: str) -> str:
 # ---- torchtitan -------------------------------------------------------------
 
 
-def test_torchtitan_round_trip(plan):
+def test_torchtitan_round_trip(tt_plan):
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
+    plan = tt_plan
     lay = plan.layout
-    cfg = tomllib.loads(export_plan(plan, "torchtitan").text)
+    result = export_plan(plan, "torchtitan")
+    cfg = tomllib.loads(result.text)
+    assert cfg["model"]["flavor"] == "8B"
     par, tr = cfg["parallelism"], cfg["training"]
     rep, shard = par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]
-    assert (rep, shard) == (lay.dp_replicate, lay.dp_shard)
+    if any("refuses DDP" in note for note in result.notes):  # torchtitan 0.2: no DDP next to TP/PP
+        assert (rep, shard, par["fsdp_reshard_after_forward"]) == (1, lay.dp, "never")
+    else:
+        assert (rep, shard) == (lay.dp_replicate, lay.dp_shard)
     assert (par["tensor_parallel_degree"], par["context_parallel_degree"], par["pipeline_parallel_degree"]) == (
         lay.tp, lay.cp, lay.pp)
     assert rep * shard * par["tensor_parallel_degree"] * par["context_parallel_degree"] * par[
@@ -123,9 +151,9 @@ def test_torchtitan_round_trip(plan):
     assert cfg["activation_checkpoint"]["mode"] == lay.recompute
 
 
-@pytest.mark.parametrize("name", ["3d", "zbv_uneven", "ddp_gpipe", "plan_verb_3d"])  # the variants with PP
+@pytest.mark.parametrize("name", ["3d", "zbv_uneven", "ddp_gpipe"])  # the variants with PP
 def test_torchtitan_model_parts_cover_every_layer_once_in_order(name):
-    plan = VARIANTS[name]()
+    plan = TT_VARIANTS[name]()
     parts = tomllib.loads(export_plan(plan, "torchtitan").text)["parallelism"]["module_fqns_per_model_part"]
     assert len(parts) == plan.layout.pp * plan.layout.virtual_stages
     layers = [[int(name.split(".")[1]) for name in part if name.startswith("layers.")] for part in parts]
@@ -135,15 +163,31 @@ def test_torchtitan_model_parts_cover_every_layer_once_in_order(name):
 
 
 def test_torchtitan_zero_stage_maps_to_reshard_policy():
-    par = tomllib.loads(export_plan(plan_13b(), "torchtitan").text)["parallelism"]
+    par = tomllib.loads(export_plan(TT_VARIANTS["8b"](), "torchtitan").text)["parallelism"]
     assert par["fsdp_reshard_after_forward"] == "always"  # ZeRO-3: parameters resharded after forward
-    result = export_plan(plan_3d(), "torchtitan")
+    result = export_plan(TT_VARIANTS["3d"](), "torchtitan")
     assert tomllib.loads(result.text)["parallelism"]["fsdp_reshard_after_forward"] == "never"
     assert any("ZeRO-1" in note for note in result.notes)
 
 
+def test_torchtitan_refuses_a_shape_it_does_not_register():
+    with pytest.raises(ExportRefused, match="llama2-13b.*none of them"):
+        export_plan(plan_13b(), "torchtitan")
+
+
+def test_torchtitan_03_is_a_python_config_module():
+    plan = TT_VARIANTS["3d"]()
+    result = export_plan(plan, "torchtitan", version="0.3")
+    assert result.filename == "meshplan_llama3_8b.py"
+    compile(result.text, result.filename, "exec")  # valid Python
+    assert "from torchtitan.models.llama3.config_registry import llama3_8b" in result.text
+    assert "cfg.parallelism.tensor_parallel_degree = 4" in result.text and "FullAC.Config()" in result.text
+    with pytest.raises(UsageError, match="target-version"):
+        export_plan(plan, "torchtitan", version="0.5")
+
+
 def test_every_note_is_also_in_the_file_comments(plan):
-    for target in ("torchtitan", "megatron", "accelerate"):
+    for target in ("megatron", "accelerate") + (("torchtitan",) if plan.model.name == "llama3-8b" else ()):
         result = export_plan(plan, target)
         comments = _comments(result.text)
         assert "could not express" in comments
@@ -163,13 +207,18 @@ def test_deepspeed_batch_identity(plan):
     assert cfg["gradient_accumulation_steps"] == lay.grad_accum_steps
     assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * lay.dp == cfg[
         "train_batch_size"]
-    assert cfg["zero_optimization"]["stage"] == lay.zero_stage
+    # DeepSpeed's PipelineEngine takes ZeRO 0-1 only: ZeRO-2/3 with pp is exported as ZeRO-1, with its cost
+    # and its engine runs bf16 weights with fp32 gradient accumulation only under ZeRO: ZeRO-0 becomes ZeRO-1
+    mix = lay.zero_stage == 0 and plan.training.grad_dtype != plan.training.dtype
+    expected = 1 if (lay.pp > 1 and lay.zero_stage >= 2) or mix else lay.zero_stage
+    assert cfg["zero_optimization"]["stage"] == expected
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
     assert cfg.get("tensor_parallel", {}).get("autotp_size", 1) == lay.tp
-    # DeepSpeed's own dp is world / (tp * pp); when that is not the plan's dp (cp > 1) the export must say so
-    ds_dp = plan.world_size // (lay.tp * lay.pp)
-    mentions_batch = any(note.startswith("batch:") for note in result.notes)
-    assert mentions_batch == (ds_dp != lay.dp)
+    # DeepSpeed's dp is the world unless the script passes the plan's grid: the export writes it
+    files = dict(result.extra_files)
+    assert ("meshplan_ds_mpu.py" in files) == (lay.tp * lay.pp * lay.cp > 1)
+    if "meshplan_ds_mpu.py" in files:
+        assert f"PP, DP, CP, TP = {lay.pp}, {lay.dp}, {lay.cp}, {lay.tp}" in files["meshplan_ds_mpu.py"]
 
 
 def test_deepspeed_says_clearly_it_cannot_do_tp_and_pp():
@@ -178,20 +227,23 @@ def test_deepspeed_says_clearly_it_cannot_do_tp_and_pp():
     assert any(note.startswith("pp 4: a ds_config cannot set pipeline stages") for note in notes)
 
 
-def test_deepspeed_hsdp_zero3_is_mics_with_offload():
-    cfg = json.loads(export_plan(VARIANTS["hsdp_offload"](), "deepspeed").text)["zero_optimization"]
-    assert cfg["mics_shard_size"] == 4
+def test_deepspeed_hsdp_zero3_is_mics_before_0_19_7_and_hpz_after():
+    old = json.loads(export_plan(VARIANTS["hsdp_offload"](), "deepspeed", version="0.18.9").text)
+    assert old["zero_optimization"]["mics_shard_size"] == 4
+    result = export_plan(VARIANTS["hsdp_offload"](), "deepspeed")
+    cfg = json.loads(result.text)["zero_optimization"]
+    assert "mics_shard_size" not in cfg and cfg["zero_hpz_partition_size"] == 4
+    assert any("removed MiCS" in note and "predicted step" in note for note in result.notes)
     assert cfg["offload_optimizer"]["device"] == "cpu" and cfg["offload_param"]["device"] == "cpu"
 
 
 def test_deepspeed_hostfile_has_one_line_per_node():
     result = export_plan(plan_13b(), "deepspeed", hosts=["node-a", "node-b"])
-    (name, text), = result.extra_files
-    assert name == "hostfile"
+    text = dict(result.extra_files)["hostfile"]
     rows = [re.fullmatch(r"(\S+) slots=(\d+)", line).groups() for line in text.splitlines()]
     assert [host for host, _ in rows] == ["node-a", "node-b"]
     assert sum(int(slots) for _, slots in rows) == 16
-    assert export_plan(plan_13b(), "deepspeed").extra_files == ()
+    assert "hostfile" not in dict(export_plan(plan_13b(), "deepspeed").extra_files)
 
 
 # ---- accelerate ---------------------------------------------------------------
@@ -259,6 +311,10 @@ def test_unknown_target_and_wrong_host_count_are_usage_errors():
 def test_every_target_exports_both_issue_plans():
     for build in (plan_13b, plan_3d):
         for target in TARGETS:
+            if target == "torchtitan":  # llama2-13b is no flavor torchtitan registers
+                with pytest.raises(ExportRefused):
+                    export_plan(build(), target)
+                continue
             result = export_plan(build(), target)
             assert result.target == target and result.text.strip()
 
@@ -283,3 +339,36 @@ def test_toml_writer_keeps_comments_and_refuses_what_toml_cannot_hold():
     for bad in (float("inf"), float("nan"), None, {"nested": 1}):
         with pytest.raises(UsageError):
             dumps({"t": {"k": bad}})
+
+
+def test_accelerate_cpu_plan_is_multi_cpu_ddp_with_the_cost():
+    plan = Plan(model=load_model("debug"), cluster=load_cluster("cpu", 4),
+                training=TrainingSpec(seq_len=256, global_batch_size=16),
+                layout=Layout(tp=2, dp_shard=2, zero_stage=3, micro_batch_size=2, grad_accum_steps=4))
+    result = export_plan(plan, "accelerate")
+    cfg = yaml.safe_load(result.text)
+    assert cfg["distributed_type"] == "MULTI_CPU" and cfg["use_cpu"] is True
+    assert "parallelism_config" not in cfg and "fsdp_config" not in cfg and cfg["num_processes"] == 4
+    assert "gradient_accumulation_steps=2 data_parallel_size=4 global_batch_size=16" in result.text
+    assert any("MULTI_CPU" in note and "predicted step" in note for note in result.notes)
+
+
+def test_accelerate_folded_pipeline_keeps_the_batch_identity_and_says_when_it_moves():
+    plan = make_plan(24, tp=4, pp=3, dp_shard=2, zero_stage=1, micro_batch_size=1, grad_accum_steps=128)
+    result = export_plan(plan, "accelerate", hosts=["a", "b", "c"])
+    line = next(x for x in result.text.splitlines() if x.startswith("# batch: per_device"))
+    values = dict(kv.split("=") for kv in line[len("# batch: "):].split())
+    micro, accum, dp, batch = (int(values[k]) for k in ("per_device_batch_size", "gradient_accumulation_steps",
+                                                          "data_parallel_size", "global_batch_size"))
+    assert micro * accum * dp == batch and dp == 6 and batch != 256
+    assert any(f"it becomes {batch}" in note for note in result.notes)
+    assert "--rdzv_backend c10d" in result.text
+
+
+def test_deepspeed_pipeline_with_zero2_becomes_zero1_with_the_cost():
+    plan = make_plan(16, tp=2, pp=2, dp_shard=4, zero_stage=2, micro_batch_size=2, grad_accum_steps=32)
+    result = export_plan(plan, "deepspeed")
+    assert json.loads(result.text)["zero_optimization"]["stage"] == 1
+    assert any(note.startswith("ZeRO-2 with pp 2") and "predicted step" in note for note in result.notes)
+    mpu = dict(result.extra_files)["meshplan_ds_mpu.py"]
+    assert "PP, DP, CP, TP = 2, 4, 1, 2" in mpu

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_export import make_plan, plan_3d, plan_13b
 
-from planner.export import TARGETS
+from planner.export import TARGETS, export_plan
 from planner.export.launch import slurm_script, torchrun_commands, torchrun_script
 from planner.layout import Layout
 from planner.model.load import load_model
@@ -140,13 +140,22 @@ def plan_file(tmp_path) -> Path:
     return path
 
 
-def test_cli_exports_every_target(cli, plan_file):
+def test_cli_exports_every_target(cli, plan_file, tmp_path):
     for target in TARGETS:
         r = cli("export", str(plan_file), "--to", target)
+        if target == "torchtitan":  # llama2-13b is no flavor torchtitan registers: refused, exit 2, one line
+            assert r.code == 2 and "registered flavors" in r.stderr and r.stdout == "", r.stderr
+            continue
         assert r.code == 0, (target, r.stderr)
         assert r.stdout.strip() and "Traceback" not in r.stderr
-    r = cli("export", str(plan_file), "--to", "torchtitan")
-    assert "could not express: model shape" in r.stderr  # notes go to stderr, the file to stdout
+    path = tmp_path / "8b.json"
+    make_plan(16, "llama3-8b", tp=8, dp_shard=2, zero_stage=1, micro_batch_size=1, grad_accum_steps=128).save(path)
+    r = cli("export", str(path), "--to", "torchtitan")
+    assert r.code == 0 and "could not express: ZeRO-1" in r.stderr  # notes go to stderr, the file to stdout
+    r = cli("export", str(path), "--to", "torchtitan", "--target-version", "0.3")
+    assert r.code == 0 and "def meshplan_plan():" in r.stdout
+    r = cli("export", str(path), "--to", "torchrun", "--target-version", "0.3")
+    assert r.code == 2 and "--target-version" in r.stderr
 
 
 def test_cli_writes_files_and_hostfile(cli, plan_file, tmp_path):
@@ -178,7 +187,7 @@ def test_cli_usage_errors_exit_2_in_one_line(cli, plan_file, tmp_path):
 
 def test_cli_exports_the_real_plan_verb_output(cli, tmp_path):
     path = tmp_path / "plan.json"
-    r = cli("plan", "--model", "13B", "--gpus", "16", "--json", "-o", str(path))
+    r = cli("plan", "--model", "llama3-8b", "--gpus", "16", "--json", "-o", str(path))
     assert r.code == 0, r.stderr
     for target in TARGETS:
         r = cli("export", str(path), "--to", target)
@@ -191,3 +200,16 @@ def test_export_3d_plan_through_cli(cli, tmp_path):
               pp_schedule="interleaved-1f1b", virtual_stages=2).save(path)
     r = cli("export", str(path), "--to", "megatron")
     assert r.code == 0 and "--num-layers-per-virtual-pipeline-stage 5" in r.stdout
+
+
+def test_launch_exports_state_the_executor_refusal_and_the_engine_to_use():
+    from planner.engines import executor_refusal
+
+    cp_plan = make_plan(16, tp=4, cp=2, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128)
+    reason = executor_refusal(cp_plan.model, cp_plan.layout)
+    for target in ("torchrun", "slurm"):
+        result = export_plan(cp_plan, target)
+        (note,) = result.notes
+        assert reason in note and "meshplan export --to megatron" in note
+        assert "could not express: nothing" not in result.text and reason in result.text
+        assert export_plan(plan_13b(), target).notes == ()

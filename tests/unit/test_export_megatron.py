@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from test_export import VARIANTS, make_plan, plan_3d, plan_13b
 
-from planner.export import export_plan
+from planner.export import ExportRefused, export_plan
 from planner.export.megatron import pipeline_layout
 
 # Option names and types as megatron/training/arguments.py (Megatron-Core 0.14) declares them.
@@ -155,3 +155,19 @@ def test_megatron_notes_name_what_it_cannot_run():
 
 def test_pipeline_layout_string_parses_to_the_counts():
     assert parse_layout(pipeline_layout((3, 2, 4))) == ["Ettt", "tt", "ttttL"]
+
+
+def test_megatron_target_versions_use_the_option_names_of_that_release():
+    plan = make_plan(16, tp=4, dp_shard=4, zero_stage=3, micro_batch_size=1, grad_accum_steps=64)
+    new = export_plan(plan, "megatron").text
+    assert "--use-megatron-fsdp" in new and "fsdp_dtensor" in new
+    old = export_plan(plan, "megatron", version="0.13").text
+    assert "--use-custom-fsdp" in old and "--use-megatron-fsdp" not in old and "fsdp_dtensor" not in old
+    uneven = make_plan(24, tp=8, pp=3, micro_batch_size=1, grad_accum_steps=256)  # 40 layers: 13, 14, 13
+    assert "--pipeline-model-parallel-layout" in export_plan(uneven, "megatron", version="0.13").text
+    first_last = export_plan(uneven, "megatron", version="0.12").text
+    assert "--decoder-first-pipeline-num-layers 13" in first_last and "--decoder-last-pipeline-num-layers 13" in first_last
+    odd = make_plan(16, tp=8, pp=2, micro_batch_size=1, grad_accum_steps=256, pp_schedule="interleaved-1f1b",
+                    virtual_stages=2, layers_per_stage=(9, 11, 11, 9))
+    with pytest.raises(ExportRefused, match="before 0.13"):
+        export_plan(odd, "megatron", version="0.12")

@@ -151,7 +151,8 @@ def test_update_calibration_makes_the_simulator_reproduce_the_run(cli, tmp_path)
     r = cli("report", str(run), "--update-calibration", str(profile_path), "--json")
     assert r.code == 0, r.stderr
     update = r.json()["calibration_update"]
-    assert update["reached"] and update["compute_factor"] < 1.0  # the run was slower than the defaults
+    assert update["reached"] and min(update["levers"].values()) > 1.0  # the run was slower than the defaults
+    assert "host" in update["levers"]  # the debug model on H100 is host-bound: its host overhead grew most
     profile = load_calibration(profile_path, plan.cluster.gpu)
     again = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, profile)
     assert again.step_time_s == pytest.approx(measured_s, rel=1e-3)

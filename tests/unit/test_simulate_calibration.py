@@ -36,7 +36,8 @@ def test_shipped_a100_profile_is_the_a100_default():
     assert "vTrain" in a100.source
     assert a100.other_bytes is not None  # resolved from the memory model's default
     b200 = default_calibration(get_gpu("b200"))
-    assert b200.source.startswith("generic")  # no shipped profile (H100's: tests/test_accuracy_published.py)
+    assert "used for b200" in b200.source  # GB200's profile (tests/unit/test_accuracy_dgxc.py)
+    assert default_calibration(get_gpu("l40s")).source.startswith("generic")  # no shipped profile
 
 
 def test_a_profile_from_another_gpu_family_is_refused(tmp_path):

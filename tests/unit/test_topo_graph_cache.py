@@ -91,7 +91,7 @@ def test_an_nvlink_domain_of_trays_is_priced_from_its_graph():
     base = load_cluster("dgx-b200")
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Cluster)}
     rack = _Rack(**{**fields, "name": "rack", "gpus_per_node": 72, "nics_per_node": 72, "gpus_per_numa_node": 2,
-                    "gpus_per_pcie_switch": 1})
+                    "gpus_per_pcie_switch": 1, "gpus_per_tray": 4})
     g = node_graph(rack)
     table = node_link_table(rack)
     nv = label_gbytes_per_s(f"NV{base.gpu.nvlink_links}", base.gpu)

@@ -57,7 +57,7 @@ def cluster_summary(c: Cluster) -> dict:
     }
 
 
-@click.group()
+@click.group(epilog="\b\nExamples:\n  meshplan topo list\n  meshplan topo show dgx-h100 --gpus 16\n  meshplan topo bench --op all_reduce --size 1KiB:1GiB --gpus 16\n  meshplan topo detect --save mynode.toml\n")
 def topo() -> None:
     """Clusters: presets, custom TOML files, nvidia-smi detection and collective costs."""
 
@@ -109,9 +109,11 @@ def show_cluster(name: str, gpus: int | None, sets: tuple[str, ...], as_json: bo
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def detect(from_file: str | None, gpu_name: str | None, save: str | None, as_json: bool) -> None:
     """Read this node's topology from nvidia-smi (or a saved `nvidia-smi topo -m`)."""
+    from topologies.files import check_output
     from topologies.hardware import get_gpu
     from topologies.smi_topo import detect_cluster, guess_gpu, parse_topo, query_live
 
+    check_output(save, "--save")
     if from_file:
         try:
             text = Path(from_file).read_text(errors="replace")

@@ -1,0 +1,202 @@
+"""Accuracy of the step-time model on NVIDIA's DGX Cloud dense runs: bf16 and FP8, H100 and GB200, three stacks.
+
+Rows: bench/dgxc_rows.py (what each stack is simulated as, and which rows
+cannot be expressed). Fitted, per GPU family and never per row:
+
+* H100: only `fp8_gemm_efficiency` (the fraction of the FP8 peak that 8-bit
+  GEMMs reach). The 16-bit parameters stay those bench/accuracy_published.py
+  fitted on NeMo 24.09 and LLM Foundry runs, so every bf16 row here is a
+  hold-out row for them.
+* GB200: `gemm_efficiency` and `fp8_gemm_efficiency`, the attention
+  efficiency scaled with the GEMM efficiency in the H100 ratio (one model's
+  rows cannot separate the two).
+
+Hold-out by model: only the rows of FIT_MODELS (and their proxies, the same
+model with fewer layers) are fitted; every other model and both JAX stacks
+(MaxText, PaxML: never fitted, another software stack) are scored unseen.
+
+Left out of the fit and the MAPE, and said so in the output: rows that
+cannot be expressed (dgxc_rows), and INCONSISTENT rows: Nemotron-4 340B in
+v25.04 lists VP=NA, but a non-interleaved 8-stage pipeline with 16
+micro-batches cannot run in the measured 4.36 s: the same layout with VP=12
+in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
+
+    python bench/accuracy_dgxc.py          # per row, then per source/GPU/precision/split
+    python bench/accuracy_dgxc.py --fit    # refit and write planner/simulate/calibrations/{h100,gb200}.json
+    python bench/accuracy_dgxc.py --swap   # fit on the held-out NeMo models instead, score the fit ones
+                                           # (2026-11-24: 6.6% MAPE, bias -0.8% on those 68 rows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from dgxc_rows import FAMILY, DgxcRow, load_dense_rows  # noqa: E402
+
+from planner.simulate.calibration import CALIBRATION_DIR, CalibrationProfile, load_calibration  # noqa: E402
+from planner.simulate.step import simulate_step  # noqa: E402
+from topologies.hardware import get_gpu  # noqa: E402
+
+FIT_MODELS = ("GPT-3 175B", "Llama 3.1 8B", "Llama 3.1 405B")
+INCONSISTENT = {"dgxc-v25.04-nemotron4-340b-256g-bf16", "dgxc-v25.04-nemotron4-340b-512g-bf16",
+                "dgxc-v25.04-nemotron4-340b-1024g-bf16", "dgxc-v25.04-nemotron4-340b-2048g-bf16",
+                "dgxc-v25.04-nemotron4-340b-256g-fp8", "dgxc-v25.04-nemotron4-340b-512g-fp8",
+                "dgxc-v25.04-nemotron4-340b-1024g-fp8", "dgxc-v25.04-nemotron4-340b-2048g-fp8"}
+TARGET_MAPE = 0.12  # on rows not fitted (the goal beyond it: 5%)
+TARGET_EXPRESSIBLE = 0.85
+# (name, initial, lower, upper) per family; "attention_efficiency" follows gemm_efficiency (module doc)
+FIT_PARAMETERS = {
+    "h100": (("fp8_gemm_efficiency", 0.6, 0.2, 1.0),),
+    "gb200": (("gemm_efficiency", 0.65, 0.3, 1.0), ("fp8_gemm_efficiency", 0.6, 0.2, 1.0)),
+}
+
+
+def split(row: DgxcRow, swapped: bool = False) -> str:
+    """fit | validate | inconsistent | inexpressible; swapped: the NeMo models' roles exchanged (--swap)."""
+    if not row.expressible:
+        return "inexpressible"
+    if row.id in INCONSISTENT:
+        return "inconsistent"
+    if row.source != "nemo":
+        return "validate"
+    return "fit" if (row.model.split(" proxy")[0] in FIT_MODELS) != swapped else "validate"
+
+
+def profiles() -> dict[str, CalibrationProfile]:
+    return {fam: load_calibration(None, get_gpu(gpu)) for gpu, fam in FAMILY.items()}
+
+
+def simulate(row: DgxcRow, profile: CalibrationProfile):
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+
+
+def predict(row: DgxcRow, profile: CalibrationProfile) -> float:
+    return simulate(row, profile).step_time_s
+
+
+def error(row: DgxcRow, profs: dict[str, CalibrationProfile]) -> float:
+    return predict(row, profs[FAMILY[row.gpu]]) / row.measured_s - 1.0
+
+
+def summary(rows: list[DgxcRow], profs: dict[str, CalibrationProfile], show_rows: bool = True
+            ) -> dict[tuple[str, str, str, str], tuple[float, float, int]]:
+    """Print per row and per (source, gpu, precision, split); return {group: (MAPE, bias, rows)}."""
+    errs: dict[str, float] = {}
+    over: list[str] = []  # expressible rows whose predicted peak exceeds the GPU's memory
+    for r in rows:
+        if r.expressible:
+            result = simulate(r, profs[FAMILY[r.gpu]])
+            errs[r.id] = result.step_time_s / r.measured_s - 1.0
+            if result.memory.peak_bytes > r.cluster().gpu.memory_bytes:
+                over.append(r.id)
+        if show_rows:
+            shown = f"{100 * errs[r.id]:+6.1f}%" if r.expressible else f"  -     ({r.reason})"
+            print(f"{r.id:<48} {split(r):<13} {r.measured_s:8.2f} s {shown}")
+    groups: dict[tuple[str, str, str, str], list[DgxcRow]] = {}
+    for r in rows:
+        if split(r) in ("fit", "validate"):
+            groups.setdefault((r.source, r.gpu, "fp8" if r.training.fp8 else "bf16", split(r)), []).append(r)
+    out = {}
+    for key, rs in sorted(groups.items()):
+        e = [errs[r.id] for r in rs]
+        worst = max(rs, key=lambda r: abs(errs[r.id]))
+        out[key] = (sum(map(abs, e)) / len(e), sum(e) / len(e), len(e))
+        print(f"{'/'.join(key):<30} {len(e):3} rows  MAPE {100 * out[key][0]:5.1f}%  bias {100 * out[key][1]:+5.1f}%  "
+              f"worst {100 * errs[worst.id]:+5.1f}% ({worst.id})")
+    for name in ("fit", "validate"):
+        e = [errs[r.id] for r in rows if split(r) == name]
+        print(f"ALL {name:<26} {len(e):3} rows  MAPE {100 * sum(map(abs, e)) / len(e):5.1f}%  "
+              f"bias {100 * sum(e) / len(e):+5.1f}%")
+    unfitted = [r for r in rows if split(r) != "fit"]
+    expressible = sum(r.expressible for r in unfitted) / len(unfitted)
+    left = sum(split(r) == "inconsistent" for r in rows)
+    print(f"expressible: {100 * expressible:.1f}% of {len(unfitted)} rows not fitted (target >= "
+          f"{100 * TARGET_EXPRESSIBLE:.0f}%); {left} inconsistent rows left out of fit and MAPE; "
+          f"MAPE target <= {100 * TARGET_MAPE:.0f}% on rows not fitted")
+    print(f"memory: {len(over)} of {len(errs)} expressible rows predicted above the GPU's memory (they ran): "
+          f"{', '.join(sorted({i.rsplit('-', 2)[0] for i in over})) or 'none'}")
+    return out
+
+
+def validate_mape(rows: list[DgxcRow], profs: dict[str, CalibrationProfile]) -> tuple[float, float]:
+    """(MAPE, bias) over every validate row."""
+    e = [error(r, profs) for r in rows if split(r) == "validate"]
+    return sum(map(abs, e)) / len(e), sum(e) / len(e)
+
+
+def _apply(family: str, base: CalibrationProfile, values) -> CalibrationProfile:
+    fields = {name: float(v) for (name, *_), v in zip(FIT_PARAMETERS[family], values, strict=True)}
+    if "gemm_efficiency" in fields:
+        h100 = load_calibration(None, get_gpu("h100-sxm"))
+        fields["attention_efficiency"] = fields["gemm_efficiency"] * h100.attention_efficiency / h100.gemm_efficiency
+    return base.replace(**fields)
+
+
+def fit(rows: list[DgxcRow], swapped: bool = False) -> dict[str, CalibrationProfile]:
+    """Least squares on the relative errors of the fit rows, one family at a time."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    profs = profiles()
+    for gpu, family in FAMILY.items():
+        mine = [r for r in rows if split(r, swapped) == "fit" and r.gpu == gpu]
+        if family == "h100":
+            mine = [r for r in mine if r.training.fp8]  # the bf16 parameters are not refitted here
+        base, params = profs[family], FIT_PARAMETERS[family]
+
+        def residuals(values, mine=mine, base=base, family=family):
+            prof = _apply(family, base, values)
+            return np.array([predict(r, prof) / r.measured_s - 1.0 for r in mine])
+
+        result = least_squares(residuals, [p[1] for p in params], bounds=([p[2] for p in params],
+                               [p[3] for p in params]), diff_step=1e-3, loss="soft_l1", f_scale=0.1)
+        profs[family] = _apply(family, base, [float(f"{v:.4g}") for v in result.x])
+    return profs
+
+
+def save(profs: dict[str, CalibrationProfile]) -> None:
+    import datetime
+
+    today = datetime.date.today().isoformat()
+    h100 = profs["h100"]
+    h100.replace(source=h100.source.split("; fp8")[0] + "; fp8_gemm_efficiency fitted by bench/accuracy_dgxc.py "
+                 "--fit on DGX Cloud NeMo FP8 runs of GPT-3 175B, Llama 3.1 8B/405B", date=today,
+                 other_bytes=None).save(CALIBRATION_DIR / "h100.json")
+    profs["gb200"].replace(
+        gpu="gb200", other_bytes=None, date=today,
+        source="fitted by bench/accuracy_dgxc.py --fit on DGX Cloud NeMo Llama 3.1 405B GB200 NVL72 runs (bf16, "
+               "MXFP8); Nemotron-4 340B held out").save(CALIBRATION_DIR / "gb200.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true", help="refit and write the H100 and GB200 profiles")
+    parser.add_argument("--quiet", action="store_true", help="only the per-group lines")
+    parser.add_argument("--swap", action="store_true",
+                        help="robustness: fit on the held-out NeMo models, score the usual fit models (writes nothing)")
+    args = parser.parse_args()
+    rows = load_dense_rows()
+    if args.swap:
+        profs = fit(rows, swapped=True)
+        e = [error(r, profs) for r in rows if split(r, swapped=True) == "validate" and r.source == "nemo"]
+        print(f"swapped split: fitted on {', '.join(sorted({r.model for r in rows if split(r, True) == 'fit'}))}; "
+              f"{len(e)} NeMo rows of {', '.join(FIT_MODELS)} scored: MAPE {100 * sum(map(abs, e)) / len(e):.1f}%, "
+              f"bias {100 * sum(e) / len(e):+.1f}%")
+        return
+    profs = fit(rows) if args.fit else profiles()
+    if args.fit:
+        save(profs)
+    for fam, p in profs.items():
+        print(f"{fam}: gemm {p.gemm_efficiency}, fp8 gemm {p.fp8_gemm_efficiency}, attention "
+              f"{p.attention_efficiency} ({p.source}, {p.date})")
+    summary(rows, profs, show_rows=not args.quiet)
+
+
+if __name__ == "__main__":
+    main()

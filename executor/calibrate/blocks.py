@@ -1,0 +1,88 @@
+"""One real executor block, timed plain, under TP and under FSDP: the host cost kernels do not show.
+
+Kernel benchmarks price a layer's GEMMs, attention and elementwise passes; a
+training step also pays Python and dispatch for every module and operator,
+DTensor's redistributions under TP and FSDP2's hooks and copies around each
+all-gather and reduce-scatter. Those are measured here, inside the
+collective benchmark's torchrun ranks (`executor.calibrate.comm --block`), on
+`executor.model.Block` at the plan's micro-batch and sequence length:
+
+  plain  forward + backward of a local block, every rank at once
+  tp     the same block split by `block_tp_plan` over all ranks (DTensor)
+  fsdp   the block under fully_shard (ZeRO-3) inside a parameterless root,
+         so it gathers in the forward and backward and reduce-scatters
+
+`executor.calibrate.fit.fit_host_overheads` turns the three times into
+`layer_overhead_s` and `collective_overhead_s` by subtracting what the
+simulator already prices for the same block.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+
+def _timed(step, reps: int, barrier) -> float:  # noqa: ANN001
+    """Median seconds of step() after one warm-up, every repeat started together on all ranks."""
+    step()
+    times = []
+    for _ in range(reps):
+        barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, world: int) -> dict[str, Any]:
+    """{"plain": s, "tp": s or None, "fsdp": s, ...} for one block on this rank (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from executor.model import Block, rope_tables
+    from executor.parallel.parallelize import block_tp_plan
+    from planner.model.load import load_model
+
+    spec = load_model(model_path)
+    torch.manual_seed(0)
+    x = torch.randn(micro_batch, seq_len, spec.hidden)
+    grad = torch.randn(micro_batch, seq_len, spec.hidden)
+    cos, sin = rope_tables(spec.head_dim, seq_len, "cpu")
+
+    def run(module: nn.Module) -> Any:
+        def step() -> None:
+            out = module(x, cos, sin)
+            out = out.full_tensor() if hasattr(out, "full_tensor") else out
+            out.backward(grad)
+            for p in module.parameters():
+                p.grad = None
+        return step
+
+    out: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "model": spec.name, "world": world}
+    out["plain"] = _timed(run(Block(spec)), reps, dist.barrier)
+    mesh = init_device_mesh("cpu", (world,))
+    out["tp"] = None
+    if spec.n_heads % world == 0 and spec.n_kv_heads % world == 0:
+        block = Block(spec)
+        parallelize_module(block, mesh, block_tp_plan(block, False))
+        out["tp"] = _timed(run(block), reps, dist.barrier)
+
+    class Root(nn.Module):  # no parameters of its own: the block stays a non-root FSDP unit
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block(spec)
+
+        def forward(self, x, cos, sin):  # noqa: ANN001, ANN202
+            return self.block(x, cos, sin)
+
+    root = Root()
+    fully_shard(root.block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(root, mesh=mesh, reshard_after_forward=True)
+    out["fsdp"] = _timed(run(root), reps, dist.barrier)
+    return out

@@ -1,0 +1,140 @@
+"""What one `plan` search needs besides the GPU count, so `--gpus auto` can vary it; and the searches around it.
+
+`PlanRequest` holds the flags; `search_at` resolves them for one GPU count
+(model, cluster sized, calibration, pins checked) and searches;
+`search_plan_request` turns an empty search into its typed error, naming how
+many GPUs would fit (`gpus_needed_sentence`, a short sweep upward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from planner.cli.inputs import load_model_arg
+from planner.search.candidates import Pins
+
+# "needs at least N GPUs" looks this far past the count asked for (and no further
+# than this many seconds), so an infeasible plan answers in a few seconds.
+NEEDED_SEARCH_FACTOR = 1024
+NEEDED_SEARCH_BUDGET_S = 5.0
+
+
+class TrainingOptions(NamedTuple):
+    """--precision, --attention, --compile: how the model trains, given by the user, never searched."""
+
+    precision: str = "bf16"
+    attention: str = ""  # "" = the engine's kernel
+    compile: bool = False
+
+
+def check_training_options(options: TrainingOptions, engine: str, gpu, recompute: str | None) -> None:
+    """UsageErrors for options this engine or GPU cannot honour, naming what would."""
+    from planner.engines import get_engine
+    from topologies.errors import TopologyError, UsageError
+
+    eng = get_engine(engine)
+    if options.precision in ("fp8", "mxfp8") and gpu.kind != "cpu":
+        try:
+            gpu.peak_flops(options.precision)
+        except TopologyError:
+            have = "fp8 (per-tensor scaling)" if gpu.fp8_flops else "no 8-bit tensor cores"
+            raise UsageError(f"--precision {options.precision}: {gpu.name} has {have}; mxfp8 needs Blackwell "
+                             "(b200, b300, gb200, gb300), fp8 Hopper or later") from None
+    if options.compile and not eng.compiles:
+        raise UsageError(f"--compile: engine {engine} does not compile blocks with torch.compile; use "
+                         "--engine torchtitan or meshplan, or drop --compile")
+    if recompute is not None and recompute not in eng.recompute_kinds:
+        raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `plan` searches with except the GPU count (so a sweep can vary it)."""
+
+    model: str
+    cluster: str
+    overrides: tuple[str, ...]
+    seq_len: int | None
+    global_batch: int | None
+    pins: Pins
+    engine: str
+    calibration: str | None
+    top: int
+    usable_fraction: float
+    options: TrainingOptions = TrainingOptions()
+
+
+def search_at(request: PlanRequest, gpus: int, top: int | None = None):
+    """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
+    from planner.search.candidates import check_pins
+    from planner.search.search import search
+    from planner.simulate.calibration import load_calibration
+    from planner.training import default_seq_len
+    from topologies.cluster_load import load_cluster, parse_overrides
+
+    model = load_model_arg(request.model)
+    cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
+    seq = request.seq_len or default_seq_len(model.max_seq_len)
+    profile = load_calibration(request.calibration, cluster.gpu)
+    check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
+    options = request.options
+    check_training_options(options, request.engine, cluster.gpu, request.pins.recompute)
+    result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
+                    top or request.top, request.usable_fraction, precision=options.precision,
+                    attention=options.attention, compile=options.compile)
+    return model, cluster, result
+
+
+def search_plan_request(request: PlanRequest, gpus: int):
+    """(Plan, SearchResult) on `gpus` GPUs; InfeasibleError naming how many GPUs would fit when none does."""
+    from planner.search.explain import build_plan, no_layout_error
+    from topologies.errors import InfeasibleError
+
+    model, cluster, result = search_at(request, gpus)
+    if not result.ranked:
+        error = no_layout_error(result, request.pins, cluster.world_size)
+        if isinstance(error, InfeasibleError):
+            error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
+        raise error
+    return build_plan(model, cluster, result, request.engine), result
+
+
+def node_size(request) -> int:
+    from topologies.cluster_load import load_cluster, parse_overrides
+
+    return load_cluster(request.cluster, None, parse_overrides(request.overrides)).gpus_per_node
+
+
+def gpus_needed_sentence(request, cluster) -> str:
+    """'; needs at least N GPUs of CLUSTER' from a short sweep above the count asked for ('' if none found)."""
+    from planner.search.sweep import AUTO_MAX_GPUS, allowed_counts, sweep
+
+    n = cluster.world_size
+    counts = allowed_counts(node_size(request), n + 1, min(AUTO_MAX_GPUS, n * NEEDED_SEARCH_FACTOR))
+    found = sweep(counts, lambda count: search_at(request, count, top=1)[2], auto=True,
+                  state_bound=request.pins.offload in (None, "none"), max_fits=1, budget_s=NEEDED_SEARCH_BUDGET_S)
+    fit = found.smallest_fit
+    if fit is None:
+        return ""
+    return f"; needs at least {fit.gpus} GPUs of {cluster.name} with these settings (`--gpus auto` shows how it scales)"
+
+
+def plot_plan_memory(the_plan, result, png: str, usable_fraction: float) -> None:
+    """The memory chart of the ranked layouts, titled with model, GPUs and cluster, with the planning limit."""
+    from planner.memory.chart import plot_memory
+    from planner.search.explain import short
+
+    c = the_plan.cluster
+    plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
+                 for i, s in enumerate(result.ranked)], png, capacity_bytes=c.gpu.memory_bytes,
+                title=f"{the_plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): memory per GPU",
+                limit_bytes=int(c.gpu.memory_bytes * usable_fraction))
+
+
+def si(value: float) -> str:
+    """1234567 -> '1.23M': short numbers for narrow tables."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= div:
+            return f"{value / div:.3g}{unit}"
+    return f"{value:.3g}"
