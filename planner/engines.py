@@ -279,6 +279,9 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
         return (f"ep ({layout.ep}) must divide the {model.moe.n_experts} experts of model {model.name!r} and "
                 f"dp_shard x cp ({layout.dp_shard * layout.cp}): the executor carves ep from the data-parallel "
                 "ranks; plan with another --ep")
+    if model.moe is not None and layout.zero_stage == 1 and layout.dp > 1:
+        return (f"model {model.name!r} with ZeRO-1: the executor's ZeRO-1 broadcasts each parameter from its "
+                "owner over dp, which would overwrite the other ep ranks' experts; plan with --zero 0, 2 or 3")
     if model.moe is not None and layout.tp > 1 and layout.sequence_parallel:
         return (f"model {model.name!r} with tp ({layout.tp}) and sequence parallel: the executor keeps MoE "
                 "layers replicated over tp and does not cut their output back to sequence shards; plan "
