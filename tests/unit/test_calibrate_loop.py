@@ -136,7 +136,7 @@ def test_elasticities_name_the_parts_a_layout_exercises():
     ddp = elasticities(lambda p: _step_s(_plan("ddp"), p), base)
     tp = elasticities(lambda p: _step_s(_plan("tp2"), p), base)
     assert ddp["compute"] > 0.5 and ddp["all_gather"] == 0.0 and ddp["reduce_scatter"] == 0.0
-    assert tp["all_gather"] > 0.0 and tp["reduce_scatter"] == 0.0  # meshplan gathers the logits
+    assert tp["all_gather"] == 0.0 and tp["reduce_scatter"] == 0.0  # loss parallel: logits stay vocab-sharded
     assert tp["all_reduce"] > ddp["all_reduce"] > 0.0  # TP all-reduces activations in every layer
 
 
@@ -168,19 +168,24 @@ def test_fold_run_keeps_compute_factor_and_cpu_memory():
     assert new.other_bytes == base.other_bytes  # CPU peaks are resident sets, not tensors
 
 
-def test_tp_ends_gather_logits_only_without_a_vocab_parallel_loss():
-    """meshplan's executor all-gathers the logits to every TP rank; Megatron keeps them split."""
-    from planner.engines import get_engine
+def test_tp_ends_gather_logits_only_without_a_vocab_parallel_loss(monkeypatch):
+    """An engine that gathers the logits to every TP rank pays an all-gather; a vocab-parallel loss does not."""
+    import dataclasses
 
-    assert not get_engine("meshplan").memory.vocab_parallel_loss and get_engine("megatron").memory.vocab_parallel_loss
+    from planner import engines
+
+    meshplan = engines.get_engine("meshplan")
+    assert meshplan.memory.vocab_parallel_loss  # the executor runs loss_parallel under TP
+    gathering = dataclasses.replace(meshplan, memory=dataclasses.replace(meshplan.memory, vocab_parallel_loss=False))
+    monkeypatch.setitem(engines.ENGINES, "gathering", gathering)
     plan = _plan("tp2")
     base = _cpu_profile()
     gathers = base.replace(collective_scale={"all_gather": 2.0})
-    for engine, moves in (("meshplan", True), ("megatron", False)):
+    for engine, moves in (("gathering", True), ("meshplan", False), ("megatron", False)):
         one = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, base, engine=engine)
         two = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, gathers, engine=engine)
         assert (two.time_breakdown_s["tp_comm"] > one.time_breakdown_s["tp_comm"]) == moves
-        assert one.time_breakdown_s["tp_comm"] > 0  # the embedding and output all-reduces in both
+        assert one.time_breakdown_s["tp_comm"] > 0  # the embedding and output all-reduces in all
 
 
 def test_block_fit_recovers_compute_level_and_collective_overhead():
