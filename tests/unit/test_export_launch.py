@@ -205,10 +205,13 @@ def test_export_3d_plan_through_cli(cli, tmp_path):
 def test_launch_exports_state_the_executor_refusal_and_the_engine_to_use():
     from planner.engines import executor_refusal
 
-    cp_plan = make_plan(16, tp=4, cp=2, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128)
-    reason = executor_refusal(cp_plan.model, cp_plan.layout)
+    # the executor offloads only optimizer+params under ZeRO-3 (FSDP2's CPUOffloadPolicy)
+    refused = make_plan(16, tp=4, dp_shard=4, zero_stage=2, offload="optimizer", micro_batch_size=1,
+                        grad_accum_steps=64)
+    reason = executor_refusal(refused.model, refused.layout)
+    assert reason
     for target in ("torchrun", "slurm"):
-        result = export_plan(cp_plan, target)
+        result = export_plan(refused, target)
         (note,) = result.notes
         assert reason in note and "meshplan export --to megatron" in note
         assert "could not express: nothing" not in result.text and reason in result.text

@@ -40,8 +40,8 @@ def test_worker_refuses_a_missing_run_directory():
 
 
 def test_execute_options_are_the_run_flags_with_their_defaults():
-    """Every RunFlags field is an `execute` option of the same name and default."""
-    params = {p.name: p for p in execute.params}
+    """Every RunFlags field is an `execute` option of the same name (its long flag) and default."""
+    params = {p.opts[0].lstrip("-").replace("-", "_"): p for p in execute.params}
     for name, default in DEFAULT_RUN.__dict__.items():
         assert name in params, name
         if isinstance(default, bool):  # an on/off flag: off unless given

@@ -99,8 +99,9 @@ def test_search_pins_and_degrees():
 
 
 def test_executor_refusal_names_the_engines_that_can():
-    why = executor_refusal(MIXTRAL, Layout(), "bf16", on_gpu=False)
-    assert "mixture of experts" in why and "--engine megatron" in why and "--engine deepspeed" in why
+    assert executor_refusal(MIXTRAL, Layout(), "bf16", on_gpu=False) is None  # top-k MoE runs (executor.moe)
+    why = executor_refusal(load_model("deepseek-v3"), Layout(), "bf16", on_gpu=False)  # MLA, MTP: not built
+    assert "--engine megatron" in why and "--engine deepspeed" in why
 
 
 @pytest.mark.parametrize("shape, ep, etp", [((2, 1, 4, 1, 2), 8, 1), ((2, 2, 4, 2, 2), 4, 2), ((3, 1, 6, 1, 4), 3, 4),
