@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -69,6 +71,31 @@ def run_cli(*args: str, timeout: float = 120, cwd: str | Path | None = None, env
                 os.kill(pid, signal.SIGKILL)
         pytest.fail(f"`meshplan {' '.join(args)}` did not finish in {timeout} s")
     return CliResult(proc.returncode, stdout, stderr)
+
+
+def invoke_cli(*argv: str, cwd: str | Path | None = None) -> CliResult:
+    """`cli.main(ARGV)` in this process (optionally in `cwd`): fast enough to fuzz with.
+
+    Exceptions other than SystemExit propagate: an exception escaping the CLI is
+    the traceback a user would see, so the calling test fails on it.
+    """
+    import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(list(argv))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            else:
+                code = 0
+    finally:
+        os.chdir(previous)
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def processes_mentioning(paths: list[str]) -> list[int]:

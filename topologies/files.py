@@ -175,3 +175,23 @@ def save_figure(fig, path: str | Path, flag: str = "--png") -> None:
 def is_regular_destination(path: str | Path) -> bool:
     """True when `path` names a regular file (or one to create): files beside it may be written too."""
     return str(path) != STDOUT and not _in_place(_target(path))
+
+
+def read_text(path: str | Path, what: str, expect: str, error: type[Exception] = UsageError) -> str:
+    """The UTF-8 text of an input file, or `error` saying what was wrong with `path` and what to give instead.
+
+    what: how the message names the input (`--config`, `model file`);
+    expect: what a user should give instead (`a .toml or .yaml file`).
+    """
+    name = f"{what} {str(path)!r}"
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{name} does not exist; give {expect}") from None
+    except IsADirectoryError:
+        raise error(f"{name} is a directory; give {expect}") from None
+    except UnicodeDecodeError:
+        raise error(f"{name} is not UTF-8 text (a binary file?); give {expect}") from None
+    except OSError as exc:
+        raise error(f"{name}: cannot read it ({exc.strerror}); give {expect}") from None
+

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from topologies.errors import UsageError, nearest
+from topologies.files import read_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,17 +27,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 def _read_config(path: str) -> dict[str, Any]:
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-        text = raw.decode()
-    except FileNotFoundError:
-        raise UsageError(f"--config {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise UsageError(f"--config {path!r} is a directory: give a .toml or .yaml file") from None
-    except OSError as exc:
-        raise UsageError(f"--config {path!r}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--config {path!r} is not UTF-8 text (a binary file?): give a .toml or .yaml file") from None
+    text = read_text(p, "--config", "a .toml or .yaml file")
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml

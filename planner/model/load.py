@@ -9,6 +9,7 @@ from planner.model.hf_config import is_hf_config, model_from_hf_config
 from planner.model.presets import PRESETS, SIZE_ALIASES, preset_names
 from planner.model.spec import ModelSpec
 from topologies.errors import ModelError, nearest
+from topologies.files import read_text
 
 
 def load_model(name_or_path: str) -> ModelSpec:
@@ -36,16 +37,8 @@ def load_model(name_or_path: str) -> ModelSpec:
 
 
 def _load_model_file(path: Path) -> ModelSpec:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ModelError(f"model file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ModelError(f"model path {str(path)!r} is a directory without a config.json") from None
-    except UnicodeDecodeError:
-        raise ModelError(f"model file {str(path)!r} is not UTF-8 text; give a config.json") from None
-    except OSError as exc:
-        raise ModelError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
+    text = read_text(path, "model file", "a Hugging Face config.json (or its directory) or a ModelSpec JSON",
+                     ModelError)
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:

@@ -13,19 +13,17 @@ unknown verb is also exit 2 with one line).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import os
 import tempfile
 
 import pytest
 from conftest import REPO, CliResult, run_cli
+from conftest import invoke_cli as invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cli
 from planner.model.presets import PRESETS
 from topologies.errors import MeshplanError
 
@@ -33,17 +31,6 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 CLUSTERS = ["cpu", "dgx-h100", "dgx-a100-80g"]
 
 
-def invoke(*argv: str) -> CliResult:
-    """Run the CLI in this process; exceptions other than SystemExit propagate (= a user's traceback)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli.main(list(argv))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        else:
-            code = 0
-    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def assert_clean_failure(r: CliResult, allowed: tuple[int, ...] = (0, 2, 3)) -> None:

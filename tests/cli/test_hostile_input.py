@@ -12,7 +12,6 @@ are in HOSTILE_VALUES and the strategies below.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, CliResult
+from conftest import invoke_cli as invoke
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,22 +39,6 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "rope_theta": 500000.0, "hidden_act": "silu", "rms_norm_eps": 1e-5}
 
 
-def invoke(*argv: str, cwd: Path) -> CliResult:
-    """cli.main in this process, in `cwd`; an exception escaping it is a user's traceback and fails the test."""
-    out, err = io.StringIO(), io.StringIO()
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli.main(list(argv))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-            else:
-                code = 0
-    finally:
-        os.chdir(previous)
-    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def assert_clean(r: CliResult) -> None:
