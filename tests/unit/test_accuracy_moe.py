@@ -7,7 +7,6 @@ import pytest
 from conftest import load_bench
 
 from planner.simulate.calibration import load_calibration
-from planner.training import DTYPES
 from topologies.hardware import get_gpu
 
 
@@ -21,12 +20,10 @@ def rows(bench):
     return bench.load_rows()
 
 
-def test_every_row_in_a_supported_dtype_is_expressible(rows):
+def test_every_row_is_expressible(rows):
     assert len(rows) == 31
-    for r in rows:
-        if "-bf16" in r.id or "fp8" in DTYPES:  # fp8 rows wait for the planner's fp8 training dtype
-            assert not r.why_not, (r.id, r.why_not)
-    assert sum(not r.why_not for r in rows) >= 18
+    for r in rows:  # bf16 and fp8 (8-bit GEMMs around a bf16 model: TrainingSpec.precision)
+        assert not r.why_not, (r.id, r.why_not)
 
 
 def test_held_out_deepseek_v3_within_25_percent(bench, rows):
@@ -43,4 +40,7 @@ def test_fitted_grok_rows_on_h100(bench, rows):
     profile = load_calibration(None, get_gpu("h100-sxm"))
     errs = {r.id: bench.predict(r, profile) / r.measured_s - 1.0 for r in rows
             if r.family == "grok1" and r.gpu == "h100" and not r.why_not}
-    assert len(errs) == 10 and bench.summary(errs)[0] <= 0.15
+    bf16 = {k: e for k, e in errs.items() if "-bf16" in k}  # the rows the shipped profile was fitted on
+    fp8 = {k: e for k, e in errs.items() if "-fp8" in k}  # not fitted: 8-bit GEMMs at the dense FP8 fit
+    assert len(bf16) == 10 and bench.summary(bf16)[0] <= 0.15
+    assert len(fp8) == 10 and bench.summary(fp8)[0] <= 0.22
