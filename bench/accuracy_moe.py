@@ -64,8 +64,6 @@ from topologies.errors import MeshplanError  # noqa: E402
 from topologies.hardware import get_gpu  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "published" / "dgxc.json"
-if not DATA.exists():  # a worktree under /work/wt/<branch>
-    DATA = Path("/work/shared/data/published/dgxc.json")
 # GB200 NVL72 (NVIDIA GB200 NVL72 datasheet, per GPU): dense BF16 2.45 PFLOP/s as DGXC's MFU uses, FP8 twice
 # that, 186 GB HBM3e at 8 TB/s; racks joined by one 400 Gbit/s ConnectX-7 port per GPU.
 GB200 = {"gpu_bf16_tflops": "2450", "gpu_fp16_tflops": "2450", "gpu_fp8_tflops": "4900", "gpu_memory_gib": "173",

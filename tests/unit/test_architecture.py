@@ -66,7 +66,7 @@ def test_packages_import_only_lower_packages():
 def test_every_verb_imports_and_help_lists_it():
     for verb, target in VERBS.items():
         module, attr = target.split(":")
-        assert getattr(importlib.import_module(module), attr).name == verb.replace("_", "-") or verb
+        assert getattr(importlib.import_module(module), attr).name == verb
     out = subprocess.run([sys.executable, str(REPO / "cli.py"), "--help"], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
     listed = {line.split()[0] for line in out.split("Commands:")[1].splitlines() if line.strip()}
