@@ -108,6 +108,9 @@ class Engine:
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
+    # what a step with eager attention runs on, where that is an older release of the engine
+    # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
+    eager_time: TimeTraits | None = None
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -130,6 +133,12 @@ class Engine:
     def fused_attention(self, training: TrainingSpec) -> bool:
         """The attention kernel a step runs: the training's `attention`, else this engine's default."""
         return training.fused_attention(self.time.fused_attention)
+
+    def time_for(self, attention: str) -> TimeTraits:
+        """The time traits of a step whose training asks for `attention` ("" = this engine's kernel)."""
+        if attention == "eager" and self.eager_time is not None:
+            return self.eager_time
+        return self.time
 
     def fp8_weight_bytes(self, training: TrainingSpec) -> float:
         """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
@@ -177,6 +186,18 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
+# The 2021-22 Megatron-LM (the Narayanan 2021 and Korthikanti 2022 papers, and
+# the Megatron-DeepSpeed behind MT-NLG and vTrain's A100 measurements): eager
+# softmax attention with dropout; the data-parallel all-reduce runs after the
+# whole forward-backward (Megatron-LM's default --DDP-impl local calls
+# allreduce_gradients() after forward_backward_func, releases of May 2021 and
+# May 2022 alike; DeepSpeed's pipeline engine reduces after its last backward),
+# and the backward TP all-reduce runs under the weight-gradient GEMM
+# (--async-tensor-model-parallel-allreduce, on by default in 2022; the 2021
+# release ran it in line). The A100 profile is fitted with these traits
+# (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
+# all-reduce), and `--engine megatron --attention eager` runs on them.
+MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
@@ -201,7 +222,7 @@ ENGINES: dict[str, Engine] = {
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
-                       executes=False, fp8=TE_FP8, partial_recompute=True),
+                       executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -219,11 +240,6 @@ ENGINES: dict[str, Engine] = {
 }
 ENGINE_NAMES = tuple(ENGINES)
 
-# The 2022 Megatron-DeepSpeed behind the vTrain A100 measurements: eager softmax
-# attention, gradients all-reduced after the backward ("no DDP gradient
-# bucketing"), asynchronous TP all-reduce under the weight-gradient GEMM (the fit
-# prefers it: 7.6% vs 7.7% multi-node MAPE). bench/accuracy_vtrain.py uses it.
-MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
 
 
 def get_engine(name: str) -> Engine:
