@@ -67,6 +67,14 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # context parallel all-gathers the K/V of the whole sequence before attention (torch's
+    # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
+    # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
+    cp_all_gather: bool = False
+    # autograd saves the all-gathered K/V for the attention's backward (meshplan's executor:
+    # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
+    # local shards and gathers again in the backward
+    cp_saves_gathered: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,10 @@ class Engine:
     # what a step with eager attention runs on, where that is an older release of the engine
     # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
     eager_time: TimeTraits | None = None
+    # context parallelism runs only inside a fused attention kernel (Transformer Engine's
+    # AttnFuncWithCP*, torch's ring attention over the SDPA flash/efficient/cuDNN ops; Megatron's
+    # own DotProductAttention asserts cp == 1): eager attention with cp > 1 is refused
+    cp_needs_fused: bool = False
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -123,6 +135,9 @@ class Engine:
         if layout.recompute not in self.recompute_kinds:
             return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
                     f"{', '.join(self.recompute_kinds)}")
+        if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
+            return (f"engine {self.name} runs context parallelism (cp {layout.cp}) only inside a fused attention "
+                    "kernel; use --attention fused or --cp 1")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -218,11 +233,12 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True),
+                     shard_over_cp=True, cp_all_gather=True, cp_saves_gathered=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
-                       executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022),
+                       executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
+                       cp_needs_fused=True),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -232,8 +248,9 @@ ENGINES: dict[str, Engine] = {
         "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True),
-        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True,
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
+                     cp_all_gather=True),
+        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
     "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
