@@ -23,12 +23,10 @@ on DGX A100 80GB nodes (8 x 200 Gbit/s HDR InfiniBand):
 
     python bench/accuracy_megatron_papers.py   # per-row error and MAPE per source
 
-On 2026-11-24: narayanan-2021 2.3% MAPE, every row within 7.1% (worst
-1.7B); korthikanti-2022 7.3% MAPE, 175B-1T within +1.8..+8.4%, 22B +11.8%
-(SP + selective) and +16.8% (full): at micro-batch 1 its 25 MB TP collectives
-pay the A100 profile's fitted latency (latency_scale 21: ~0.28 ms per 8-GPU
-NVLink collective; with the nominal latency both rows land within 10%, and the
-vTrain MAPE rises from 6.9/7.6% to 7.7/8.9% without a refit); mt-nlg 21.9% fast:
+On 2026-11-24: narayanan-2021 4.5% MAPE, every row within 8.1%;
+korthikanti-2022 2.6% MAPE, every row within 5.1% (with the A100 profile's
+collective latency left free in its fit, 22B came out 12-17% slow: its 25 MB
+TP collectives at micro-batch 1 paid ~0.28 ms each); mt-nlg 23.6% fast:
 MT-NLG reports 113-126 TFLOP/s per GPU where Narayanan's 529.6B row, the same
 model and tp/pp, reached 163, a 29% gap in the software (DeepSpeed's pipeline
 engine) that this engine does not model.

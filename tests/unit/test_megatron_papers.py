@@ -28,7 +28,6 @@ from planner.memory.params import stage_params
 from planner.model.load import load_model
 from planner.search.candidates import Pins
 from planner.search.search import search
-from planner.simulate.calibration import load_calibration
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
 from topologies.hardware import get_gpu
@@ -51,32 +50,19 @@ def test_eager_megatron_runs_on_the_2021_22_release_traits():
 
 def test_narayanan_table_1_step_times_all_within_10_percent(papers):
     errors = papers.errors(papers.narayanan_rows())
-    assert sum(map(abs, errors)) / len(errors) <= 0.04  # 2.3% on 2026-11-24
-    assert max(map(abs, errors)) <= papers.TARGET  # worst +7.1% (1.7B)
+    assert sum(map(abs, errors)) / len(errors) <= 0.06  # 4.5% on 2026-11-24
+    assert max(map(abs, errors)) <= papers.TARGET  # worst +8.1% (7.5B)
 
 
-def test_korthikanti_table_5_step_times_from_175b_up_within_10_percent(papers):
-    rows = [r for r in papers.korthikanti_rows() if not r.id.startswith("22B")]
-    errors = papers.errors(rows)
-    assert max(map(abs, errors)) <= papers.TARGET  # +1.8% .. +8.4%
-    # selective recomputation with sequence parallelism saves what the paper measured: 24-27% of the step
-    full, present = errors[0::2], errors[1::2]
-    assert all(p < f for p, f in zip(present, full, strict=True))
-
-
-def test_korthikanti_22b_excess_is_the_profiles_collective_latency(papers):
-    """22B (tp 8, dp 1, micro-batch 1) comes out 12-17% slow: its 25 MB TP collectives cost the A100
-    profile's fitted latency (latency_scale ~21, ~0.28 ms per 8-GPU NVLink collective, fitted on
-    vTrain's Megatron-DeepSpeed); at NCCL's nominal latency both rows land within 10%."""
-    rows = [r for r in papers.korthikanti_rows() if r.id.startswith("22B")]
-    cluster = load_cluster(papers.CLUSTER, rows[0].gpus)
-    nominal = load_calibration(None, cluster.gpu).replace(latency_scale=1.0)
-    for row in rows:
-        shipped = papers.predict(row)[0] / row.measured_s - 1.0
-        result = search(row.model, cluster, SEQ, row.batch, row.pins, "megatron", calibration=nominal, top_k=1,
-                        attention="eager")
-        assert 0.10 < shipped < 0.20
-        assert abs(result.best.result.step_time_s / row.measured_s - 1.0) <= papers.TARGET
+def test_korthikanti_table_5_step_times_all_within_10_percent(papers):
+    """Micro-batch 1 with tp 8: the TP collectives are small (25-84 MB), so this also holds the A100
+    profile's collective latency to what NCCL measures (bench/accuracy_vtrain.py FIT_PARAMETERS)."""
+    errors = papers.errors(papers.korthikanti_rows())
+    assert max(map(abs, errors)) <= papers.TARGET  # -3.4% .. +5.1%
+    # the paper's speed-up of SP + selective over full recomputation (1.29-1.32x), predicted within 10%
+    # (4.6-6.9% more on 2026-11-24)
+    for full, present in zip(errors[0::2], errors[1::2], strict=True):
+        assert (1 + full) / (1 + present) == pytest.approx(1.0, abs=0.10)
 
 
 GPT175 = dataclasses.replace(load_model("gpt3-175b"), dropout=0.1)
