@@ -41,9 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from planner.engines import DEEPSPEED_PIPE_2021, TimeTraits  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
 from planner.search.candidates import Pins  # noqa: E402
 from planner.search.search import search  # noqa: E402
+from planner.simulate.step import simulate_step  # noqa: E402
 from topologies.cluster_load import load_cluster  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
@@ -84,6 +86,8 @@ class PaperRow:
     batch: int
     pins: Pins
     measured_s: float
+    engine: str = "megatron"
+    traits: TimeTraits | None = None  # the release that ran the row, where it is not the engine's eager one
 
 
 def narayanan_rows() -> list[PaperRow]:
@@ -113,7 +117,7 @@ def mt_nlg_rows() -> list[PaperRow]:
     model = gpt("530b", 128, 20480, 105)
     return [PaperRow(f"530B {nodes} nodes", "mt-nlg", model, 8 * nodes, 1920,
                      Pins(tp=8, pp=35, dp=8 * nodes // 280, recompute="full", sequence_parallel=False,
-                          micro_batch_size=1, pp_schedule="1f1b"), seconds)
+                          micro_batch_size=1, pp_schedule="1f1b"), seconds, "deepspeed", DEEPSPEED_PIPE_2021)
             for nodes, seconds in MT_NLG]
 
 
@@ -122,12 +126,19 @@ def load_rows() -> list[PaperRow]:
 
 
 def predict(row: PaperRow):
-    """The best plan with the paper's degrees pinned: (step seconds, its layout)."""
-    result = search(row.model, load_cluster(CLUSTER, row.gpus), SEQ, row.batch, row.pins, "megatron", top_k=1,
-                    attention="eager")
+    """The best plan with the paper's degrees pinned: (step seconds, its layout).
+
+    A row run by an older release of its engine (`PaperRow.traits`) is timed on
+    that release's traits, with the layout the search found."""
+    cluster = load_cluster(CLUSTER, row.gpus)
+    result = search(row.model, cluster, SEQ, row.batch, row.pins, row.engine, top_k=1, attention="eager")
     if result.best is None:
         raise RuntimeError(f"{row.source} {row.id}: nothing fits with {row.pins}")
-    return result.best.result.step_time_s, result.best.layout
+    best = result.best
+    if row.traits is None:
+        return best.result.step_time_s, best.layout
+    return simulate_step(row.model, best.training, best.layout, cluster, engine=row.engine,
+                         traits=row.traits).step_time_s, best.layout
 
 
 def errors(rows: list[PaperRow]) -> list[float]:

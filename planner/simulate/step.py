@@ -278,14 +278,37 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
 
 
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
-         comm_overhead_s: float) -> list[float]:
-    """Transfer time across each chunk boundary c -> c + 1 (activations forward, gradients back)."""
+         comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
+    """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
+
+    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): a
+    steady-state 1F1B micro-batch meets two blocking exchanges of its boundary, each
+    carrying an activation and a gradient (DeepSpeed's TrainSchedule: see
+    tests/unit/test_megatron_papers.py), plus the all-gathers over tp that rebuild split
+    tensors where they are used (activation at the receiver; output and gradient
+    before the backward): the lag of each direction is one exchange plus half the
+    gathers, so that its two lags on the critical path cost what the engine runs.
+    """
     n_chunks = layout.pp * layout.virtual_stages
     size = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
     size /= layout.tp if layout.sequence_parallel else 1
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-    times = [comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1]) if c + 1 < n_chunks else 0.0
-             for c in range(n_chunks)]
+
+    def send(c: int, nbytes: float) -> float:
+        return comm.pair_time_s(nbytes, ("pp",), owner[c], owner[c + 1])
+
+    split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
+    gather = comm.time_s("all_gather", size, ("tp",)) if split else 0.0
+    times = []
+    for c in range(n_chunks - 1):
+        if pipe_p2p == "overlapped" or send(c, size) == 0.0:
+            times.append(send(c, size))
+            continue
+        part = size / layout.tp if split else size
+        grad = send(c, size) if pipe_p2p == "exchange-whole-grads" else send(c, part)
+        gathers = gather * (2 if pipe_p2p == "exchange-whole-grads" else 3)
+        times.append(send(c, part) + grad + comm_overhead_s + gathers / 2)
+    times.append(0.0)
     return [t + comm_overhead_s if t > 0 else 0.0 for t in times]
 
 
@@ -361,12 +384,14 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
+    if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
+        ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
     ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
                  "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
                                           engine)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
-    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
+    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
