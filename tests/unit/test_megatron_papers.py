@@ -21,7 +21,13 @@ import dataclasses
 import pytest
 from conftest import load_bench
 
-from planner.engines import DEEPSPEED_PIPE_2021, DEEPSPEED_PIPE_2022, MEGATRON_DEEPSPEED_2022, TimeTraits, get_engine
+from planner.engines import (
+    DEEPSPEED_PIPE_2021,
+    DEEPSPEED_PIPE_2022,
+    MEGATRON_DEEPSPEED_2022,
+    TimeTraits,
+    get_engine,
+)
 from planner.layout import Layout
 from planner.memory.estimate import estimate_memory
 from planner.memory.params import stage_params
