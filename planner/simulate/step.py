@@ -281,35 +281,26 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
          comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
     """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
 
-    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): a
-    steady-state 1F1B micro-batch meets two blocking exchanges of its boundary, each
-    carrying an activation and a gradient (DeepSpeed's TrainSchedule: see
-    tests/unit/test_megatron_papers.py), plus the all-gathers over tp that rebuild split
-    tensors where they are used (activation at the receiver; output and gradient
-    before the backward): the lag of each direction is one exchange plus half the
-    gathers, so that its two lags on the critical path cost what the engine runs.
+    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): each 1F1B
+    micro-batch meets two blocking exchanges of activation and gradient (DeepSpeed's
+    TrainSchedule, tests/unit/test_megatron_papers.py) and the all-gathers over tp that
+    rebuild split tensors (activation at the receiver; output, and a split gradient,
+    before the backward): each direction lags one exchange plus half the gathers.
     """
-    n_chunks = layout.pp * layout.virtual_stages
     size = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
     size /= layout.tp if layout.sequence_parallel else 1
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-
-    def send(c: int, nbytes: float) -> float:
-        return comm.pair_time_s(nbytes, ("pp",), owner[c], owner[c + 1])
-
     split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
-    gather = comm.time_s("all_gather", size, ("tp",)) if split else 0.0
+    part, gathers = (size / layout.tp, comm.time_s("all_gather", size, ("tp",))) if split else (size, 0.0)
+    whole_grads = pipe_p2p == "exchange-whole-grads"
     times = []
-    for c in range(n_chunks - 1):
-        if pipe_p2p == "overlapped" or send(c, size) == 0.0:
-            times.append(send(c, size))
-            continue
-        part = size / layout.tp if split else size
-        grad = send(c, size) if pipe_p2p == "exchange-whole-grads" else send(c, part)
-        gathers = gather * (2 if pipe_p2p == "exchange-whole-grads" else 3)
-        times.append(send(c, part) + grad + comm_overhead_s + gathers / 2)
-    times.append(0.0)
-    return [t + comm_overhead_s if t > 0 else 0.0 for t in times]
+    for c in range(layout.pp * layout.virtual_stages - 1):
+        t = comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1])
+        if pipe_p2p != "overlapped" and t > 0:
+            act = comm.pair_time_s(part, ("pp",), owner[c], owner[c + 1])
+            t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+        times.append(t)
+    return [t + comm_overhead_s if t > 0 else 0.0 for t in times + [0.0]]
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
