@@ -119,8 +119,9 @@ def _row(rec: dict, models: dict) -> PerfRow:
     unmodelled = []
     if rec.get("activation_offload_layers"):
         unmodelled.append(f"activation offload of {rec['activation_offload_layers']} layers")
+    label = rec["model"] + (" (no MTP)" if rec.get("no_mtp") else "")  # fewer model FLOPs per token
     common = dict(id=rec["id"], source=rec["source"], release=rec["release"], gpu=rec["system"],
-                  precision=rec["precision"], model=rec["model"], moe=moe, gpus=gpus,
+                  precision=rec["precision"], model=label, moe=moe, gpus=gpus,
                   measured_s=gbs * seq / (tps * gpus), tflops_per_token=rec["model_tflops_per_gpu"] / tps,
                   unmodelled=", ".join(unmodelled))
     if rec["precision"] == "nvfp4":
@@ -170,20 +171,47 @@ def inconsistent(rows: list[PerfRow]) -> set[str]:
     return out
 
 
-def simulate(row: PerfRow):
+Overrides = dict[str, dict[str, float]]  # per GPU (row.gpu): CalibrationProfile fields replaced (what-ifs)
+
+
+def simulate(row: PerfRow, overrides: Overrides | None = None):
     profile = load_calibration(None, row.cluster().gpu)
+    fields = (overrides or {}).get(row.gpu)
+    if fields:
+        profile = profile.replace(**fields)
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine="megatron")
 
 
-def errors(rows: list[PerfRow]) -> dict[str, tuple[float, bool]]:
+def errors(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, bool]]:
     """{row id: (relative step-time error, predicted peak above the GPU's memory)} of the expressible rows."""
     out = {}
     for r in rows:
         if r.expressible:
-            result = simulate(r)
+            result = simulate(r, overrides)
             out[r.id] = (result.step_time_s / r.measured_s - 1.0,
                          result.memory.peak_bytes > r.cluster().gpu.memory_bytes)
     return out
+
+
+def fit_attention(rows: list[PerfRow], gpu: str) -> float:
+    """Diagnostic, never written to a profile: the attention_efficiency that fits `gpu`'s dense rows best.
+
+    The shipped GB200 profile ties attention to the GEMM efficiency in the H100
+    ratio (its fit rows, one model, cannot separate them); these rows can
+    (Llama 3 8B at 8K is attention-heavy, 405B is not). Scored on the other
+    GPUs of the same calibration family, which the fit never sees.
+    """
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    mine = [r for r in rows if r.gpu == gpu and r.expressible and not r.moe and r.id not in inconsistent(rows)]
+
+    def residuals(x):
+        return np.array([simulate(r, {gpu: {"attention_efficiency": float(x[0])}}).step_time_s / r.measured_s - 1.0
+                         for r in mine])
+
+    result = least_squares(residuals, [0.3], bounds=([0.05], [1.0]), diff_step=1e-3, loss="soft_l1", f_scale=0.1)
+    return float(f"{result.x[0]:.3g}")
 
 
 def _line(label: str, rs: list[PerfRow], errs: dict[str, tuple[float, bool]]) -> tuple[float, float, int]:
@@ -199,10 +227,11 @@ def _line(label: str, rs: list[PerfRow], errs: dict[str, tuple[float, bool]]) ->
     return (mape, bias, len(e))
 
 
-def summary(rows: list[PerfRow], show_rows: bool = True) -> dict[str, tuple[float, float, int]]:
+def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | None = None
+            ) -> dict[str, tuple[float, float, int]]:
     """Print per row and per group; return {group: (MAPE, bias, rows scored)} (keys as printed)."""
     bad = inconsistent(rows)
-    errs = errors(rows)
+    errs = errors(rows, overrides)
     scored = {k: v for k, v in errs.items() if k not in bad}
     if show_rows:
         for r in rows:
@@ -241,8 +270,26 @@ def summary(rows: list[PerfRow], show_rows: bool = True) -> dict[str, tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quiet", action="store_true", help="only the summary lines")
+    parser.add_argument("--fit-attention-on", metavar="GPU", choices=sorted(CLUSTERS),
+                        help="diagnostic: fit attention_efficiency on this GPU's dense rows, score every GPU of its "
+                             "calibration family with it (nothing is written)")
+    parser.add_argument("--gb300-softmax", type=float, default=1.0, metavar="X",
+                        help="what-if, not a fit: GB300 attention runs X times faster than the GB200 profile says "
+                             "(Blackwell Ultra doubles the SFU exponential rate: X <= 2)")
     args = parser.parse_args()
-    summary(load_rows(), show_rows=not args.quiet)
+    rows = load_rows()
+    overrides: Overrides = {}
+    if args.fit_attention_on:
+        value = fit_attention(rows, args.fit_attention_on)
+        family = ("h100",) if args.fit_attention_on == "h100" else ("b200", "b300", "gb200", "gb300")
+        overrides = {g: {"attention_efficiency": value} for g in family}
+        print(f"attention_efficiency fitted on {args.fit_attention_on} dense rows: {value} "
+              f"(rows of the other GPUs of {', '.join(family)} are unseen by it)")
+    if args.gb300_softmax != 1.0:
+        att = overrides.get("gb300", {}).get("attention_efficiency") or load_calibration(
+            None, load_cluster(CLUSTERS["gb300"], 72).gpu).attention_efficiency
+        overrides["gb300"] = {"attention_efficiency": min(1.0, att * args.gb300_softmax)}
+    summary(rows, show_rows=not args.quiet, overrides=overrides)
 
 
 if __name__ == "__main__":
