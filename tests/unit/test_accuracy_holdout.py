@@ -1,10 +1,11 @@
-"""Step time against NVIDIA's NeMo performance summaries (bench/accuracy_nemo_perf.py), rows never fitted.
+"""Step time against published runs never fitted (bench/accuracy_holdout.py): NeMo performance summaries, torchtitan.
 
-The rows live in the repository (bench/data/nemo_perf_summary.json). The
-figures pinned are loose bounds around what the shipped profiles give
-(2026-11-24: dense 49 of 54 expressible, MAPE H100 8.1%, GB200 14.4%, B200
-22.4%, GB300 37.4%); the Blackwell rows run on the GB200 profile, whose
-attention efficiency its own fit could not separate from the GEMMs.
+The rows live in the repository (bench/data/nemo_perf_summary.json,
+bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
+what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
+H100 8.1%, H200 8.2%, GB200 14.4%, B200 22.4%, GB300 37.4%, A100 17.8%); the
+Blackwell rows run on the GB200 profile, whose attention efficiency its own
+fit could not separate from the GEMMs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import load_bench
 
-bench = load_bench("accuracy_nemo_perf")
+bench = load_bench("accuracy_holdout")
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,15 @@ def figures(rows):
 def test_every_row_cites_its_table_and_release(rows):
     import json
 
-    doc = json.loads(bench.DATA.read_text())
-    assert len(doc["rows"]) == len(rows) == 90
-    for rec in doc["rows"]:
-        assert rec["src"].startswith("https://github.com/") and rec["release"] in rec["src"]
-        assert rec["source"] in doc["sources"]
-    assert {r.gpu for r in rows} == {"h100", "b200", "b300", "gb200", "gb300"}
+    docs = [json.loads(path.read_text()) for path in bench.DATA]
+    assert sum(len(doc["rows"]) for doc in docs) == len(rows) == 100
+    for doc in docs:
+        for rec in doc["rows"]:
+            assert rec["src"].startswith("https://github.com/")
+            assert rec["release"] in rec["src"] or rec["release"].startswith("2024")
+            assert rec["source"] in doc["sources"]
+    assert {r.gpu for r in rows} == {"a100", "h100", "h200", "b200", "b300", "gb200", "gb300"}
+    assert {r.engine for r in rows} == {"megatron", "torchtitan"}
 
 
 def test_layouts_are_the_stated_ones(rows):
@@ -52,7 +56,7 @@ def test_layouts_are_the_stated_ones(rows):
 def test_what_cannot_be_expressed_is_said(rows):
     dense = [r for r in rows if not r.moe]
     off = {r.id: r.reason for r in dense if not r.expressible}
-    assert all("NVFP4" in why or "empty chunk" in why for why in off.values())
+    assert all("NVFP4" in why or "empty chunk" in why or "every 2nd block" in why for why in off.values())
     assert sum(r.expressible for r in dense) / len(dense) >= bench.TARGET_EXPRESSIBLE
     assert not bench.inconsistent(dense)
 
@@ -63,8 +67,9 @@ def test_held_out_figures(figures):
     assert mape["dense/h100"] <= bench.TARGET_MAPE and abs(bias["dense/h100"]) < 0.08
     assert mape["dense/gb200"] < 0.20 and mape["dense/b200"] < 0.30 and mape["dense/gb300"] < 0.45
     assert bias["dense/gb300"] > bias["dense/gb200"]  # GB300 beats GB200 at the same spec-sheet peaks
+    assert mape["dense/h200"] <= bench.TARGET_MAPE
     assert 0.10 < mape["dense/ALL"] < 0.22
-    assert figures["dense/ALL"][2] == 49
+    assert figures["dense/ALL"][2] == 57
 
 
 def test_attention_fitted_on_one_blackwell_part_carries_to_another(rows):

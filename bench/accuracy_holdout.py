@@ -1,14 +1,22 @@
-"""Hold-out accuracy on NVIDIA's NeMo performance summaries: H100, B200, B300, GB200 and GB300.
+"""Hold-out accuracy on published runs no profile was fitted on: NeMo (H100, B200, B300, GB200, GB300), torchtitan.
 
-Rows: bench/data/nemo_perf_summary.json, typed from the Megatron-Bridge
-performance summaries of the 25.09, 25.11 and 26.02 NeMo containers and the
-NeMo 24.07 H100 FP8 table (each row names its table). No profile in
-planner/simulate/calibrations was fitted on any of them: this bench only
-scores. B200, B300 and GB300 run on the GB200 profile (planner.simulate.
-calibration's derived families), fitted on DGX Cloud GB200 rows only, so their
-rows test the spec-sheet scaling of that fit.
+Rows (each names its table): bench/data/nemo_perf_summary.json, typed from
+the Megatron-Bridge performance summaries of the 25.09, 25.11 and 26.02 NeMo
+containers and the NeMo 24.07 H100 FP8 table; bench/data/torchtitan_perf.json,
+torchtitan's FSDP2 tables (64 A100, 2024) and its Llama 3.1 8B FP8 runs on 32
+and 64 H200 (2025-06). No profile in planner/simulate/calibrations was fitted
+on any of them: this bench only scores. B200, B300 and GB300 run on the GB200
+profile (planner.simulate.calibration's derived families), fitted on DGX Cloud
+GB200 rows only, so their rows test the spec-sheet scaling of that fit; H200
+runs on the H100 profile.
 
-Each row is planned with its stated layout and recipe, engine "megatron":
+torchtitan rows run as engine "torchtitan": FSDP2 over every GPU (ZeRO-3),
+their stated checkpointing ("op" = per-op SAC, "full"; "selective layer",
+every 2nd block whole, is not expressible), compile and float8 as stated,
+fp32 gradient reduction. Where a row gives the measured memory, the predicted
+peak is printed beside it.
+
+Each NeMo row is planned with its stated layout and recipe, engine "megatron":
 
 * FSDP > 0 is Megatron FSDP, ZeRO-3 over the data-parallel ranks; FSDP 0 is
   the distributed optimizer (ZeRO-1); sequence parallel whenever tp > 1;
@@ -30,8 +38,8 @@ A row is INCONSISTENT, and left out of the MAPE, when its Model TFLOP/s per
 token differs by more than 3% from the median of the same model and
 sequence length in the same source (a misprinted throughput or layout).
 
-    python bench/accuracy_nemo_perf.py          # per row, then per source/GPU/precision and per GPU
-    python bench/accuracy_nemo_perf.py --quiet  # only the summary lines
+    python bench/accuracy_holdout.py          # per row, then per source/GPU/precision and per GPU
+    python bench/accuracy_holdout.py --quiet  # only the summary lines
 """
 
 from __future__ import annotations
@@ -61,9 +69,9 @@ from topologies.cluster import Cluster  # noqa: E402
 from topologies.cluster_load import load_cluster  # noqa: E402
 from topologies.errors import MeshplanError  # noqa: E402
 
-DATA = REPO / "bench" / "data" / "nemo_perf_summary.json"
-CLUSTERS = {"h100": "dgx-h100", "b200": "dgx-b200", "b300": "dgx-b300", "gb200": "gb200-nvl72",
-            "gb300": "gb300-nvl72"}
+DATA = (REPO / "bench" / "data" / "nemo_perf_summary.json", REPO / "bench" / "data" / "torchtitan_perf.json")
+CLUSTERS = {"a100": "dgx-a100-80g", "h100": "dgx-h100", "h200": "dgx-h200", "b200": "dgx-b200", "b300": "dgx-b300",
+            "gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
 TARGET_MAPE = 0.12
 TARGET_EXPRESSIBLE = 0.85
 FLOPS_TOLERANCE = 0.03  # per-token Model TFLOP/s spread allowed within one model and sequence length
@@ -74,7 +82,7 @@ class PerfRow:
     id: str
     source: str
     release: str
-    gpu: str  # the system's GPU: h100 | b200 | b300 | gb200 | gb300
+    gpu: str  # the system's GPU: a100 | h100 | h200 | b200 | b300 | gb200 | gb300
     precision: str
     model: str
     moe: bool
@@ -83,7 +91,9 @@ class PerfRow:
     layout: Layout | None  # None: not expressible (reason)
     gpus: int
     measured_s: float
-    tflops_per_token: float  # the source's Model TFLOP/s per GPU over its tokens/s per GPU
+    tflops_per_token: float | None  # the source's Model TFLOP/s per GPU over its tokens/s per GPU
+    engine: str = "megatron"
+    memory_gib: float | None = None  # measured, where the source gives it
     unmodelled: str = ""  # recipe features the planner has no term for
     reason: str = ""
 
@@ -122,14 +132,21 @@ def _row(rec: dict, models: dict) -> PerfRow:
     label = rec["model"] + (" (no MTP)" if rec.get("no_mtp") else "")  # fewer model FLOPs per token
     common = dict(id=rec["id"], source=rec["source"], release=rec["release"], gpu=rec["system"],
                   precision=rec["precision"], model=label, moe=moe, gpus=gpus,
-                  measured_s=gbs * seq / (tps * gpus), tflops_per_token=rec["model_tflops_per_gpu"] / tps,
-                  unmodelled=", ".join(unmodelled))
+                  measured_s=gbs * seq / (tps * gpus), engine=rec.get("engine", "megatron"),
+                  tflops_per_token=rec["model_tflops_per_gpu"] / tps if rec["model_tflops_per_gpu"] else None,
+                  memory_gib=rec.get("memory_gib"), unmodelled=", ".join(unmodelled))
     if rec["precision"] == "nvfp4":
         return PerfRow(model_spec=None, training=None, layout=None, reason="NVFP4: no 4-bit GEMM precision", **common)
     model = _model(rec["model"], models, seq, bool(rec.get("no_mtp")))
     nemo1 = rec["source"] == "nemo-24.07"
+    bridge = rec["source"] == "megatron-bridge"  # grad_reduce_in_fp32 off in its performance scripts
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
-                            attention="fused", grad_dtype="fp32" if nemo1 else "bf16")
+                            attention="fused", grad_dtype="bf16" if bridge else "fp32",
+                            compile=bool(rec.get("compile")))
+    if rec.get("recompute") == "selective-layer":
+        return PerfRow(model_spec=model, training=training, layout=None,
+                       reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
+                       **common)
     lps = _stage_layers(model.n_layers, pp * vp)
     if lps is None and moe and model.n_layers >= pp * vp:
         lps = balanced_layers(model.n_layers, pp * vp)
@@ -137,7 +154,7 @@ def _row(rec: dict, models: dict) -> PerfRow:
         return PerfRow(model_spec=model, training=training, layout=None,
                        reason=f"{model.n_layers} layers over pp*vp = {pp * vp} chunks leaves an empty chunk", **common)
     dp = gpus // (tp * pp * cp)
-    recompute = "selective" if nemo1 and rec["model"] == "gpt3-175b" else "none"
+    recompute = rec.get("recompute") or ("selective" if nemo1 and rec["model"] == "gpt3-175b" else "none")
     try:
         layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, ep=ep, zero_stage=3 if rec["fsdp"] else (1 if dp > 1 else 0),
                         micro_batch_size=mb, grad_accum_steps=gbs // (dp * mb), recompute=recompute,
@@ -145,7 +162,7 @@ def _row(rec: dict, models: dict) -> PerfRow:
                         virtual_stages=vp, layers_per_stage=lps)
         cluster = load_cluster(CLUSTERS[rec["system"]], gpus)
         validate(model, cluster, training, layout)
-        refusal = get_engine("megatron").refusal(model, layout, "bf16", True, training)
+        refusal = get_engine(common["engine"]).refusal(model, layout, "bf16", True, training)
         if refusal:
             raise MeshplanError(refusal)
     except MeshplanError as exc:
@@ -153,17 +170,20 @@ def _row(rec: dict, models: dict) -> PerfRow:
     return PerfRow(model_spec=model, training=training, layout=layout, **common)
 
 
-def load_rows(path: Path = DATA) -> list[PerfRow]:
-    doc = json.loads(path.read_text())
-    return [_row(rec, doc["models"]) for rec in doc["rows"]]
+def load_rows(paths: tuple[Path, ...] = DATA) -> list[PerfRow]:
+    out = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        out += [_row(rec, doc["models"]) for rec in doc["rows"]]
+    return out
 
 
 def inconsistent(rows: list[PerfRow]) -> set[str]:
     """Rows whose Model TFLOP/s per token is off the median of their model, sequence length and source."""
     groups: dict[tuple[str, str, float], list[PerfRow]] = {}
     for r in rows:
-        seq = r.training.seq_len if r.training else 0
-        groups.setdefault((r.source, r.model, seq), []).append(r)
+        if r.tflops_per_token is not None:
+            groups.setdefault((r.source, r.model, r.training.seq_len if r.training else 0), []).append(r)
     out = set()
     for rs in groups.values():
         mid = statistics.median(r.tflops_per_token for r in rs)
@@ -179,7 +199,7 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
     fields = (overrides or {}).get(row.gpu)
     if fields:
         profile = profile.replace(**fields)
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine="megatron")
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 
 def errors(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, bool]]:
@@ -241,6 +261,9 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
             else:
                 shown = f"  -     ({r.reason})"
             note = f"  [not modelled: {r.unmodelled}]" if r.unmodelled else ""
+            if r.memory_gib and r.id in errs:
+                note += f"  memory {simulate(r, overrides).memory.peak_bytes / 2**30:.1f} GiB predicted, " \
+                        f"{r.memory_gib} GiB measured"
             print(f"{r.id:<46} {r.measured_s:8.2f} s {shown}{note}")
     out = {}
     for kind, moe in (("dense", False), ("moe", True)):
