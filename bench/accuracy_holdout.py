@@ -53,9 +53,10 @@ expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), GB200 14.4%
   B200's: 0.54, GB200's unseen rows 7.0%). Llama 3 8B at 8K is
   attention-heavy, 405B is not, so these rows separate the two.
 * GB300 has the GB200's dense FP8/BF16 peaks (GB300 NVL72 datasheet) yet
-  ran 19-27% faster on the same recipes: Blackwell Ultra doubles the SFU
-  rate that the softmax exponentials run at (NVIDIA technical blog, "Inside
-  NVIDIA Blackwell Ultra", 2025) and has a 1,400 W budget. With attention at
+  ran 19-27% faster in 6 of 7 pairs of the same model, precision and release
+  (5% on 25.11 70B FSDP): Blackwell Ultra doubles the SFU rate that the
+  softmax exponentials run at (NVIDIA technical blog, "Inside NVIDIA
+  Blackwell Ultra", 2025) and has a 1,400 W budget. With attention at
   twice the rate (--gb300-softmax 2) on top of the GB200 attention fit,
   GB300 comes to 12.4%; the planner has no SFU term yet.
 * MXFP8 ran 2-7% slower than FP8 with per-tensor scaling on the same
