@@ -93,9 +93,15 @@ parameters; when each exists: planner.memory.phases):
   PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
   CP             ring attention K/V in flight: 2 * 2*s*b*k*d*D / (cp*t)
   EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp
-other: CUDA context, NCCL communicator buffers and allocator fragmentation:
+other: CUDA context, NCCL communicator buffers and allocator slack:
 DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
-passes other_bytes; the same in every phase.
+passes other_bytes; plus, for the PyTorch engines (meshplan, torchtitan), the
+caching allocator's reserve beyond the tensors (planner.memory.reserved: one
+pool per CUDA stream, the loss's hole), the same in every phase. So
+`allocated_bytes` (tensors: torch.cuda.max_memory_allocated) <=
+`reserved_bytes` (torch.cuda.max_memory_reserved, what torchtitan reports)
+<= `peak_bytes` (what must fit the GPU); megatron and deepspeed keep the
+papers' accounting, their allocator slack inside the fixed `other`.
 
 Activations: see planner.memory.activations (Korthikanti et al. 2022).
 """
@@ -129,6 +135,7 @@ from planner.memory.phases import (
     published_stage_bytes,
     step_phases,
 )
+from planner.memory.reserved import reserve_bytes
 from planner.memory.states import stage_states
 from planner.model.spec import ModelSpec
 from planner.plan import MEMORY_CATEGORIES
@@ -161,16 +168,30 @@ class MemoryEstimate:
     stages: tuple[tuple[StageBytes, StageParams, float], ...]  # every stage: its bytes, parameters, in-flight
     activations: Activations
     published: bool  # megatron / deepspeed: one phase with everything at once
+    reserve_bytes: int = 0  # the worst stage's reserved - allocated (planner.memory.reserved), in `other`
+    stage_reserve_bytes: tuple[int, ...] = ()  # the same for every stage
 
-    def _breakdown(self, phase: Phase) -> dict[str, int]:
-        return dict(zip(MEMORY_CATEGORIES, (*phase, self.other_bytes), strict=True))
+    def _breakdown(self, phase: Phase, reserve: int | None = None) -> dict[str, int]:
+        reserve = self.reserve_bytes if reserve is None else reserve
+        return dict(zip(MEMORY_CATEGORIES, (*phase, self.other_bytes + reserve), strict=True))
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The worst rank's tensor peak: what torch.cuda.max_memory_allocated would report."""
+        return self.peak_bytes - self.other_bytes - self.reserve_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The worst rank's caching-allocator peak: what torch.cuda.max_memory_reserved would report."""
+        return self.peak_bytes - self.other_bytes
 
     @cached_property
     def per_stage(self) -> tuple[dict[str, int], ...]:
         """Breakdown (MEMORY_CATEGORIES) of every pipeline stage, each at its own peak phase."""
         phases_of = published_phase if self.published else step_phases
-        return tuple(self._breakdown(peak_phase(phases_of(sb, sp, self.activations, in_flight))[1])
-                     for sb, sp, in_flight in self.stages)
+        reserves = self.stage_reserve_bytes or (0,) * len(self.stages)
+        return tuple(self._breakdown(peak_phase(phases_of(sb, sp, self.activations, in_flight))[1], reserve)
+                     for (sb, sp, in_flight), reserve in zip(self.stages, reserves, strict=True))
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -185,6 +206,8 @@ class MemoryEstimate:
     def to_json(self) -> dict[str, Any]:
         return {
             "peak_memory_bytes": self.peak_bytes,
+            "allocated_peak_bytes": self.allocated_bytes,
+            "reserved_peak_bytes": self.reserved_bytes,
             "memory_breakdown_bytes": self.breakdown_bytes,
             "peak_phase": self.peak_phase,
             "phase_peak_bytes": {name: sum(b.values()) for name, b in self.phases.items()},
@@ -241,9 +264,10 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, autocast=autocast,
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel)
+    logits_grad = logits_saved / FP32_BYTES * d
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_saved / FP32_BYTES * d)
+                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0)
 
 
 def default_other_bytes(gpu: GPUSpec) -> int:
@@ -278,6 +302,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         if in_flight[rank] > in_flight[first]:
             busiest[id(sp)] = rank
     built: dict[int, StageBytes] = {}
+    reserve: dict[int, int] = {}  # planner.memory.reserved, per stage: reserved - allocated
     worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
     for key, rank in busiest.items():
         sp = params[rank]
@@ -286,9 +311,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         host_bytes = max(host_bytes, states.host)
         phases = phases_of(sb, sp, acts, in_flight[rank])
         name, phase = peak_phase(phases)
-        peak = sum(phase)
+        reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
+        peak = sum(phase) + reserve[key]
         if peak > worst_peak or (peak == worst_peak and rank < worst):
             worst, worst_peak, worst_name, worst_phases = rank, peak, name, phases
+    stage_reserve = tuple(reserve[id(sp)] for sp in params)
     return MemoryEstimate(
         worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
-        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased)
+        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased,
+        stage_reserve[worst], stage_reserve)

@@ -110,6 +110,7 @@ class Activations(NamedTuple):
     logits_saved: float  # saved fp32 log-probabilities (last stage)
     loss_transient: float  # the loss backward's extra fp32 gradients, once (last stage)
     logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
+    loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
 
 
 class StageBytes(NamedTuple):
@@ -139,6 +140,10 @@ class StageBytes(NamedTuple):
     head_kept: int = 0  # FSDP2 head unit (final norm + output) gathered from its forward to its backward
     head_reduce: int = 0  # the head unit's reduction: its all-gather buffer and reduce-scatter input
     head_shard: int = 0  # the head unit's reduced gradient shard, there from its reduction on
+    # planner.memory.reserved: the caching allocator's pools (PyTorch engines)
+    reserve_model: bool = False
+    ag_pool: int = 0  # FSDP2 all-gather stream: two consecutive units' all-gather outputs
+    reduce_out: int = 0  # reduce-scatter stream: one unit's fresh output while micro-batches accumulate
 
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
@@ -260,6 +265,15 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         previous_rs = g * sp.block if root and sp.layers else 0
         end_transient = max(copy_in, root_copy + d * root + tied + previous_rs)
     largest_grad = ceil_div(sp.largest, shards) if sharded else sp.largest  # largest local tensor
+    # planner.memory.reserved: FSDP2 all-gathers each unit in the forward (ZeRO-2 and 3) when its shard group
+    # has more than one rank; the previous unit's output is kept until the next one's is waited on
+    ag_pool = 0
+    if path == "fsdp" and shards > 1:
+        units = ([root] if root else []) + ([sp.block] if sp.layers else []) + ([head_unit] if head_unit else [])
+        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * sp.block] if sp.layers > 1 else [])
+        ag_pool = d * max(pairs or units or [0])
+    biggest_unit = max(root, sp.block, head_unit)
+    reduce_out = grad_share(biggest_unit) if fsdp2 and layout.grad_accum_steps > 1 else 0
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
@@ -272,7 +286,8 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
         head_kept=d * (head_unit + (sp.block if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
-        head_shard=grad_share(head_unit) if split else 0)
+        head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
+        reduce_out=reduce_out if states.grads else 0)
 
 
 def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:
