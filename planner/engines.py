@@ -67,6 +67,11 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
+    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
+    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
+    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
+    executor_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True),
+                     shard_over_cp=True, executor_experts=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),

@@ -92,7 +92,9 @@ parameters; when each exists: planner.memory.phases):
                  counted as activations: MemoryTraits.sp_saves_gathered)
   PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
   CP             ring attention K/V in flight: 2 * 2*s*b*k*d*D / (cp*t)
-  EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp
+  EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp; none for
+                 meshplan, whose functional all-to-all outputs are the experts'
+                 saved inputs and outputs (MemoryTraits.executor_experts)
 other: CUDA context, NCCL communicator buffers and allocator slack:
 DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
 passes other_bytes; plus, for the PyTorch engines (meshplan, torchtitan), the
@@ -109,7 +111,7 @@ Activations: see planner.memory.activations (Korthikanti et al. 2022).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from planner.engines import dp_path, get_engine
@@ -230,7 +232,7 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
         total += 2 * 2 * tokens * model.kv_dim * d / layout.tp
-    if layout.ep > 1 and model.moe is not None:
+    if layout.ep > 1 and model.moe is not None and not get_engine(engine).memory.executor_experts:
         total += 2 * model.moe.top_k * act
     return int(total)
 
@@ -254,6 +256,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
+    if traits.executor_experts and model.moe is not None and layout.recompute in ("none", "selective"):
+        per_layer += _executor_moe_extra(model, s * b / cp, d)
     if traits.step_phases and cp > 1 and layout.recompute in ("none", "selective"):
         # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
         per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
@@ -268,6 +272,19 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
                        logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0)
+
+
+def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
+    """What executor.moe keeps per layer beyond the common MoE terms (planner.memory.activations), averaged
+    over the layers: every routed expert's weights cast to the compute dtype (each call casts again, so E
+    copies whatever ep: ep sources x E/ep local experts), and per token the int64 top-k indices, sort order
+    and token map with the fp32 and compute-dtype gate weights and their sum (measured with saved-tensor hooks)."""
+    moe = model.moe
+    share = model.n_moe_layers / model.n_layers
+    casts = moe.n_experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * moe.expert_ffn_hidden * d \
+        if d < FP32_BYTES else 0
+    routing = tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
+    return share * (casts + routing)
 
 
 def default_other_bytes(gpu: GPUSpec) -> int:
@@ -291,6 +308,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     comm = _activation_comm(model, training, layout, engine)
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
+    if phased and eng.memory.executor_experts:
+        build = partial(meshplan_stage_bytes, experts_outside_fsdp=True)
     params = pipeline_params(model, layout, engine)
     in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
                                         layout.virtual_stages) for rank in range(layout.pp)]

@@ -219,8 +219,12 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
 
 
 def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                         states: ModelStates, comm: int) -> StageBytes:
-    """The executor's buffers and temporaries (module docstring formulas)."""
+                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False) -> StageBytes:
+    """The executor's buffers and temporaries (module docstring formulas).
+
+    experts_outside_fsdp: meshplan's executor leaves the routed experts out of FSDP2's units
+    (executor.parallel.expert reduces them), so a block unit gathers and reduces without them.
+    """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
     path = dp_path(layout)
     fsdp2 = path in ("fsdp", "replicate")
@@ -231,6 +235,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     shards = layout.dp_shard * layout.cp  # the executor folds cp into FSDP's group
     grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
+    unit = sp.block - (sp.experts // sp.layers if experts_outside_fsdp and sp.layers else 0)  # a block's FSDP unit
     # FSDP2 reduce-scatters every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and
     # replicate skip the sync and keep every gradient unsharded
     accumulated = (states.grads if path == "fsdp" else FP32_BYTES * sp.total) if layout.grad_accum_steps > 1 else 0
@@ -252,40 +257,40 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     if not zero3:
         gathered = 0
     elif split:
-        gathered = d * (sp.block + max(sp.block, root))
+        gathered = d * (unit + max(unit, root))
     else:
-        gathered = d * (root + 2 * sp.block)
+        gathered = d * (root + 2 * unit)
     end_transient = root_grads = 0
     if fsdp2:
         root_grads = min(states.grads, grad_share(root))
         root_copy = d * root if path == "fsdp" or d < FP32_BYTES else 0
         tied = 2 * d * sp.head if model.tie_embeddings and sp.has_embedding and sp.has_output else 0
-        last = root or sp.block  # the unit reduced last: the root, or the first block of a middle stage
+        last = root or unit  # the unit reduced last: the root, or the first block of a middle stage
         copy_in = (g + (max(d, g) if path == "replicate" else d)) * last
-        previous_rs = g * sp.block if root and sp.layers else 0
+        previous_rs = g * unit if root and sp.layers else 0
         end_transient = max(copy_in, root_copy + d * root + tied + previous_rs)
     largest_grad = ceil_div(sp.largest, shards) if sharded else sp.largest  # largest local tensor
     # planner.memory.reserved: FSDP2 all-gathers each unit in the forward (ZeRO-2 and 3) when its shard group
     # has more than one rank; the previous unit's output is kept until the next one's is waited on
     ag_pool = 0
     if path == "fsdp" and shards > 1:
-        units = ([root] if root else []) + ([sp.block] if sp.layers else []) + ([head_unit] if head_unit else [])
-        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * sp.block] if sp.layers > 1 else [])
+        units = ([root] if root else []) + ([unit] if sp.layers else []) + ([head_unit] if head_unit else [])
+        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * unit] if sp.layers > 1 else [])
         ag_pool = d * max(pairs or units or [0])
-    biggest_unit = max(root, sp.block, head_unit)
+    biggest_unit = max(root, unit, head_unit)
     reduce_out = grad_share(biggest_unit) if fsdp2 and layout.grad_accum_steps > 1 else 0
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
         head_grad=grad_bytes * sp.head,
         partial_grad=grad_bytes * ceil_div(model.hidden * model.ffn_hidden, layout.tp),
-        gathered_start=gathered, gathered_output=(d * sp.block if split else gathered - d * sp.block) if zero3 else 0,
-        block_rs=g * sp.block if fsdp2 else 0, block_grad=d * sp.block if fsdp2 else 0, last_grads=last_grads,
+        gathered_start=gathered, gathered_output=(d * unit if split else gathered - d * unit) if zero3 else 0,
+        block_rs=g * unit if fsdp2 else 0, block_grad=d * unit if fsdp2 else 0, last_grads=last_grads,
         recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
         block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
-        head_kept=d * (head_unit + (sp.block if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
+        head_kept=d * (head_unit + (unit if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
         reduce_out=reduce_out if states.grads else 0)
 

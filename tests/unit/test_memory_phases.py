@@ -36,7 +36,7 @@ from planner.memory.estimate import estimate_memory
 from planner.memory.phases import PHASES
 from planner.memory.states import model_state_bytes
 from planner.model.load import load_model
-from planner.model.spec import ModelSpec
+from planner.model.spec import ModelSpec, MoESpec
 from planner.plan import MEMORY_CATEGORIES, Plan, with_stage_layers
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
@@ -65,6 +65,10 @@ CASES = {
     "fsdp_tied_short": (dict(tie_embeddings=True), 32, 1, 8, dict(dp_shard=8, zero_stage=3), "backward_end"),
     "zero1_short": ({}, 32, 1, 8, dict(dp_shard=8, zero_stage=1), "optimizer_step"),
     "one_gpu_short": (dict(vocab=256), 32, 1, 1, {}, "optimizer_step"),
+    # debug-moe's shape (4 experts, top 2, a shared expert) at the tiny model's width: experts outside
+    # FSDP2, all_to_all over ep 2 with balanced routing (executor.validate.memory_step._balanced_routing)
+    "ep_fsdp": (dict(moe=MoESpec(n_experts=4, top_k=2, expert_ffn_hidden=256, n_shared_experts=1)), 512, 2, 4,
+                dict(dp_shard=4, ep=2, zero_stage=3), "backward_start"),
 }
 
 
