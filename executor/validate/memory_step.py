@@ -30,8 +30,9 @@ faithful to a real run:
   DDP models with fake CPU tensors rather than on meta (`_fake_model`).
 * RMSNorm saves what CUDA's fused kernel saves, not what the CPU composite
   saves (`_CudaFusedRMSNorm`): the fake world is CPU, the plan is for GPUs.
-* Pipeline plans are refused: torch.distributed.pipelining exchanges real
-  tensor shapes between stages before its first step.
+* Pipeline plans run their rank's stage in torch's 1F1B order without
+  torch.distributed.pipelining, which exchanges real shapes and votes between
+  stages before its first step (executor.validate.memory_pipeline).
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ def _prime_optimizers(optimizers: list, parts: list) -> None:  # noqa: ANN001
         optimizer.zero_grad(set_to_none=True)
 
 
-def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tracker) -> None:  # noqa: ANN001
+def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tracker,  # noqa: ANN001
+                dtype: torch.dtype = torch.float32) -> None:
     """The executor's own step (executor.train / executor.components.optim): micro-steps, clipping, AdamW.
+
+    Pipeline plans run their rank's stage in 1F1B order (executor.validate.memory_pipeline).
 
     Clipping ends in `float(norm)`, a value fake tensors do not have; every
     allocation of the clip happens before it and the scaling after it is in
@@ -121,7 +125,12 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
         if i:
             tracker.reset_mod_stats()
 
-    AccumulationStep(pm, n, torch.device("cpu"), before_micro_batch=next_micro_batch)(tokens, tokens)
+    if plan.layout.pp > 1:
+        from executor.validate.memory_pipeline import pipeline_micro_steps
+
+        pipeline_micro_steps(plan, pm, tokens, dtype, next_micro_batch)
+    else:
+        AccumulationStep(pm, n, torch.device("cpu"), before_micro_batch=next_micro_batch)(tokens, tokens)
     with contextlib.suppress(DataDependentOutputException):
         clip_grad_norm(unique_params(pm.parts), plan.layout.pp)
     for optimizer in optimizers:
@@ -276,6 +285,19 @@ def _balanced_routing():
         yield
 
 
+@contextlib.contextmanager
+def _stages_built_afresh(plan: Plan):
+    """executor.parallel.pipeline.split_stage deep-copies the model per stage; a deep copy of fake tensors
+    lands in another fake mode, so each stage starts from a freshly built model instead (same modules)."""
+    import types
+
+    import executor.parallel.pipeline as pipeline_module
+
+    fresh = types.SimpleNamespace(deepcopy=lambda model: _fake_model(plan))
+    with mock.patch.object(pipeline_module, "copy", fresh):
+        yield
+
+
 def _peak_snapshot(tracker) -> dict[str, int]:  # noqa: ANN001
     """The tracker's peak snapshot summed over devices, keyed by category name."""
     out: dict[str, int] = {}
@@ -299,22 +321,21 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
     from executor.parallel.parallelize import parallelize
 
     if plan.layout.pp > 1:
-        raise PlanError(
-            f"validate-memory does not run pipeline plans (pp = {plan.layout.pp}): torch.distributed.pipelining "
-            "exchanges real tensor shapes between stages before the first step, which a fake process group "
-            "cannot deliver; check the same layout with pp 1, or measure with `meshplan execute`"
-        )
+        from executor.validate.memory_pipeline import check_emulated
+
+        check_emulated(plan)
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
     try:
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode: meshes hold real rank tensors
         skip_check = mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes")
         gpu_rms_norm = mock.patch("torch.nn.functional.rms_norm", _cuda_rms_norm)
-        with FakeTensorMode(), plan_dtype_on_cpu(plan), skip_check, _real_device_meshes(), gpu_rms_norm, \
-                _balanced_routing():
+        with FakeTensorMode(), plan_dtype_on_cpu(plan) as dtype, skip_check, _real_device_meshes(), gpu_rms_norm, \
+                _balanced_routing(), _stages_built_afresh(plan):
             pm = parallelize(_fake_model(plan), plan, mesh, torch.device("cpu"))
             optimizers = build_optimizers(pm.parts, plan, mesh, lr=1e-4)
             _prime_optimizers(optimizers, pm.parts)
-            n_micro = min(plan.layout.grad_accum_steps, MAX_MICRO_BATCHES)
+            n_micro = plan.layout.grad_accum_steps if plan.layout.pp > 1 else \
+                min(plan.layout.grad_accum_steps, MAX_MICRO_BATCHES)
             shape = (plan.layout.micro_batch_size * n_micro, plan.training.seq_len)
             tokens = torch.randint(0, plan.model.vocab, shape)
             if pm.cp is not None:  # this rank's load-balanced chunks, as executor.train does
@@ -332,7 +353,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
                 tracker.track_external(*pm.parts, *(getattr(o, "optim", o) for o in optimizers))
             stand_ins = _instrument_ddp(pm.runners[0], grad_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
             with tracker, _quiet_known_warnings():
-                _train_step(plan, pm, optimizers, mesh, tokens, tracker)
+                _train_step(plan, pm, optimizers, mesh, tokens, tracker, dtype)
             del stand_ins  # the bucket stand-ins were alive until the backward started
             return _peak_snapshot(tracker)
     finally:
