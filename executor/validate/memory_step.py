@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from planner.plan import Plan
-from topologies.errors import PlanError
 
 MAX_MICRO_BATCHES = 2  # the 2nd carries the 1st's accumulated gradients, as every later one does
 
