@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from executor.components.data import local_batch, open_source
+from executor.components.float8 import check_device, precompute_scales
 from executor.components.metrics import (
     MetricsLog,
     ProgressLine,
@@ -202,6 +203,8 @@ class Trainer:
     def __init__(self, plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:
         layout = plan.layout
         self.plan, self.opts, self.device = plan, opts, device
+        if plan.training.fp8:
+            check_device(device)
         self.pm = parallelize(build_model(plan.model), plan, mesh, device, seed=opts.seed,
                               compile=opts.compile or getattr(plan.training, "compile", False))
         lr = opts.lr if opts.lr is not None else default_lr(plan.model.hidden)
@@ -254,6 +257,8 @@ class Trainer:
             scheduler.step()
         if self.scaler is not None:
             self.scaler.update()
+        if self.pm.float8_all_gather:  # torchtitan's post-optimizer hook: scales for the next all-gathers
+            precompute_scales(self.pm.parts)
         state.step, state.data_position = state.step + 1, state.data_position + batch
         mean_loss, peak, reserved = _reduce_step(loss, plan.layout.pp, self.device)
         step_time = time.perf_counter() - start

@@ -267,12 +267,29 @@ def _unbuilt_features(model: ModelSpec) -> list[str]:
     return out
 
 
+def _fp8_refusal(model: ModelSpec, layout: Layout, training: TrainingSpec, on_gpu: bool) -> str | None:
+    """What the executor's torchao float8 path (executor.components.float8) does not run."""
+    if training.precision != "fp8":
+        return (f"precision {training.precision}: the executor's 8-bit path is torchao's float8 (tensorwise "
+                "scaling); plan with --precision fp8 or bf16, or --engine megatron for mxfp8")
+    if not on_gpu:
+        return ("precision fp8 on CPU ranks: float8 GEMMs (torch._scaled_mm) need a GPU of compute capability "
+                "8.9 or newer (H100, L4, B200...); plan CPU ranks with --precision bf16")
+    if layout.tp > 1:
+        return (f"precision fp8 with tp ({layout.tp}) > 1: the executor does not apply torchao's float8 "
+                "tensor-parallel styles; plan with --tp 1 or --precision bf16")
+    if training.dtype != "bf16":
+        return f"precision fp8 runs on bf16 compute (torchtitan's recipe), not {training.dtype}; plan with --dtype bf16"
+    return None
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
     if training is not None and training.fp8:
-        return (f"precision {training.precision}: the executor does not run 8-bit GEMMs yet (torchao float8 is "
-                "not a dependency); plan with --precision bf16 or --engine torchtitan / megatron")
+        reason = _fp8_refusal(model, layout, training, on_gpu)
+        if reason:
+            return reason
     unbuilt = _unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)

@@ -135,6 +135,10 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if pm.float8_all_gather:  # fp8 under FSDP2: executor.train's post-optimizer hook
+        from executor.components.float8 import precompute_scales
+
+        precompute_scales(pm.parts)
 
 
 class _CudaFusedRMSNorm(torch.autograd.Function):

@@ -108,7 +108,11 @@ def test_eager_attention_costs_time_and_the_s_squared_memory():
 def test_engines_name_their_recompute_kinds_and_the_executor_refuses_fp8():
     assert get_engine("torchtitan").recompute_kinds == ("none", "op", "full")
     assert "op" not in get_engine("megatron").recompute_kinds
-    assert executor_refusal(LLAMA8, Layout(), training=training_for(8, 1, "fp8")).startswith("precision fp8")
+    fp8 = training_for(8, 1, "fp8")
+    assert executor_refusal(LLAMA8, Layout(), "bf16", on_gpu=False, training=fp8).startswith("precision fp8 on CPU")
+    assert executor_refusal(LLAMA8, Layout(), training=fp8) is None  # torchao float8 (executor.components.float8)
+    assert "tensor-parallel" in executor_refusal(LLAMA8, Layout(tp=2), training=fp8)
+    assert "mxfp8" in executor_refusal(LLAMA8, Layout(), training=training_for(8, 1, "mxfp8"))
     assert executor_refusal(LLAMA8, Layout(recompute="op")) is None  # per-op SAC runs (executor.parallel.recompute)
     assert get_engine("megatron").refusal(LLAMA8, Layout(recompute="op"), "bf16", True)
     assert set(ENGINES) >= {"meshplan", "megatron", "deepspeed", "torchtitan"}
