@@ -308,8 +308,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     comm = _activation_comm(model, training, layout, engine)
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
-    if phased and eng.memory.executor_experts:
-        build = partial(meshplan_stage_bytes, experts_outside_fsdp=True)
+    if phased:
+        build = partial(meshplan_stage_bytes, experts_outside_fsdp=eng.memory.executor_experts,
+                        fp8_all_gather=eng.fp8.fp8_all_gather)
     params = pipeline_params(model, layout, engine)
     in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
                                         layout.virtual_stages) for rank in range(layout.pp)]

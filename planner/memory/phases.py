@@ -219,11 +219,14 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
 
 
 def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False) -> StageBytes:
+                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False,
+                         fp8_all_gather: bool = False) -> StageBytes:
     """The executor's buffers and temporaries (module docstring formulas).
 
     experts_outside_fsdp: meshplan's executor leaves the routed experts out of FSDP2's units
     (executor.parallel.expert reduces them), so a block unit gathers and reduces without them.
+    fp8_all_gather: FSDP2 gathers the blocks' float8 linear weights in one byte each (torchao's
+    enable_fsdp_float8_all_gather, executor.components.float8); norms stay in the compute dtype.
     """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
     path = dp_path(layout)
@@ -236,6 +239,9 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
     unit = sp.block - (sp.experts // sp.layers if experts_outside_fsdp and sp.layers else 0)  # a block's FSDP unit
+    # bytes of one block unit gathered, expressed in compute-dtype elements (float8 weights: 1 byte of d)
+    norms = model.norms_per_layer * model.hidden
+    gunit = (norms + (unit - norms) / d) if fp8_all_gather and training.fp8 and unit > norms else unit
     # FSDP2 reduce-scatters every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and
     # replicate skip the sync and keep every gradient unsharded
     accumulated = (states.grads if path == "fsdp" else FP32_BYTES * sp.total) if layout.grad_accum_steps > 1 else 0
@@ -257,9 +263,9 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     if not zero3:
         gathered = 0
     elif split:
-        gathered = d * (unit + max(unit, root))
+        gathered = int(d * (gunit + max(gunit, root)))
     else:
-        gathered = d * (root + 2 * unit)
+        gathered = int(d * (root + 2 * gunit))
     end_transient = root_grads = 0
     if fsdp2:
         root_grads = min(states.grads, grad_share(root))
@@ -274,9 +280,9 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     # has more than one rank; the previous unit's output is kept until the next one's is waited on
     ag_pool = 0
     if path == "fsdp" and shards > 1:
-        units = ([root] if root else []) + ([unit] if sp.layers else []) + ([head_unit] if head_unit else [])
-        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * unit] if sp.layers > 1 else [])
-        ag_pool = d * max(pairs or units or [0])
+        units = ([root] if root else []) + ([gunit] if sp.layers else []) + ([head_unit] if head_unit else [])
+        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * gunit] if sp.layers > 1 else [])
+        ag_pool = int(d * max(pairs or units or [0]))
     biggest_unit = max(root, unit, head_unit)
     reduce_out = grad_share(biggest_unit) if fsdp2 and layout.grad_accum_steps > 1 else 0
     return StageBytes(
@@ -284,13 +290,13 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
         head_grad=grad_bytes * sp.head,
         partial_grad=grad_bytes * ceil_div(model.hidden * model.ffn_hidden, layout.tp),
-        gathered_start=gathered, gathered_output=(d * unit if split else gathered - d * unit) if zero3 else 0,
+        gathered_start=gathered, gathered_output=int(d * gunit if split else gathered - d * gunit) if zero3 else 0,
         block_rs=g * unit if fsdp2 else 0, block_grad=d * unit if fsdp2 else 0, last_grads=last_grads,
         recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
         block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
-        head_kept=d * (head_unit + (unit if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
+        head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
         reduce_out=reduce_out if states.grads else 0)
 
