@@ -72,6 +72,10 @@ class MemoryTraits:
     # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
     # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
     executor_experts: bool = False
+    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
+    # its backward, and a non-last stage receives one output gradient; the boundary tensor is the residual
+    # stream, fp32 under autocast (planner.memory.estimate; validate-memory, pp 2 1F1B)
+    pp_stage_outputs: bool = False
     # context parallel all-gathers the K/V of the whole sequence before attention (torch's
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
@@ -238,7 +242,8 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True),
+                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
+                     pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),

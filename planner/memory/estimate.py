@@ -90,7 +90,11 @@ parameters; when each exists: planner.memory.phases):
   TP + SP        all-gather output and reduce-scatter input: 2*s*b*h*D / cp
                  (megatron, deepspeed; PyTorch's SP saves the gathered tensors,
                  counted as activations: MemoryTraits.sp_saves_gathered)
-  PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
+  PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP); for
+                 meshplan (torch.distributed.pipelining), activations instead: each
+                 in-flight micro-batch's stage output kept for its backward and the
+                 received output gradient, (in-flight + 1) * s*b*h*B / cp on a
+                 non-last stage, B = 4 under autocast (the fp32 residual stream)
   CP             ring (Transformer Engine's p2p): the K/V chunk sent and the one
                  received, 2 * 2*s*b*k*d*D / (cp*t); all-gather (torch's
                  context_parallel by default, meshplan's executor:
@@ -233,7 +237,7 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     total = 0.0
     if layout.tp > 1 and layout.sequence_parallel and not get_engine(engine).memory.sp_saves_gathered:
         total += 2 * act
-    if layout.pp > 1:
+    if layout.pp > 1 and not get_engine(engine).memory.pp_stage_outputs:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
         local_kv = 2 * tokens * model.kv_dim * d / layout.tp
@@ -275,9 +279,12 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel)
     logits_grad = logits_saved / FP32_BYTES * d
+    stage_output = 0.0
+    if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
+        stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0)
+                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output)
 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:

@@ -111,6 +111,7 @@ class Activations(NamedTuple):
     loss_transient: float  # the loss backward's extra fp32 gradients, once (last stage)
     logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
     loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
+    stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
 
 
 class StageBytes(NamedTuple):
@@ -149,6 +150,8 @@ class StageBytes(NamedTuple):
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
     """Bytes by category (no `other`) at each phase of the step this stage goes through (module docstring)."""
     kept = in_flight * sp.layers * acts.per_layer + (in_flight * acts.embedding if sp.has_embedding else 0.0)
+    if not sp.has_output:  # each in-flight micro-batch's output, and the output gradient received for one
+        kept += (in_flight + 1) * acts.stage_output
     out = in_flight * (acts.output + acts.logits_saved) if sp.has_output else 0.0
     fwd = sb.params + sb.copy
     base = sb.buckets + sb.comm
