@@ -145,6 +145,7 @@ class StageBytes(NamedTuple):
     reserve_model: bool = False
     ag_pool: int = 0  # FSDP2 all-gather stream: two consecutive units' all-gather outputs
     reduce_out: int = 0  # reduce-scatter stream: one unit's fresh output while micro-batches accumulate
+    accumulated_default: bool = False  # Ga lives on the default stream (replicate's unsharded no-sync sums)
 
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
@@ -301,7 +302,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         adamw=_adamw_temp(training, layout, states, largest_grad),
         head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
-        reduce_out=reduce_out if states.grads else 0)
+        reduce_out=reduce_out if states.grads else 0, accumulated_default=path == "replicate")
 
 
 def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:

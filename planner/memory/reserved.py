@@ -32,7 +32,8 @@ each of the following makes it exceed the allocated peak:
    stream: one pool.
    The default pool's high-water mark is the largest phase minus what lives
    in the other pools at that phase (the reduce-scatter pool's gradient shards:
-   the phase's `grads` under FSDP2 and replicate).
+   the phase's `grads` under FSDP2 and replicate, except replicate's unsharded
+   sums of earlier micro-batches, kept on the default stream until reduced).
 2. The loss leaves a hole (last pipeline stage, 16-bit compute). The
    forward keeps the compute-dtype logits, their fp32 copy and the fp32
    log-probabilities next to each other; the first two are freed when the
@@ -56,6 +57,7 @@ from planner.memory.params import StageParams
 from planner.memory.phases import Activations, Phase, StageBytes
 
 GRADS = 1  # index of the grads category in a Phase
+AFTER_REDUCTION = ("backward_end", "optimizer_step")  # phases whose gradients are the reduced ones
 
 
 def reserve_bytes(sb: StageBytes, sp: StageParams, acts: Activations, phases: dict[str, Phase]) -> int:
@@ -66,8 +68,10 @@ def reserve_bytes(sb: StageBytes, sp: StageParams, acts: Activations, phases: di
     rs_pool = sb.grads + sb.reduce_out if sb.fsdp2 else 0
 
     def default_pool(name: str, phase: Phase) -> float:
-        own = sum(phase) - (phase[GRADS] if sb.fsdp2 else 0)
-        return own + (acts.loss_hole if name == "backward_start" and sp.has_output else 0.0)
+        in_rs = phase[GRADS] if sb.fsdp2 else 0
+        if sb.accumulated_default and name not in AFTER_REDUCTION:  # replicate's no-sync sums, not yet reduced
+            in_rs -= min(in_rs, sb.accumulated)
+        return sum(phase) - in_rs + (acts.loss_hole if name == "backward_start" and sp.has_output else 0.0)
 
     default_peak = max(default_pool(name, p) for name, p in phases.items())
     return max(0, int(default_peak) + rs_pool + sb.ag_pool - allocated)

@@ -95,3 +95,21 @@ def test_gpu_workers_run_with_expandable_segments_unless_the_user_chose(monkeypa
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     _worker_env(8, on_cpu=False)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_replicate_accumulates_on_the_default_stream_fsdp_in_the_reduce_scatter_pool():
+    """Accumulating micro-batches: FSDP2 adds each one's reduce-scatter output into the shards it keeps in the
+    reduce-scatter stream's pool (reserved grows by one unit's output), while replicate (TP or PP with ZeRO-0/1)
+    sums unsharded gradients on the default stream before reducing them into that pool (reserved grows by
+    those sums, the pool keeps its own peak)."""
+    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    small = load_model("llama3.2-1b")
+    for layout in (Layout(dp_shard=8, zero_stage=3), Layout(tp=2, dp_replicate=4)):
+        one = estimate_memory(small, training, layout, H100_96)
+        two = estimate_memory(small, training, layout.replace(grad_accum_steps=2), H100_96)
+        grown = two.allocated_bytes - one.allocated_bytes
+        assert grown > 0
+        if layout.zero_stage == 3:  # the shards were reserved already
+            assert two.reserved_bytes - one.reserved_bytes < grown / 4
+        else:
+            assert two.reserved_bytes - one.reserved_bytes >= grown
