@@ -99,6 +99,10 @@ def check_supported(plan: Plan) -> None:
                               plan.training)
     if reason:
         raise PlanError(reason)
+    if plan.training.fp8:  # torchao is no dependency: say what to install before any rank starts
+        from executor.components.float8 import require_torchao
+
+        require_torchao()
     if plan.training.seq_len > plan.model.max_seq_len:
         raise PlanError(
             f"seq_len ({plan.training.seq_len}) exceeds the model's context ({plan.model.max_seq_len}); "

@@ -35,3 +35,20 @@ def test_torchtitans_filter_keeps_the_output_layer_and_odd_dims_high_precision()
     assert not convertible(nn.Linear(64, 128, bias=False), "output")
     assert not convertible(nn.Linear(64, 100, bias=False), "layers.0.feed_forward.w1")
     assert not convertible(nn.LayerNorm(64), "layers.0.attention_norm")
+
+
+def test_an_fp8_plan_is_refused_before_launch_when_torchao_is_missing(monkeypatch):
+    from executor.parallel.parallelize import check_supported
+    from planner.layout import Layout
+    from planner.model.load import load_model
+    from planner.plan import Plan, with_stage_layers
+    from planner.training import TrainingSpec
+    from topologies.cluster_load import load_cluster
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    model = load_model("debug")
+    plan = Plan(model=model, cluster=load_cluster("dgx-h100", 8), layout=with_stage_layers(model, Layout(dp_shard=8, zero_stage=3)),
+                training=TrainingSpec(seq_len=256, global_batch_size=8, precision="fp8"))
+    with pytest.raises(UsageError, match=TORCHAO_PIN):
+        check_supported(plan)
