@@ -90,7 +90,11 @@ class StepResult:
             time_breakdown_s=dict(self.time_breakdown_s),
             extra={"worst_rank": self.memory.worst_rank, "worst_stage": self.memory.worst_stage,
                    "critical_stage": self.critical_stage, "host_memory_bytes": self.memory.host_bytes,
-                   "memory_peak_phase": self.memory.peak_phase},
+                   "memory_peak_phase": self.memory.peak_phase,
+                   # planner.memory.reserved: tensors (max_memory_allocated) and the caching allocator's
+                   # high-water mark (max_memory_reserved); peak_memory_bytes adds the fixed overhead
+                   "allocated_peak_bytes": self.memory.allocated_bytes,
+                   "reserved_peak_bytes": self.memory.reserved_bytes},
         )
 
 
