@@ -288,7 +288,8 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * gunit] if sp.layers > 1 else [])
         ag_pool = int(d * max(pairs or units or [0]))
     biggest_unit = max(root, unit, head_unit)
-    reduce_out = grad_share(biggest_unit) if fsdp2 and layout.grad_accum_steps > 1 else 0
+    # FSDP2 reduces every micro-batch and adds the fresh output in; replicate reduces once, after the last
+    reduce_out = grad_share(biggest_unit) if path == "fsdp" and layout.grad_accum_steps > 1 else 0
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
