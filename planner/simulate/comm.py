@@ -165,6 +165,7 @@ class StepComm:
         self.gpus_per_node = cluster.gpus_per_node
         self.ep, self.etp = layout.ep, layout.etp
         self.all_to_all_efficiency = cal.all_to_all_efficiency
+        self.all_to_all_net_efficiency = cal.all_to_all_net_efficiency
         self.cal = cal
         self._expert_times: dict[tuple[str, float, str], float] = {}
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
@@ -217,7 +218,10 @@ class StepComm:
 
     def ep_all_to_all_s(self, size_bytes: float) -> float:
         """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
-        return self.expert_time_s("all_to_all", size_bytes, "ep") / self.all_to_all_efficiency
+        groups = representative_expert_groups(self.shape, self.ep, self.etp, "ep", self.gpus_per_node)
+        crosses = any(len({rank // self.gpus_per_node for rank in group}) > 1 for group in groups)
+        efficiency = self.all_to_all_net_efficiency if crosses else self.all_to_all_efficiency
+        return self.expert_time_s("all_to_all", size_bytes, "ep") / efficiency
 
 
 def expert_comm_s(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
