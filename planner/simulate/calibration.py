@@ -98,10 +98,11 @@ class CalibrationProfile:
     collective_scale: dict[str, float] = field(default_factory=dict)  # op -> factor on the model's time
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
     other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
-    # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.step): grouped GEMMs of the
-    # routed experts as a fraction of the dense GEMM rate, the busiest expert rank's tokens over the
-    # balanced share (dropless routing), and the all-to-all's achieved share of the collective model's
-    # time at MoE message sizes (many small per-peer messages).
+    # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.comm): grouped GEMMs of
+    # several routed experts on a rank as a fraction of the dense GEMM rate (one expert is a plain GEMM),
+    # the busiest expert rank's tokens over the balanced share (dropless routing; a capacity factor caps
+    # it), and the all-to-all's achieved share of the collective model's time at MoE message sizes (many
+    # small per-peer messages), inside the NVLink domain and for groups that cross the network.
     grouped_gemm_efficiency: float = 1.0
     moe_imbalance: float = 1.0
     all_to_all_efficiency: float = 1.0
