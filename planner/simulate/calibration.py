@@ -107,6 +107,9 @@ class CalibrationProfile:
     moe_imbalance: float = 1.0
     all_to_all_efficiency: float = 1.0
     all_to_all_net_efficiency: float = 1.0
+    # routed-expert GEMMs under an 8-bit precision as a fraction of the block GEMMs' 8-bit rate: each
+    # expert's operands are scaled and cast on their own (per-tensor FP8 on Hopper, MXFP8 on Blackwell)
+    fp8_expert_efficiency: float = 1.0
     # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
     engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
@@ -133,7 +136,8 @@ class CalibrationProfile:
             if not isinstance(value, (int, float)) or value < 0:
                 raise UsageError(f"calibration: {key} must be a non-negative number, got {value!r}")
         for key, low, high in (("grouped_gemm_efficiency", 0.01, 1.0), ("moe_imbalance", 1.0, 16.0),
-                               ("all_to_all_efficiency", 0.01, 1.0), ("all_to_all_net_efficiency", 0.01, 1.0)):
+                               ("all_to_all_efficiency", 0.01, 1.0), ("all_to_all_net_efficiency", 0.01, 1.0),
+                               ("fp8_expert_efficiency", 0.01, 1.0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise UsageError(f"calibration: {key} must be a number in [{low}, {high}], got {value!r}")

@@ -237,9 +237,9 @@ def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak
     in Transformer Engine's grouped linear; one expert is a plain GEMM); the busiest expert rank gets `moe_imbalance` times the
     balanced share of tokens (a capacity factor caps it: tokens beyond it are
     dropped). Under an 8-bit precision (fp8_peak > 0) they run at the 8-bit
-    rate with their operand casts, as the block GEMMs do: Transformer
+    rate with their operand casts, as the block GEMMs do (Transformer
     Engine's grouped linear layers sit under the same FP8 recipe as its
-    dense ones. Memory-bound work per token and layer: router scores and top-k
+    dense ones), at `fp8_expert_efficiency` of the block GEMMs' 8-bit rate. Memory-bound work per token and layer: router scores and top-k
     over n_experts (fp32, read + write), then permutation before and
     unpermutation after the experts, each reading and writing top_k copies
     of the hidden state.
@@ -252,7 +252,7 @@ def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak
         imbalance = min(imbalance, model.moe.capacity_factor)
     gemm, cast_f, cast_b = _block_gemms_s(experts, peak, fp8_peak, cal)
     grouped = cal.grouped_gemm_efficiency if model.moe.n_experts > layout.ep else 1.0  # one expert: a plain GEMM
-    gemm *= imbalance / grouped
+    gemm *= imbalance / (grouped * (cal.fp8_expert_efficiency if fp8_peak else 1.0))
     tokens = m / layout.tp
     router = tokens * model.moe.n_experts * 4 * 2
     permute = imbalance * 2 * 2 * tokens * model.moe.top_k * model.hidden * dtype_bytes

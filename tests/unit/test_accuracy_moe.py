@@ -1,6 +1,6 @@
 """Loose pins on bench/accuracy_moe.py: which published MoE rows the planner can state, what each
-recipe runs, and the hold-out figures (2026-11-24: fit Grok-1 -> DeepSeek-V3 48.1%, fit DeepSeek-V3
--> Grok-1 12.0%, fit v25.02 -> later 27.2%; DeepSeek-V3 on GB200 ~45% fast in every split)."""
+recipe runs, and the hold-out figures (2026-11-24: fit Grok-1 -> DeepSeek-V3 40.4%, fit DeepSeek-V3
+-> Grok-1 12.0%, fit v25.02 -> later 23.1%; DeepSeek-V3 on GB200 ~46% fast in every split)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def test_gb200_is_the_nvl72_rack(rows):
 def test_shipped_profiles(bench, rows, bases):
     errs = {r.id: bench.predict(r, bases) / r.measured_s - 1.0 for r in bench.scored(rows)}
     grok = {k: e for k, e in errs.items() if "grok1" in k}
-    assert len(grok) == 24 and bench.summary(grok)[0] <= 0.15 and max(map(abs, grok.values())) < 0.25
+    assert len(grok) == 24 and bench.summary(grok)[0] <= 0.10 and max(map(abs, grok.values())) < 0.18
     dsv3_h100 = [e for k, e in errs.items() if "dsv3-h100" in k]
-    assert len(dsv3_h100) == 2 and all(abs(e) < 0.15 for e in dsv3_h100)
+    assert len(dsv3_h100) == 2 and all(abs(e) < 0.10 for e in dsv3_h100)
     # host-bound on GB200 (bench HOST_BOUND): the simulator prices only the GPU's work, ~45% of the step
     dsv3_gb200 = [e for k, e in errs.items() if "dsv3-gb200" in k]
     assert len(dsv3_gb200) == 3 and all(-0.55 < e < -0.35 for e in dsv3_gb200)
@@ -65,7 +65,9 @@ def test_hold_out_splits(bench, rows, bases):
     out = bench.evaluate(rows, bases)
     assert set(out) == set(bench.SPLITS)
     assert out["fit dsv3 -> score grok1"]["mape"] <= 0.15
-    assert out["fit v25.02 -> score later"]["mape"] <= 0.32
-    assert out["fit grok1 -> score dsv3"]["mape"] <= 0.55
+    assert out["fit v25.02 -> score later"]["mape"] <= 0.28
+    assert out["fit grok1 -> score dsv3"]["mape"] <= 0.48
     for res in out.values():  # fitted values stay physical: fractions of the unpenalised rates
         assert all(0.05 <= v <= 1.0 for v in res["moe"].values())
+    # Hopper's per-tensor FP8 experts run below the block GEMMs' 8-bit rate wherever Grok-1's H100 fp8 rows fit
+    assert out["fit grok1 -> score dsv3"]["moe"]["fp8_expert_efficiency@h100"] < 0.9

@@ -65,7 +65,10 @@ def test_routed_experts_run_at_the_fp8_rate_under_fp8():
     peak = c.gpu.peak_flops("bf16")
     bf16 = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal)
     fp8 = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal, fp8_peak=c.gpu.peak_flops("fp8"))
-    assert fp8[0] < 0.75 * bf16[0]  # twice the peak at a comparable share of it
+    neutral = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal.replace(fp8_expert_efficiency=1.0),
+                        fp8_peak=c.gpu.peak_flops("fp8"))
+    assert neutral[0] < 0.75 * bf16[0]  # twice the peak at a comparable share of it
+    assert fp8[0] == pytest.approx(neutral[0] / cal.fp8_expert_efficiency)
     assert bf16[2] == bf16[3] == 0.0 and fp8[2] > 0 and fp8[3] > 0  # and the operand casts
 
 
