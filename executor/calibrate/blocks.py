@@ -7,14 +7,19 @@ all-gather and reduce-scatter. Those are measured here, inside the
 collective benchmark's torchrun ranks (`executor.calibrate.comm --block`), on
 `executor.model.Block` at the plan's micro-batch and sequence length:
 
-  plain  forward + backward of a local block, every rank at once
-  tp     the same block split by `block_tp_plan` over all ranks (DTensor)
-  fsdp   the block under fully_shard (ZeRO-3) inside a parameterless root,
-         so it gathers in the forward and backward and reduce-scatters
+  plain       forward + backward of a local block, every rank at once
+  plain_solo  the same on rank 0 alone while the others wait in a gloo
+              barrier (as a pipeline stage waits for its peer): the ratio
+              is `solo_speedup`
+  tp          the same block split by `block_tp_plan` over all ranks (DTensor)
+  tp_ops      operators dispatched on DTensors per TP-split linear, forward
+              and backward, counted in one untimed pass (`DTensorOpCounter`)
+  fsdp        the block under fully_shard (ZeRO-3) inside a parameterless root,
+              so it gathers in the forward and backward and reduce-scatters
 
-`executor.calibrate.fit.fit_host_overheads` turns the three times into
-`layer_overhead_s` and `collective_overhead_s` by subtracting what the
-simulator already prices for the same block.
+`executor.calibrate.fit.fit_blocks` turns the times into the compute level,
+`dtensor_op_overhead_s`, `fsdp_call_overhead_s` and `solo_speedup` by
+subtracting what the simulator already prices for the same block.
 """
 
 from __future__ import annotations
@@ -36,8 +41,53 @@ def _timed(step, reps: int, barrier) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+def _timed_alone(step, reps: int, barrier, rank: int) -> float | None:  # noqa: ANN001
+    """Median seconds of step() on rank 0 while every other rank waits in `barrier`; None elsewhere."""
+    result = None
+    if rank == 0:
+        step()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        result = statistics.median(times)
+    barrier()
+    return result
+
+
+def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: ANN001
+    """(forward, backward) operators dispatched with a DTensor among their arguments, one pass each.
+
+    A TorchDispatchMode sees every aten operator before the DTensor
+    subclass handles it; the operators DTensor then runs on its local shards
+    happen inside the mode's handler and are not counted twice.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DTensorOpCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.count += any(issubclass(t, DTensor) for t in types)
+            return func(*args, **(kwargs or {}))
+
+    with DTensorOpCounter() as forward:
+        out = module(x, cos, sin)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    with DTensorOpCounter() as backward:
+        out.backward(grad)
+    for p in module.parameters():
+        p.grad = None
+    return forward.count, backward.count
+
+
 def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, world: int) -> dict[str, Any]:
-    """{"plain": s, "tp": s or None, "fsdp": s, ...} for one block on this rank (see the module docstring)."""
+    """{"plain": s, "plain_solo": s (rank 0), "tp": s or None, "tp_ops": [fwd, bwd] or None, "fsdp": s, ...}
+    for one block on this rank (see the module docstring)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -65,13 +115,18 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
         return step
 
     out: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "model": spec.name, "world": world}
-    out["plain"] = _timed(run(Block(spec)), reps, dist.barrier)
+    plain = Block(spec)
+    out["plain"] = _timed(run(plain), reps, dist.barrier)
+    out["plain_solo"] = _timed_alone(run(plain), reps, dist.barrier, dist.get_rank())
     mesh = init_device_mesh("cpu", (world,))
-    out["tp"] = None
+    out["tp"] = out["tp_ops"] = None
     if spec.n_heads % world == 0 and spec.n_kv_heads % world == 0:
         block = Block(spec)
-        parallelize_module(block, mesh, block_tp_plan(block, False))
+        tp_plan = block_tp_plan(block, False)
+        parallelize_module(block, mesh, tp_plan)
         out["tp"] = _timed(run(block), reps, dist.barrier)
+        ops = count_dtensor_ops(block, x, grad, cos, sin)
+        out["tp_ops"] = [ops[0] / len(tp_plan), ops[1] / len(tp_plan)]
 
     class Root(nn.Module):  # no parameters of its own: the block stays a non-root FSDP unit
         def __init__(self) -> None:

@@ -52,6 +52,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
+from planner.simulate.host import alone_factors, end_host_s, layer_host_s, solo_scaled_durations
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -167,11 +168,11 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes,
                                                    cal.comm_overlap)
-    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-    f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)
-    b = combine(lt.backward_s + sum(comm_b.values()), passes_b * host + calls_b * cal.collective_overhead_s, p)
+    host_f, host_b = layer_host_s(model, layout, cal, host, (calls_f, calls_b))
+    f = combine(lt.forward_s + sum(comm_f.values()), host_f, p)
+    b = combine(lt.backward_s + sum(comm_b.values()), host_b, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
     return _Unit(f, b, w, comm_f, comm_b)
 
@@ -183,8 +184,9 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
     emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
     out = output_times(model, s, layout, gpu, peak, cal)
     host, p = cal.layer_overhead_s, cal.overlap_exponent
-    return (combine(emb.forward_s, host, p), combine(emb.backward_s, host, p),
-            combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
+    tp_f, tp_b = end_host_s(layout, cal)
+    return (combine(emb.forward_s, host + tp_f, p), combine(emb.backward_s, host + tp_b, p),
+            combine(out.forward_s, host + tp_f, p), combine(out.backward_s, 2 * host + tp_b, p))
 
 
 def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
@@ -369,6 +371,15 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
+    if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
+        owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+        factors = alone_factors(simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n,
+                                                  durations, p2p, True).ops,
+                                layout.pp, cal.solo_speedup, layout.world_size // layout.pp)
+        durations = solo_scaled_durations(durations, owner, factors)
+        compute = [c * factors[owner[i]] for i, c in enumerate(compute)]
+        comm_kinds = {k: [x * factors[owner[i]] for i, x in enumerate(v)] for k, v in comm_kinds.items()}
+        pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
              for r in range(layout.pp)]
     finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
