@@ -24,36 +24,36 @@ subtracting what the simulator already prices for the same block.
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from typing import Any
 
 
-def _timed(step, reps: int, barrier) -> float:  # noqa: ANN001
-    """Median seconds of step() after one warm-up, every repeat started together on all ranks."""
-    step()
-    times = []
-    for _ in range(reps):
+def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[str, float]:  # noqa: ANN001
+    """Fastest seconds of each step over `reps` rounds, after one warm-up of each.
+
+    A round runs every step once, in turn, each started together on all ranks
+    ("solo" steps on rank 0 alone while the others wait in `barrier`), so a
+    burst of load from other jobs falls on every kind of block alike and their
+    ratios stay meaningful; the fastest round is the one least disturbed
+    (other jobs only ever add time). Only rank 0's figures are reported.
+    """
+    def once(name: str, step) -> float:  # noqa: ANN001
         barrier()
         start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _timed_alone(step, reps: int, barrier, rank: int) -> float | None:  # noqa: ANN001
-    """Median seconds of step() on rank 0 while every other rank waits in `barrier`; None elsewhere."""
-    result = None
-    if rank == 0:
-        step()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
+        if rank == 0 or not name.endswith("_solo"):
             step()
-            times.append(time.perf_counter() - start)
-        result = statistics.median(times)
-    barrier()
-    return result
+        elapsed = time.perf_counter() - start
+        barrier()  # the next step starts only when the solo rank is done
+        return elapsed
+
+    for name, step in steps.items():
+        once(name, step)
+    best = {name: math.inf for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            best[name] = min(best[name], once(name, step))
+    return best
 
 
 def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: ANN001
@@ -116,15 +116,14 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
 
     out: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "model": spec.name, "world": world}
     plain = Block(spec)
-    out["plain"] = _timed(run(plain), reps, dist.barrier)
-    out["plain_solo"] = _timed_alone(run(plain), reps, dist.barrier, dist.get_rank())
+    steps = {"plain": run(plain), "plain_solo": run(plain)}
     mesh = init_device_mesh("cpu", (world,))
     out["tp"] = out["tp_ops"] = None
     if spec.n_heads % world == 0 and spec.n_kv_heads % world == 0:
         block = Block(spec)
         tp_plan = block_tp_plan(block, False)
         parallelize_module(block, mesh, tp_plan)
-        out["tp"] = _timed(run(block), reps, dist.barrier)
+        steps["tp"] = run(block)
         ops = count_dtensor_ops(block, x, grad, cos, sin)
         out["tp_ops"] = [ops[0] / len(tp_plan), ops[1] / len(tp_plan)]
 
@@ -139,5 +138,6 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
     root = Root()
     fully_shard(root.block, mesh=mesh, reshard_after_forward=True)
     fully_shard(root, mesh=mesh, reshard_after_forward=True)
-    out["fsdp"] = _timed(run(root), reps, dist.barrier)
+    steps["fsdp"] = run(root)
+    out.update(_timed_rounds(steps, reps, dist.barrier, dist.get_rank()))
     return out

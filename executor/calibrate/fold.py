@@ -39,9 +39,12 @@ from typing import Any
 from planner.simulate.calibration import CalibrationProfile
 
 # How far calibrate's measurement of each part may be from a run (log-space standard deviation):
-# compute is measured at the plan's shapes with the ranks sharing the cores; the host overhead
-# on a tiny block without TP or FSDP hooks; collectives alone, not between the run's kernels.
-PRIOR_SIGMA = {"compute": 0.3, "host": 1.0, "dtensor": 1.0, "fsdp": 1.0, "optimizer": 0.3, "collective": 0.6}
+# compute is measured on the executor's own block at the plan's shapes with the ranks sharing
+# the cores, minutes before the run (what remains is the machine's drift); the eager host time on a
+# tiny block; collectives alone, not between the run's kernels; DTensor's and FSDP's host costs as
+# the surplus of a block over everything else, the least certain figures, which also carry the
+# waits of ranks that meet at every collective.
+PRIOR_SIGMA = {"compute": 0.15, "host": 0.5, "dtensor": 1.0, "fsdp": 1.0, "optimizer": 0.3, "collective": 0.6}
 COMPUTE_FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")
 EFF_MAX = 1.5
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -105,7 +108,10 @@ def fold_step(step_s, profile: CalibrationProfile, measured_s: float  # noqa: AN
     def simulated(lam: float) -> float:
         return step_s(apply_levers(profile, scales(lam)))
 
-    low, high = -20.0, 20.0  # lam: log s_i = lam * w_i; the step time grows with lam
+    # lam: log s_i = lam * w_i; the step time grows with lam; the range lets the most weighted lever
+    # move by up to 1e4 either way (a run 2x off in compute alone needs lam of log 2 / w_compute)
+    high = math.log(1e4) / max(weights.values())
+    low = -high
     reached = simulated(low) <= measured_s <= simulated(high)
     for _ in range(60):
         mid = (low + high) / 2

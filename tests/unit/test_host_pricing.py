@@ -100,12 +100,12 @@ def test_solo_speedup_shortens_pipeline_steps_only():
 def test_update_from_tp_lands_on_dtensor_not_on_ddps_compute():
     """A TP run whose only error is DTensor's host time: the fold moves the dtensor lever most, and the
     updated profile still predicts DDP (which has no DTensor) within a few percent."""
-    base = _cpu().replace(dtensor_op_overhead_s=5e-5)
-    truth = base.replace(dtensor_op_overhead_s=2e-4)
+    base = _cpu().replace(dtensor_op_overhead_s=2e-4)  # about what calibrate measures on 2 CPU ranks
+    truth = base.replace(dtensor_op_overhead_s=4e-4)
     new, info = fold_step(lambda p: _step_s("tp2", p), base, _step_s("tp2", truth))
     assert info["reached"]
     assert math.log(info["levers"]["dtensor"]) > 3 * abs(math.log(info["levers"].get("compute", 1.0)))
-    assert abs(_step_s("ddp", new) / _step_s("ddp", truth) - 1) < 0.03
+    assert abs(_step_s("ddp", new) / _step_s("ddp", truth) - 1) < 0.05
     assert "dtensor_op_overhead_s" in info["changed"] and "fields: " in describe(info)
 
 
