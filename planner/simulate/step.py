@@ -437,4 +437,5 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
     output_flops = 3.0 * 2.0 * m * model.vocab / layout.tp * model.hidden
     per_micro_batch = (model.n_layers * layer_flops + output_flops) / layout.pp
-    return layout.grad_accum_steps * per_micro_batch / peak
+    solo = cal.solo_speedup if layout.pp > 1 else 1.0  # a stage whose core-sharing peers idle runs faster
+    return layout.grad_accum_steps * per_micro_batch / (peak * solo)

@@ -149,3 +149,18 @@ def test_dtensor_operators_are_counted_per_tp_linear_under_a_fake_group():
         assert forward % len(plan) == 0 and backward % len(plan) == 0  # every split linear alike
     finally:
         dist.destroy_process_group()
+
+
+def test_bounds_stay_below_steps_priced_at_the_solo_speed():
+    """The search's bounds price stages at the all-busy rate; with solo speed they divide it out for pipelines."""
+    from planner.search.bound import StepBound
+    from planner.simulate.step import compute_lower_bound_s
+
+    cluster = load_cluster("cpu", 2)
+    cal = _cpu().replace(solo_speedup=2.0, dtensor_op_overhead_s=2e-4, fsdp_call_overhead_s=1e-3)
+    bound = StepBound(SMALL, cluster, cal, "meshplan")
+    for name, layout in LAYOUTS.items():
+        layout = with_stage_layers(SMALL, layout)
+        step = simulate_step(SMALL, TRAINING, layout, cluster, cal).step_time_s
+        assert bound.seconds(layout, TRAINING) <= step * (1 + 1e-9), name
+        assert compute_lower_bound_s(SMALL, TRAINING, layout, cluster, cal) <= step, name
