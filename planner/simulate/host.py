@@ -15,7 +15,7 @@ Two costs the kernel roofline does not see, each a physical figure that
   per operator of the block. Under FSDP each all-gather and reduce-scatter
   pays `fsdp_call_overhead_s` for FSDP2's copy-in, copy-out and hooks. A
   layout without TP or FSDP pays neither.
-* shared cores (`solo_scaled_durations`): CPU ranks share cores, caches and
+* shared cores (`solo_repriced`): CPU ranks share cores, caches and
   memory bandwidth, so a rank computing while the others wait runs its
   kernels `solo_speedup` times faster than while all compute. A pipeline's
   warm-up, cool-down and bubbles are such moments; pricing every operation
@@ -118,7 +118,19 @@ def alone_factors(ops, n_ranks: int, speedup: float, ranks_per_stage: int = 1) -
     return [weighted[r] / busy_time[r] if busy_time[r] > 0 else 1.0 for r in range(n_ranks)]
 
 
-def solo_scaled_durations(durations: list[list[float]], owner: tuple[int, ...], factors: list[float]
-                          ) -> list[list[float]]:
-    """durations[kind][chunk] with each chunk's operations scaled by its owning rank's factor."""
-    return [[d * factors[owner[c]] for c, d in enumerate(kind)] for kind in durations]
+def solo_repriced(layout: Layout, speedup: float, n_micro: int, p2p_s: list[float], durations: list[list[float]],
+                  compute: list[float], comm_kinds: dict[str, list[float]]
+                  ) -> tuple[list[list[float]], list[float], dict[str, list[float]]]:
+    """durations[kind][chunk], per-chunk compute and comm with each chunk scaled by its rank's
+    `alone_factors` in the schedule run at the all-busy rate (one correction, not a fixed point:
+    the re-run schedule overlaps a little differently)."""
+    from planner.simulate.pipeline import chunk_owner, simulate_pipeline
+
+    schedule, pp, v = layout.pp_schedule, layout.pp, layout.virtual_stages
+    ops = simulate_pipeline(schedule, pp, v, n_micro, durations, p2p_s, True).ops
+    factors = alone_factors(ops, pp, speedup, layout.world_size // pp)
+    owner = chunk_owner(schedule, pp, v)
+    scale = [factors[owner[c]] for c in range(len(owner))]
+    return ([[d * scale[c] for c, d in enumerate(kind)] for kind in durations],
+            [x * scale[c] for c, x in enumerate(compute)],
+            {k: [x * scale[c] for c, x in enumerate(xs)] for k, xs in comm_kinds.items()})

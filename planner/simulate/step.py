@@ -3,7 +3,8 @@
 Recipe (all times per micro-batch unless said otherwise):
 1. a layer's forward F and backward B (+ W in zero-bubble schedules) from
    `planner.simulate.compute` (FSDP's copies around its collectives included), host
-   overhead overlapped with GPU time (`combine`), plus
+   work (`planner.simulate.host`: eager dispatch, DTensor's operators under TP,
+   FSDP's hooks) overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
    FSDP gathers beyond what the compute hides, EP all-to-alls
    (`planner.simulate.comm`); compute hides at most the calibration's
@@ -14,7 +15,9 @@ Recipe (all times per micro-batch unless said otherwise):
    reduce-scatter, TP's embedding and output all-reduces and, for engines
    without a vocabulary-parallel loss, the logits all-gather;
 3. the pipeline schedule runs as events (`planner.simulate.pipeline`); each rank's
-   busy and idle time come out of it;
+   busy and idle time come out of it; where ranks share cores (calibration
+   `solo_speedup` > 1) each stage's operations are re-priced by how much of
+   their time the other stages idle, and the schedule runs again;
 4. after its last backward a rank reduces gradients over data parallel (the
    part the last micro-batch's backward cannot hide when the engine overlaps,
    all of it when it does not), steps the optimizer and, under ZeRO-1/2,
@@ -52,7 +55,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
-from planner.simulate.host import alone_factors, end_host_s, layer_host_s, solo_scaled_durations
+from planner.simulate.host import end_host_s, layer_host_s, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -372,13 +375,8 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
-        owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-        factors = alone_factors(simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n,
-                                                  durations, p2p, True).ops,
-                                layout.pp, cal.solo_speedup, layout.world_size // layout.pp)
-        durations = solo_scaled_durations(durations, owner, factors)
-        compute = [c * factors[owner[i]] for i, c in enumerate(compute)]
-        comm_kinds = {k: [x * factors[owner[i]] for i, x in enumerate(v)] for k, v in comm_kinds.items()}
+        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
+                                                       comm_kinds)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
              for r in range(layout.pp)]
