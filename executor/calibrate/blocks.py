@@ -56,12 +56,12 @@ def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[
     return best
 
 
-def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: ANN001
-    """(forward, backward) operators dispatched with a DTensor among their arguments, one pass each.
+def dtensor_op_counter():  # noqa: ANN201
+    """A TorchDispatchMode counting the operators dispatched with a DTensor among their arguments (.count).
 
-    A TorchDispatchMode sees every aten operator before the DTensor
-    subclass handles it; the operators DTensor then runs on its local shards
-    happen inside the mode's handler and are not counted twice.
+    The mode sees every aten operator before the DTensor subclass handles it;
+    the operators DTensor then runs on its local shards happen inside the
+    mode's handler and are not counted twice.
     """
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,10 +75,15 @@ def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: AN
             self.count += any(issubclass(t, DTensor) for t in types)
             return func(*args, **(kwargs or {}))
 
-    with DTensorOpCounter() as forward:
+    return DTensorOpCounter()
+
+
+def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: ANN001
+    """(forward, backward) DTensor operators of one pass of `module` (`dtensor_op_counter`)."""
+    with dtensor_op_counter() as forward:
         out = module(x, cos, sin)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
-    with DTensorOpCounter() as backward:
+    with dtensor_op_counter() as backward:
         out.backward(grad)
     for p in module.parameters():
         p.grad = None

@@ -147,6 +147,7 @@ def test_dtensor_operators_are_counted_per_tp_linear_under_a_fake_group():
         forward, backward = count_dtensor_ops(block, x, grad, cos, sin)
         assert forward > 0 and backward > forward
         assert forward % len(plan) == 0 and backward % len(plan) == 0  # every split linear alike
+        _check_whole_model_count(spec, forward / len(plan), backward / len(plan))
     finally:
         dist.destroy_process_group()
 
@@ -164,3 +165,36 @@ def test_bounds_stay_below_steps_priced_at_the_solo_speed():
         step = simulate_step(SMALL, TRAINING, layout, cluster, cal).step_time_s
         assert bound.seconds(layout, TRAINING) <= step * (1 + 1e-9), name
         assert compute_lower_bound_s(SMALL, TRAINING, layout, cluster, cal) <= step, name
+
+
+def _check_whole_model_count(spec: ModelSpec, per_linear_f: float, per_linear_b: float) -> None:
+    """The executor's whole TP model (blocks, vocabulary-split embedding and output, loss_parallel)
+    dispatches what the simulator prices: its layers' operators plus one split linear's at each end."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from executor.calibrate.blocks import dtensor_op_counter
+    from executor.model import build_model, init_weights
+    from executor.parallel.parallelize import apply_tp
+    from executor.train import lm_loss
+    from planner.simulate.host import end_host_s
+
+    spec = dataclasses.replace(spec, n_layers=2)
+    model = build_model(spec, "cpu")
+    init_weights(model, spec, 0, torch.device("cpu"))
+    apply_tp(model, init_device_mesh("cpu", (2,)), False, spec)
+    tokens = torch.randint(0, spec.vocab, (1, 16))
+    with loss_parallel():
+        with dtensor_op_counter() as forward:
+            loss = lm_loss(model(tokens), tokens)
+        with dtensor_op_counter() as backward:
+            loss.backward()
+    cal = CalibrationProfile(dtensor_op_overhead_s=1.0, dtensor_ops_forward=per_linear_f,
+                             dtensor_ops_backward=per_linear_b)
+    layer_f, layer_b = dtensor_ops(spec, Layout(tp=2), cal)
+    end_f, end_b = end_host_s(Layout(tp=2), cal)  # seconds at 1 s per operator: the operator count
+    assert forward.count == pytest.approx(spec.n_layers * layer_f + 2 * end_f, rel=0.1)
+    assert backward.count == pytest.approx(spec.n_layers * layer_b + 2 * end_b, rel=0.1)
