@@ -216,7 +216,10 @@ def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, co
         root = stage_params(model, layout, rank).root
         ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
         rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        out += [max(0.0, ag - cal.comm_overlap * ends[end]), max(0.0, rs - cal.comm_overlap * ends[end + 1])]
+        # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
+        hooks = cal.fsdp_call_overhead_s
+        out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
+                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + hooks]
     return out[0], out[1], out[2], out[3]
 
 
