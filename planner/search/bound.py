@@ -319,4 +319,5 @@ class ShapeBound:
                 rank0_tail = after_s + (last_bucket_s if overlap else reduce_s)
         if self.chain_back:  # the backward chain ends on rank 0, then its tail
             best = max(best, chain_end + rank0_tail)
-        return best
+        # CPU ranks sharing cores: a stage whose peers idle runs up to solo_speedup faster (planner.simulate.host)
+        return best / p.cal.solo_speedup if self.shape.pp > 1 else best

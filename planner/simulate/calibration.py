@@ -24,6 +24,19 @@ How each field enters the time model (see `planner.simulate.compute`):
       a p-norm: t = (t_gpu^p + t_host^p)^(1/p) with p = `overlap_exponent`
       (p -> inf: perfect overlap, the max; p = 1: serial). Collectives outside
       the layers (DP, p2p) pay `collective_overhead_s` in full.
+      Two engine mechanisms add host work of their own (`planner.simulate.host`):
+      under TP every operator on a DTensor pays `dtensor_op_overhead_s` (sharding
+      propagation, redistribution planning, wrapping the local result), with
+      `dtensor_ops_forward` / `dtensor_ops_backward` such operators per TP-split
+      linear and pass; every FSDP all-gather and reduce-scatter pays
+      `fsdp_call_overhead_s` beyond `collective_overhead_s` (FSDP2's copy-in,
+      copy-out and hooks). A layout without TP or FSDP never pays them, so what
+      is learnt about them does not move DDP's prediction.
+  solo speed:        `solo_speedup` is how much faster a rank's kernels run while the
+      other ranks sharing its cores idle than while all compute at once (1 on
+      GPUs: every rank owns its device; > 1 on CPU ranks that share memory
+      bandwidth, caches and cores). A pipeline stage that computes while its
+      peer waits (warm-up, cool-down, bubbles) runs at that speed.
   collectives:       `topologies.collectives.CollectiveModel` with `link_efficiency`
       overriding its share of raw bandwidth per link class (nvlink, nvls, pcie,
       net, shm) and `latency_scale` scaling its hop and launch latencies.
@@ -73,7 +86,8 @@ CALIBRATION_DIR = Path(str(resources.files(__package__) / "calibrations"))
 _FRACTIONS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
               "fp8_gemm_efficiency")  # also what engine_factors scale
 _NON_NEGATIVE = ("gemm_knee", "layer_overhead_s", "latency_scale", "collective_overhead_s",
-                 "optimizer_bytes_per_param")
+                 "optimizer_bytes_per_param", "dtensor_op_overhead_s", "dtensor_ops_forward",
+                 "dtensor_ops_backward", "fsdp_call_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,13 @@ class CalibrationProfile:
     link_efficiency: dict[str, float] = field(default_factory=dict)  # overrides topologies.links.EFFICIENCY
     latency_scale: float = 1.0  # scales the topology model's hop latencies (nccl-tests based)
     collective_overhead_s: float = 0.0  # host cost of issuing one collective
+    # DTensor (TP) and FSDP2 host work, see the module docstring; op counts per TP-split linear are
+    # what torch 2.13's ColwiseParallel / RowwiseParallel dispatch (`meshplan calibrate` counts them)
+    dtensor_op_overhead_s: float = 0.0  # host time of one operator dispatched on DTensors
+    dtensor_ops_forward: float = 4.0  # DTensor operators per TP-split linear, forward pass
+    dtensor_ops_backward: float = 9.0  # ... and backward pass
+    fsdp_call_overhead_s: float = 0.0  # host time of one FSDP all-gather or reduce-scatter beyond the collective's
+    solo_speedup: float = 1.0  # kernel speed of a rank alone over all ranks sharing its cores computing at once
     comm_overlap: float = 1.0  # share of a collective that can hide under the same rank's compute
     collective_scale: dict[str, float] = field(default_factory=dict)  # op -> factor on the model's time
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
@@ -137,7 +158,7 @@ class CalibrationProfile:
                 raise UsageError(f"calibration: {key} must be a non-negative number, got {value!r}")
         for key, low, high in (("grouped_gemm_efficiency", 0.01, 1.0), ("moe_imbalance", 1.0, 16.0),
                                ("all_to_all_efficiency", 0.01, 1.0), ("all_to_all_net_efficiency", 0.01, 1.0),
-                               ("fp8_expert_efficiency", 0.01, 1.0)):
+                               ("fp8_expert_efficiency", 0.01, 1.0), ("solo_speedup", 1.0, 16.0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise UsageError(f"calibration: {key} must be a number in [{low}, {high}], got {value!r}")
