@@ -104,6 +104,11 @@ RECIPES = {
     ("grok1", "h100"): {"recompute": "none", "attention": "fused"},
     ("grok1", "gb200"): {"recompute": "none", "attention": "fused"},
 }
+# Host-side recipe options (planner.simulate.launches): NeMo's Grok-1 script turns CUDA graphs on for
+# GB200 only (v25.05; DeepSeek-V3's script never does), and the v25.02 Grok-1 yaml sets
+# moe_grouped_gemm false (one MLP per local expert).
+CUDA_GRAPHS = {("grok1", "gb200")}
+NO_GROUPED_GEMM = {"v25.02.01"}
 _TOKENS_HALVED = ("the README's tokens/s (572,679 bf16, 807,684 fp8) is half of seq * GBS / step time at "
                   "GBS 1024 = 2 x GPUs (launch.sh) while its MFU agrees with the step time")
 INCONSISTENT = {  # row id -> why the source contradicts itself
@@ -187,7 +192,8 @@ def _row(rec: dict[str, Any]) -> MoERow:
                         pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                         recompute=recipe["recompute"], layers_per_stage=_stage_layers(family, model.n_layers, pp * vp))
         training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
-                                attention=recipe["attention"], grad_dtype="bf16")
+                                attention=recipe["attention"], grad_dtype="bf16",
+                                cuda_graphs=(family, gpu) in CUDA_GRAPHS, moe_grouped_gemm=release not in NO_GROUPED_GEMM)
         validate(model, MoERow.cluster_of(gpu, rec["gpus"]), training, layout)
     except MeshplanError as exc:
         return MoERow(training=None, layout=None, why_not=str(exc), **common)

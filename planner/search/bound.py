@@ -72,6 +72,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
+from planner.simulate.host import layer_host_scale
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 
@@ -288,6 +289,9 @@ class ShapeBound:
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+        # the simulator's eager host time per layer (planner.simulate.host.layer_host_scale)
+        self.host_scale = layer_host_scale(parent.model, training, shape,
+                                           training.fused_attention(parent.traits.fused_attention))
 
     def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
@@ -295,10 +299,10 @@ class ShapeBound:
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
-        f_layer = max(max(f, ag) + tp_f + self.expert_s, host)
+        f_layer = max(max(f, ag) + tp_f + self.expert_s, host * self.host_scale[0])
         kind, n = recompute_level(recompute)
         share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
-        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (2.0 + share))
+        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (self.host_scale[1] + share * self.host_scale[0]))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
         n = self.per_replica // micro_batch_size
         overlap = p.traits.overlap_dp

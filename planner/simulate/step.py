@@ -55,7 +55,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
-from planner.simulate.host import end_host_s, layer_host_s, solo_repriced
+from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -159,7 +159,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
                 cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
-    kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
+    kernels (layer_overhead_s per forward scaled by the operations the layer dispatches,
+    planner.simulate.launches; twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
@@ -173,7 +174,8 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
                                                    cal.comm_overlap)
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-    host_f, host_b = layer_host_s(model, layout, cal, host, (calls_f, calls_b))
+    scale_f, scale_b = layer_host_scale(model, training, layout, training.fused_attention(traits.fused_attention))
+    host_f, host_b = layer_host_s(model, layout, cal, host * scale_f, (calls_f, calls_b), host * scale_b)
     f = combine(lt.forward_s + sum(comm_f.values()), host_f, p)
     b = combine(lt.backward_s + sum(comm_b.values()), host_b, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
