@@ -1,6 +1,7 @@
 """Loose pins on bench/accuracy_moe.py: which published MoE rows the planner can state, what each
-recipe runs, and the hold-out figures (2026-11-24: fit Grok-1 -> DeepSeek-V3 40.4%, fit DeepSeek-V3
--> Grok-1 12.0%, fit v25.02 -> later 23.1%; DeepSeek-V3 on GB200 ~46% fast in every split)."""
+recipe runs, and the hold-out figures (2026-11-24, host time from the layers' operation counts:
+fit Grok-1 -> DeepSeek-V3 21.4%, fit DeepSeek-V3 -> Grok-1 11.7%, fit v25.02 -> later 14.4%;
+DeepSeek-V3 on GB200 ~14% fast in every split, ~46% before the host was priced)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_rows_run_their_recipe(rows):
         gb200 = r.gpu == "gb200"
         assert (r.training.attention, r.layout.recompute) == (("eager", "selective") if gb200 else ("fused", "none"))
     assert {r.training.precision for r in rows if r.family == "grok1"} == {"bf16", "fp8"}
+    # host-side options: CUDA graphs only for Grok-1 on GB200; v25.02's yaml turned grouped GEMM off
+    assert all(r.training.cuda_graphs == ((r.family, r.gpu) == ("grok1", "gb200")) for r in rows)
+    assert all(r.training.moe_grouped_gemm == (r.release != "v25.02.01") for r in rows)
 
 
 def test_gb200_is_the_nvl72_rack(rows):
@@ -56,17 +60,17 @@ def test_shipped_profiles(bench, rows, bases):
     assert len(grok) == 24 and bench.summary(grok)[0] <= 0.10 and max(map(abs, grok.values())) < 0.18
     dsv3_h100 = [e for k, e in errs.items() if "dsv3-h100" in k]
     assert len(dsv3_h100) == 2 and all(abs(e) < 0.10 for e in dsv3_h100)
-    # host-bound on GB200 (bench HOST_BOUND): the simulator prices only the GPU's work, ~45% of the step
+    # host-bound on GB200 (bench HOST_BOUND): priced by the layer's operations on Grace (GPU work alone: -46%)
     dsv3_gb200 = [e for k, e in errs.items() if "dsv3-gb200" in k]
-    assert len(dsv3_gb200) == 3 and all(-0.55 < e < -0.35 for e in dsv3_gb200)
+    assert len(dsv3_gb200) == 3 and all(-0.25 < e < 0.1 for e in dsv3_gb200)
 
 
 def test_hold_out_splits(bench, rows, bases):
     out = bench.evaluate(rows, bases)
     assert set(out) == set(bench.SPLITS)
     assert out["fit dsv3 -> score grok1"]["mape"] <= 0.15
-    assert out["fit v25.02 -> score later"]["mape"] <= 0.28
-    assert out["fit grok1 -> score dsv3"]["mape"] <= 0.48
+    assert out["fit v25.02 -> score later"]["mape"] <= 0.20
+    assert out["fit grok1 -> score dsv3"]["mape"] <= 0.26
     for res in out.values():  # fitted values stay physical: fractions of the unpenalised rates
         assert all(0.05 <= v <= 1.0 for v in res["moe"].values())
     # Hopper's per-tensor FP8 experts run below the block GEMMs' 8-bit rate wherever Grok-1's H100 fp8 rows fit
