@@ -54,6 +54,10 @@ how many of those carry gradients.
   activation, fc2 and slice: 4 per expert plus the split and concatenation.
 * shared experts: fc1, activation, fc2 and the add onto the routed output: 4.
 
+Selective recomputation (Megatron's core-attention recompute) runs the
+attention core's forward again inside the backward; full recomputation's
+extra forward is `planner.simulate.host`'s.
+
 CUDA graphs (a recipe option: `TrainingSpec.cuda_graphs`) replay what was
 captured as one launch per graph. Static shapes are capturable: a whole layer
 when routing drops at a capacity (NeMo's Grok-1 recipe on GB200); with
@@ -147,12 +151,14 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
     f = model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
     dense = common + DENSE_MLP_OPS
     graph = float(GRAPH_REPLAY_OPS)
+    # selective recomputation runs the attention core's forward once more inside the backward
+    redo = (FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS) if layout.recompute == "selective" else 0
     if not f:
-        return (graph, graph) if cuda_graphs else (float(dense), 2.0 * dense)
+        return (graph, graph) if cuda_graphs else (float(dense), 2.0 * dense + redo)
     (static, static_grad), (routed, routed_grad) = moe_mlp_ops(model, layout, grouped_gemm)
     if not cuda_graphs:
         forward = (1.0 - f) * dense + f * (common + static + routed)
-        return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad))
+        return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad)) + redo
     if model.moe.capacity_factor > 0:  # static shapes end to end: the whole layer is one graph
         return graph, graph
     # dropless: attention + router replay as graphs, dispatch and experts run eagerly in between

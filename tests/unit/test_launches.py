@@ -97,3 +97,12 @@ def test_plan_json_keeps_the_recipe_options_optional():
     plan = Plan(model=load_model("debug"), cluster=load_cluster("cpu", 1), training=changed,
                 layout=Layout(grad_accum_steps=8), engine="deepspeed")
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).training == changed
+
+
+def test_selective_recompute_redoes_the_attention_core_in_the_backward():
+    model = load_model("llama3-8b")
+    for fused in (True, False):
+        plain = launches.layer_ops(model, Layout(), fused)
+        redo = launches.layer_ops(model, Layout(recompute="selective"), fused)
+        core = launches.FUSED_CORE_OPS if fused else launches.UNFUSED_CORE_OPS
+        assert redo == (plain[0], plain[1] + core)
