@@ -49,13 +49,13 @@ its error stays in every MAPE it belongs to.
 
 Hold-out: fit Grok-1 -> score DeepSeek-V3, fit DeepSeek-V3 -> score Grok-1,
 fit v25.02 -> score later releases. Measured 2026-11-24 (29 consistent rows):
-fit Grok-1 -> DeepSeek-V3 21.4% (H100 +33%: the network all-to-all comes out
-at 0.38 from Grok-1's v25.02 rows; GB200 -14%), fit DeepSeek-V3 -> Grok-1
-11.7%, fit v25.02 -> later 14.4%. Before the host was priced DeepSeek-V3 on
+fit Grok-1 -> DeepSeek-V3 20.3% (H100 +33%: the network all-to-all comes out
+at 0.38 from Grok-1's v25.02 rows; GB200 -12%), fit DeepSeek-V3 -> Grok-1
+11.7%, fit v25.02 -> later 13.9%. Before the host was priced DeepSeek-V3 on
 GB200 was -46% (GPU work alone) and the splits 40.4%, 12.0%, 23.1%. The
 shipped fit (every fitted row): grouped 0.784, network all-to-all 0.569, FP8
 experts 0.737 on H100 and 1.0 on GB200; Grok-1 rows within -10..+15%,
-DeepSeek-V3 H100 -0.3 and +5.3%, DeepSeek-V3 GB200 -14%.
+DeepSeek-V3 H100 -0.3 and +5.3%, DeepSeek-V3 GB200 -12%.
 
     python bench/accuracy_moe.py          # per-row errors, MAPE/bias/worst per source and split
     python bench/accuracy_moe.py --fit    # also write the fit on every fitted row into the H100 and GB200 profiles

@@ -1,7 +1,7 @@
 """Loose pins on bench/accuracy_moe.py: which published MoE rows the planner can state, what each
 recipe runs, and the hold-out figures (2026-11-24, host time from the layers' operation counts:
-fit Grok-1 -> DeepSeek-V3 21.4%, fit DeepSeek-V3 -> Grok-1 11.7%, fit v25.02 -> later 14.4%;
-DeepSeek-V3 on GB200 ~14% fast in every split, ~46% before the host was priced)."""
+fit Grok-1 -> DeepSeek-V3 20.3%, fit DeepSeek-V3 -> Grok-1 11.7%, fit v25.02 -> later 13.9%;
+DeepSeek-V3 on GB200 ~12% fast in every split, ~46% before the host was priced)."""
 
 from __future__ import annotations
 
