@@ -14,11 +14,13 @@ micro-batch 2, no recomputation:
    that profile, `meshplan execute --steps N`, `meshplan report --json`
    (median step time after the warm-up): error after calibrate alone;
 3. `meshplan report RUN --update-calibration` from ONE run (--update-from,
-   default tp2: it exercises compute and collectives), then every OTHER layout
-   re-simulated with the updated profile: error after one update from a
-   different layout. The source layout itself is predicted from an update by
-   the fallback layout (--fallback-from, default ddp), so no row ever scores
-   the run it learnt from.
+   default tp2: it exercises compute, DTensor's host work and collectives;
+   the run folded is the pass nearest the layout's median), then every OTHER
+   layout re-simulated with the updated profile: error after one update from
+   a different layout. The source layout itself is predicted from an update
+   by the fallback layout (--fallback-from, default ddp), so no row ever
+   scores the run it learnt from. Each update prints its per-part factors
+   and the profile fields they moved (before -> after).
 
 Calibration and runs of one model follow each other within minutes, so they
 see the same machine; still, on a host shared with other jobs every figure

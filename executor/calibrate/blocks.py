@@ -24,19 +24,19 @@ subtracting what the simulator already prices for the same block.
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from typing import Any
 
 
 def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[str, float]:  # noqa: ANN001
-    """Fastest seconds of each step over `reps` rounds, after one warm-up of each.
+    """Median seconds of each step over `reps` rounds, after one warm-up of each.
 
     A round runs every step once, in turn, each started together on all ranks
     ("solo" steps on rank 0 alone while the others wait in `barrier`), so a
     burst of load from other jobs falls on every kind of block alike and their
-    ratios stay meaningful; the fastest round is the one least disturbed
-    (other jobs only ever add time). Only rank 0's figures are reported.
+    ratios stay meaningful. The median is the statistic `meshplan report`
+    takes of a run's steps. Only rank 0's figures are reported.
     """
     def once(name: str, step) -> float:  # noqa: ANN001
         barrier()
@@ -49,11 +49,11 @@ def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[
 
     for name, step in steps.items():
         once(name, step)
-    best = {name: math.inf for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
-            best[name] = min(best[name], once(name, step))
-    return best
+            times[name].append(once(name, step))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def dtensor_op_counter():  # noqa: ANN201
