@@ -133,7 +133,7 @@ class StepBound:
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
         self._kinds: dict[tuple, tuple] = {}
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
-        self._times: dict[tuple, float] = {}
+        self._times: dict[tuple, float | tuple[float, float]] = {}
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
@@ -151,6 +151,16 @@ class StepBound:
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
         return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds,
                           self._expert(shape, shape_key, training))
+
+    def host_scale(self, shape: Layout, training: TrainingSpec) -> tuple[float, float]:
+        """The simulator's eager host time per layer pass over layer_overhead_s
+        (planner.simulate.host.layer_host_scale), cached on what it reads."""
+        key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm)
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._times[key] = layer_host_scale(self.model, training, shape,
+                                                      training.fused_attention(self.traits.fused_attention))
+        return hit
 
     def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
         """Expert communication of one layer pass at micro-batch 1 (module docstring)."""
@@ -290,9 +300,7 @@ class ShapeBound:
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
-        # the simulator's eager host time per layer (planner.simulate.host.layer_host_scale)
-        self.host_scale = layer_host_scale(parent.model, training, shape,
-                                           training.fused_attention(parent.traits.fused_attention))
+        self.host_scale = parent.host_scale(shape, training)
 
     def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
