@@ -38,6 +38,9 @@ FP32_BYTES = DTYPE_BYTES["fp32"]
 DDP_BUCKET_BYTES = 25 << 20
 
 
+PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
+
+
 @dataclass(frozen=True)
 class TimeTraits:
     """How an engine runs a step, where that changes the time."""
@@ -45,6 +48,23 @@ class TimeTraits:
     fused_attention: bool  # FlashAttention-style kernel; else softmax over materialized scores
     overlap_dp: bool  # gradient reduction overlapped with the last micro-batch's backward
     overlap_tp_backward: bool = False  # backward TP all-reduces overlap the weight-gradient GEMMs
+    # How activations and their gradients cross a pipeline boundary (PIPE_P2P):
+    # "overlapped": one transfer per direction that only delays its consumer (Megatron's batched
+    #   isend/irecv, torch.distributed.pipelining);
+    # "exchange": DeepSpeed's PipelineEngine. Every step of its TrainSchedule opens with a blocking
+    #   exchange with one neighbour (send the activation then receive the gradient, or the
+    #   reverse), which holds both stages; with tp > 1 each tensor crosses split over the tp ranks
+    #   (PartitionedTensor, 1/t per rank) and is all-gathered over tp where it is used;
+    # "exchange-whole-grads": the same before DeepSpeed 0.5.4 (2021-09-29): gradients cross whole
+    #   (t times the bytes of a split one) and the sender all-gathers its split output back for the backward.
+    pipe_p2p: str = "overlapped"
+    # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
+    # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
+    recompute_pipe_ends: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipe_p2p not in PIPE_P2P:
+            raise PlanError(f"pipe_p2p must be one of {PIPE_P2P}, got {self.pipe_p2p!r}")
 
 
 @dataclass(frozen=True)
@@ -205,8 +225,9 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 # It reproduces published NeMo H100 runs within 1-4% MAPE
 # (bench/accuracy_published.py).
 #
-# deepspeed: eager attention, gradients reduced after the backward, otherwise
-# Megatron's layout with gradients in the compute dtype.
+# deepspeed: Megatron-DeepSpeed on DeepSpeed's PipelineEngine (DEEPSPEED_PIPE_2022:
+# eager attention, gradients reduced after the backward, blocking pipeline
+# exchanges), otherwise Megatron's layout with gradients in the compute dtype.
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
@@ -222,6 +243,22 @@ _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp
 # (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
 # all-reduce), and `--engine megatron --attention eager` runs on them.
 MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
+# Megatron-DeepSpeed on DeepSpeed's PipelineEngine (deepspeed/runtime/pipe), the
+# 2022 release: the same overlap, but the pipeline boundaries are DeepSpeed's
+# blocking exchanges of tp-split tensors (TimeTraits.pipe_p2p "exchange";
+# DeepSpeed >= 0.5.4 splits activations and gradients, PartitionedTensor). The
+# `deepspeed` engine runs on it.
+DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True,
+                                 pipe_p2p="exchange")
+# The same stack as MT-NLG 530B ran it in 2021 (Smith et al. 2022): DeepSpeed
+# before 0.5.4 sent gradients whole over 2-rank broadcast groups (the
+# activations already split), and its PipelineModule checkpointed every module
+# with parameters, so full recomputation also re-ran the embedding and the tied
+# output layer (from 0.5.4 only ParallelTransformerLayerPipe for GPTModelPipe);
+# the Megatron-DeepSpeed fork ran the backward TP all-reduce in line (Megatron-LM's
+# async all-reduce reached it in its 2021-12-10 sync).
+DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
+                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
@@ -262,7 +299,7 @@ ENGINES: dict[str, Engine] = {
                      cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
-    "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
+    "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
 ENGINE_NAMES = tuple(ENGINES)
