@@ -87,6 +87,15 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
+    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
+    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
+    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
+    executor_experts: bool = False
+    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
+    # its backward, and a non-last stage receives one output gradient; the boundary tensor is the residual
+    # stream, fp32 under autocast (planner.memory.estimate; validate-memory, pp 2 1F1B)
+    pp_stage_outputs: bool = False
     # context parallel all-gathers the K/V of the whole sequence before attention (torch's
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
@@ -270,7 +279,8 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True, cp_all_gather=True, cp_saves_gathered=True),
+                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
+                     pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
@@ -332,12 +342,29 @@ def _unbuilt_features(model: ModelSpec) -> list[str]:
     return out
 
 
+def _fp8_refusal(model: ModelSpec, layout: Layout, training: TrainingSpec, on_gpu: bool) -> str | None:
+    """What the executor's torchao float8 path (executor.components.float8) does not run."""
+    if training.precision != "fp8":
+        return (f"precision {training.precision}: the executor's 8-bit path is torchao's float8 (tensorwise "
+                "scaling); plan with --precision fp8 or bf16, or --engine megatron for mxfp8")
+    if not on_gpu:
+        return ("precision fp8 on CPU ranks: float8 GEMMs (torch._scaled_mm) need a GPU of compute capability "
+                "8.9 or newer (H100, L4, B200...); plan CPU ranks with --precision bf16")
+    if layout.tp > 1:
+        return (f"precision fp8 with tp ({layout.tp}) > 1: the executor does not apply torchao's float8 "
+                "tensor-parallel styles; plan with --tp 1 or --precision bf16")
+    if training.dtype != "bf16":
+        return f"precision fp8 runs on bf16 compute (torchtitan's recipe), not {training.dtype}; plan with --dtype bf16"
+    return None
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
     if training is not None and training.fp8:
-        return (f"precision {training.precision}: the executor does not run 8-bit GEMMs yet (torchao float8 is "
-                "not a dependency); plan with --precision bf16 or --engine torchtitan / megatron")
+        reason = _fp8_refusal(model, layout, training, on_gpu)
+        if reason:
+            return reason
     unbuilt = _unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)
