@@ -43,14 +43,14 @@ sequence length in the same source (a misprinted throughput or layout).
     python bench/accuracy_holdout.py --fit-attention-on gb200 [--gb300-softmax 2]   # diagnostics
 
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
-expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), GB200 14.4%
-(+12.4%), B200 22.4% (+22.4%), GB300 37.4% (+37.4%), A100 (torchtitan)
-17.8% (-17.8%); MoE 27.6% over 36 rows. What the Blackwell rows say:
+expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), GB200 14.5%
+(+12.6%), B200 22.7% (+22.7%), GB300 37.6% (+37.6%), A100 (torchtitan)
+17.9% (-17.9%), all 16.8%; MoE 38.7% (+22.3%) over 36 rows. What the Blackwell rows say:
 
 * the GB200 profile's attention efficiency (0.21, tied to its GEMM
   efficiency by the DGX Cloud fit) is too low: fitted on this source's GB200
-  rows alone it is 0.37, and B200's unseen rows then come to 8.2% (fitted on
-  B200's: 0.54, GB200's unseen rows 7.0%). Llama 3 8B at 8K is
+  rows alone it is 0.37, and B200's unseen rows then come to 8.4% (fitted on
+  B200's: 0.55, GB200's unseen rows 7.0%). Llama 3 8B at 8K is
   attention-heavy, 405B is not, so these rows separate the two.
 * GB300 has the GB200's dense FP8/BF16 peaks (GB300 NVL72 datasheet) yet
   ran 19-27% faster in 6 of 7 pairs of the same model, precision and release
@@ -58,7 +58,7 @@ expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), GB200 14.4%
   softmax exponentials run at (NVIDIA technical blog, "Inside NVIDIA
   Blackwell Ultra", 2025) and has a 1,400 W budget. With attention at
   twice the rate (--gb300-softmax 2) on top of the GB200 attention fit,
-  GB300 comes to 12.4%; the planner has no SFU term yet.
+  GB300 comes to 12.5%; the planner has no SFU term yet.
 * MXFP8 ran 2-7% slower than FP8 with per-tensor scaling on the same
   layouts (7 pairs, mean 4.7%); the model prices both alike (the block
   scales and the second, column-wise quantized copy are not costed).
