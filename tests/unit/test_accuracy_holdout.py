@@ -3,7 +3,7 @@
 The rows live in the repository (bench/data/nemo_perf_summary.json,
 bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
 what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
-H100 8.1%, H200 8.2%, GB200 14.5%, B200 22.7%, GB300 37.6%, A100 17.9%); the
+H100 8.1%, H200 8.2%, GB200 14.4%, B200 22.7%, GB300 37.6%, A100 17.9%); the
 Blackwell rows run on the GB200 profile, whose attention efficiency its own
 fit could not separate from the GEMMs.
 """
