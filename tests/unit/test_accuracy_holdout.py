@@ -78,3 +78,11 @@ def test_attention_fitted_on_one_blackwell_part_carries_to_another(rows):
     overrides = {g: {"attention_efficiency": value} for g in ("b200", "gb200", "gb300")}
     errs = bench.errors([r for r in rows if r.gpu == "b200" and not r.moe], overrides)
     assert sum(abs(e) for e, _ in errs.values()) / len(errs) <= bench.TARGET_MAPE
+
+
+def test_rows_whose_printed_accumulation_disagrees_are_left_out(rows):
+    bad = bench.inconsistent(rows)
+    assert bad == {"mb-25.11-gb300-qwen3-235b-a22b-256g-bf16", "mb-25.11-h100-gpt-oss-120b-64g-bf16"}
+    # the 25.09 GB200 MXFP8 70B run: the table's GA (16) over dp 8 fixes its micro-batch at 1
+    mx = next(r for r in rows if r.id == "mb-25.09-gb200-llama3-70b-64g-mxfp8")
+    assert (mx.layout.micro_batch_size, mx.layout.grad_accum_steps) == (1, 16) and not mx.ga_mismatch
