@@ -80,6 +80,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
+from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
 from dgxc_rows import _stage_layers  # noqa: E402
 
 from planner.engines import get_engine  # noqa: E402
@@ -122,6 +124,7 @@ class PerfRow:
     unmodelled: str = ""  # recipe features the planner has no term for
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
+    moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
 
     @property
     def expressible(self) -> bool:
@@ -170,6 +173,11 @@ def _row(rec: dict, models: dict) -> PerfRow:
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bridge else "fp32",
                             compile=bool(rec.get("compile")))
+    if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
+        preset = moe_recipe(rec["release"], rec["system"], rec["model"])
+        training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
+                                    moe_a2a_overlap=preset.a2a_overlap)
+        common["moe_recipe"] = ", ".join(moe_unmodelled(preset))
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,
                        reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
@@ -288,6 +296,7 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
             else:
                 shown = f"  -     ({r.reason})"
             note = f"  [not modelled: {r.unmodelled}]" if r.unmodelled else ""
+            note += f"  [MoE recipe not modelled: {r.moe_recipe}]" if r.moe_recipe else ""
             if r.memory_gib and r.id in errs:
                 note += f"  memory {simulate(r, overrides).memory.peak_bytes / 2**30:.1f} GiB predicted, " \
                         f"{r.memory_gib} GiB measured"

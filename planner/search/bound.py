@@ -155,7 +155,8 @@ class StepBound:
     def host_scale(self, shape: Layout, training: TrainingSpec) -> tuple[float, float]:
         """The simulator's eager host time per layer pass over layer_overhead_s
         (planner.simulate.host.layer_host_scale), cached on what it reads."""
-        key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm)
+        key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm,
+               training.moe_router_fusion)
         hit = self._times.get(key)
         if hit is None:
             hit = self._times[key] = layer_host_scale(self.model, training, shape,

@@ -1,0 +1,96 @@
+"""What the Megatron-Bridge performance recipes behind the MoE hold-out rows ran, beyond the table's layout.
+
+Read from NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs at the
+release tags of the containers the summaries name (25.11: v0.2.2,
+configs/{deepseek,gpt_oss,qwen3}/workload_base_configs.py; 26.02: v0.3.0,
+configs/{deepseek,gpt_oss,qwen}/*_workload_base_configs.py, the V2 presets
+whose batch the table gives) and their *_llm_pretrain.py:
+
+* every DeepSeek-V3, GPT-OSS and Qwen3 recipe sets moe_router_fusion True
+  (and Qwen3's moe_router_force_load_balancing, which the recipe notes is
+  required for dropless routing: balanced expert load, moe_imbalance 1);
+* cuda_graph_impl "transformer_engine" with a cuda_graph_scope: a scope with
+  "attn" captures attention and the router (TrainingSpec.cuda_graphs, as
+  planner.simulate.launches prices partial graphs for dropless routing); a
+  scope of only "moe_router"/"moe_preprocess" leaves attention eager and is
+  listed as not modelled (the router's few fused kernels stay eager here);
+* moe_a2a_overlap (Megatron-Core --overlap-moe-expert-parallel-comm):
+  TrainingSpec.moe_a2a_overlap;
+* moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
+  dispatcher instead of the all-to-all one) and recompute_modules
+  ("mla_up_proj", "moe_act", "layernorm", "mlp"): listed, not modelled.
+
+Keys: (release, system, model); a missing key means none of these options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoeRecipe:
+    cuda_graphs: bool = False  # graph scope includes attention
+    router_only_graphs: bool = False  # scope moe_router/moe_preprocess only (not modelled)
+    a2a_overlap: bool = False
+    dispatcher: str = "alltoall"  # alltoall | hybridep | deepep
+    recompute_modules: tuple[str, ...] = ()
+
+
+_HYBRID = "hybridep"
+RECIPES: dict[tuple[str, str, str], MoeRecipe] = {
+    # 25.11: Megatron-Bridge v0.2.2
+    ("25.11", "gb300", "deepseek-v3"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID, recompute_modules=("moe_act",)),
+    ("25.11", "gb200", "deepseek-v3"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID,
+                                                 recompute_modules=("mla_up_proj",)),
+    ("25.11", "b200", "deepseek-v3"): MoeRecipe(recompute_modules=("mla_up_proj",)),
+    ("25.11", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
+    ("25.11", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
+    ("25.11", "h100", "qwen3-30b-a3b"): MoeRecipe(a2a_overlap=True),
+    ("25.11", "gb300", "qwen3-235b-a22b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "gb200", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "b200", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    ("25.11", "h100", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    # 26.02: Megatron-Bridge v0.3.0, V2 presets
+    ("26.02", "gb300", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),  # FP8 V2
+    ("26.02", "gb200", "deepseek-v3"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID,
+                                                 recompute_modules=("mla_up_proj",)),
+    ("26.02", "b300", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),
+    ("26.02", "b200", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),
+    ("26.02", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("26.02", "b300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("26.02", "gb200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
+    ("26.02", "b300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
+    ("26.02", "h100", "qwen3-30b-a3b"): MoeRecipe(a2a_overlap=True, dispatcher="deepep"),
+    ("26.02", "gb300", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),  # FP8 V2
+    ("26.02", "gb200", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "b300", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    ("26.02", "b200", "qwen3-235b-a22b"): MoeRecipe(),
+    ("26.02", "h100", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+}
+
+
+def recipe(release: str, system: str, model: str) -> MoeRecipe:
+    return RECIPES.get((release, system, model), MoeRecipe())
+
+
+def unmodelled(r: MoeRecipe) -> list[str]:
+    """The recipe's options the planner prices no term for."""
+    out = []
+    if r.router_only_graphs:
+        out.append("CUDA graphs of the router only")
+    if r.dispatcher != "alltoall":
+        out.append(f"{r.dispatcher} dispatcher")
+    if r.recompute_modules:
+        out.append(f"recompute {'+'.join(r.recompute_modules)}")
+    return out
