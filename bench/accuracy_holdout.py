@@ -80,6 +80,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
 from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
 from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
 from dgxc_rows import _stage_layers  # noqa: E402
@@ -183,6 +184,8 @@ def _row(rec: dict, models: dict) -> PerfRow:
                        reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
                        **common)
     lps = _stage_layers(model.n_layers, pp * vp)
+    if bridge and rec["model"] == "deepseek-v3" and deepseek_v3_chunk_layers(pp * vp):
+        lps = deepseek_v3_chunk_layers(pp * vp)  # the recipe's own split (bench/bridge_moe_recipes.py)
     if lps is None and moe and model.n_layers >= pp * vp:
         lps = balanced_layers(model.n_layers, pp * vp)
     if lps is None:

@@ -21,6 +21,13 @@ whose batch the table gives) and their *_llm_pretrain.py:
   ("mla_up_proj", "moe_act", "layernorm", "mlp"): listed, not modelled.
 
 Keys: (release, system, model); a missing key means none of these options.
+
+DeepSeek-V3's pipeline split is the recipe's, not Megatron's default
+(recipes/deepseek/deepseek_v3.py set_deepseek_v3_pipeline_model_parallel_layout,
+and the GB300 preset's pp_layout "Et*4|(t*4|)*14tmL"): over 16 chunks the
+first holds the embedding and 4 layers, 14 hold 4, the last 1 layer with the
+MTP layer and the loss; over 8 chunks 8 layers each, 5 in the last; over 4
+chunks 16, 16, 16, 13.
 """
 
 from __future__ import annotations
@@ -94,3 +101,9 @@ def unmodelled(r: MoeRecipe) -> list[str]:
     if r.recompute_modules:
         out.append(f"recompute {'+'.join(r.recompute_modules)}")
     return out
+
+
+def deepseek_v3_chunk_layers(chunks: int) -> tuple[int, ...] | None:
+    """Decoder layers per pipeline chunk of Megatron-Bridge's DeepSeek-V3 layout (61 layers), None
+    where the recipe sets none."""
+    return {16: (4,) * 15 + (1,), 8: (8,) * 7 + (5,), 4: (16, 16, 16, 13)}.get(chunks)

@@ -98,5 +98,7 @@ def test_moe_rows_run_their_preset_recipe(rows, figures):
     overlapped = moe["mb-26.02-h100-qwen3-235b-a22b-256g-fp8"].training
     assert overlapped.moe_a2a_overlap and not overlapped.cuda_graphs
     assert "hybridep" in moe["mb-26.02-gb300-deepseek-v3-256g-mxfp8"].moe_recipe
+    # DeepSeek-V3 over 16 chunks: the recipe's split, embedding + 4 layers first, 1 layer + MTP + loss last
+    assert moe["mb-26.02-b200-deepseek-v3-256g-mxfp8"].layout.layers_per_stage == (4,) * 15 + (1,)
     assert figures["moe/ALL"][2] == 34 and figures["moe/ALL"][0] < 0.30 and abs(figures["moe/ALL"][1]) < 0.10
     assert figures["moe/gb200"][0] < 0.20
