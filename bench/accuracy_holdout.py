@@ -177,7 +177,7 @@ def _row(rec: dict, models: dict) -> PerfRow:
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
         preset = moe_recipe(rec["release"], rec["system"], rec["model"])
         training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
-                                    moe_a2a_overlap=preset.a2a_overlap)
+                                    moe_router_graphs=preset.router_only_graphs, moe_a2a_overlap=preset.a2a_overlap)
         common["moe_recipe"] = ", ".join(moe_unmodelled(preset))
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,

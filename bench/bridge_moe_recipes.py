@@ -12,8 +12,8 @@ whose batch the table gives) and their *_llm_pretrain.py:
 * cuda_graph_impl "transformer_engine" with a cuda_graph_scope: a scope with
   "attn" captures attention and the router (TrainingSpec.cuda_graphs, as
   planner.simulate.launches prices partial graphs for dropless routing); a
-  scope of only "moe_router"/"moe_preprocess" leaves attention eager and is
-  listed as not modelled (the router's few fused kernels stay eager here);
+  scope of only "moe_router"/"moe_preprocess" replays the router and the
+  dispatcher's preprocessing, attention eager (TrainingSpec.moe_router_graphs);
 * moe_a2a_overlap (Megatron-Core --overlap-moe-expert-parallel-comm):
   TrainingSpec.moe_a2a_overlap;
 * moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MoeRecipe:
     cuda_graphs: bool = False  # graph scope includes attention
-    router_only_graphs: bool = False  # scope moe_router/moe_preprocess only (not modelled)
+    router_only_graphs: bool = False  # scope moe_router/moe_preprocess only
     a2a_overlap: bool = False
     dispatcher: str = "alltoall"  # alltoall | hybridep | deepep
     recompute_modules: tuple[str, ...] = ()
@@ -94,8 +94,6 @@ def recipe(release: str, system: str, model: str) -> MoeRecipe:
 def unmodelled(r: MoeRecipe) -> list[str]:
     """The recipe's options the planner prices no term for."""
     out = []
-    if r.router_only_graphs:
-        out.append("CUDA graphs of the router only")
     if r.dispatcher != "alltoall":
         out.append(f"{r.dispatcher} dispatcher")
     if r.recompute_modules:

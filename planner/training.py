@@ -14,7 +14,7 @@ engine keeps in higher precision is its recipe (planner.engines).
 `attention` ("fused" | "eager") names the attention kernel; "" means the
 engine's default and is resolved when a plan is built. `compile` is
 torch.compile per block (torchtitan's and meshplan's engines). `cuda_graphs`,
-`moe_grouped_gemm` and `moe_router_fusion` are recipe options of Megatron-Core /
+`moe_router_graphs`, `moe_grouped_gemm` and `moe_router_fusion` are recipe options of Megatron-Core /
 Transformer Engine stacks that change how many operations the host dispatches
 (planner.simulate.launches); `moe_a2a_overlap` (Megatron-Core's
 --overlap-moe-expert-parallel-comm) runs one micro-batch's expert all-to-alls
@@ -42,7 +42,7 @@ MAX_SIZE = 1 << 24
 MAX_TOKENS_PER_STEP = 1 << 32
 # Execution options of the training stack that change only the host time (planner.simulate.launches).
 _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "moe_router_fusion": False,
-                  "moe_a2a_overlap": False}
+                  "moe_router_graphs": False, "moe_a2a_overlap": False}
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -65,6 +65,7 @@ class TrainingSpec:
     cuda_graphs: bool = False  # layers replayed as CUDA graphs (Megatron-Core/TE --enable-cuda-graph)
     moe_grouped_gemm: bool = True  # routed experts as one grouped GEMM per matrix (else one MLP per local expert)
     moe_router_fusion: bool = False  # score function, top-k and aux-loss scores as fused TE kernels (--moe-router-fusion)
+    moe_router_graphs: bool = False  # only the router + dispatch preprocessing as CUDA graphs (--cuda-graph-scope)
     # expert all-to-alls of one micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm)
     moe_a2a_overlap: bool = False
 

@@ -84,6 +84,8 @@ def _host_args(plan: Plan, version: tuple[int, ...]) -> list[Arg]:
         args.append(("--overlap-moe-expert-parallel-comm",))
     if plan.training.cuda_graphs:
         args.append(("--cuda-graph-impl", "local") if version >= CUDA_GRAPH_IMPL_ADDED else ("--enable-cuda-graph",))
+    elif plan.model.moe is not None and plan.training.moe_router_graphs and version >= CUDA_GRAPH_IMPL_ADDED:
+        args += [("--cuda-graph-impl", "transformer_engine"), ("--cuda-graph-scope", "moe_router", "moe_preprocess")]
     return args
 
 

@@ -156,7 +156,7 @@ class StepBound:
         """The simulator's eager host time per layer pass over layer_overhead_s
         (planner.simulate.host.layer_host_scale), cached on what it reads."""
         key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm,
-               training.moe_router_fusion)
+               training.moe_router_fusion, training.moe_router_graphs)
         hit = self._times.get(key)
         if hit is None:
             hit = self._times[key] = layer_host_scale(self.model, training, shape,

@@ -65,7 +65,7 @@ def layer_host_scale(model: ModelSpec, training: TrainingSpec, layout: Layout, f
     dense layer's forward; its backward is 2): its operations as `planner.simulate.launches` counts
     them under the training's recipe options."""
     return host_scale(model, layout, fused_attention, training.cuda_graphs, training.moe_grouped_gemm,
-                      training.moe_router_fusion)
+                      training.moe_router_fusion, training.moe_router_graphs)
 
 
 def layer_host_s(model: ModelSpec, layout: Layout, cal: CalibrationProfile, layer_s: float,

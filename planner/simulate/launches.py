@@ -70,7 +70,11 @@ captured as one launch per graph. Static shapes are capturable: a whole layer
 when routing drops at a capacity (NeMo's Grok-1 recipe on GB200); with
 dropless routing the expert part's shapes follow the routing, so dispatch and
 experts stay eager while attention and the router replay (Megatron-Core's
-partial graphs, `--cuda-graph-scope attn moe_router`).
+partial graphs, `--cuda-graph-scope attn moe_router`). A narrower scope
+(`TrainingSpec.moe_router_graphs`: `--cuda-graph-scope moe_router
+moe_preprocess`, the Megatron-Bridge Qwen3 presets) replays only the router and
+the dispatcher's preprocessing (its routing counts, forward-only): one replay
+per pass in their place, attention, dispatch and experts eager.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ FUSED_ROUTER_GRAD_OPS = 5
 CAPACITY_OPS = 8
 CAPACITY_GRAD_OPS = 1
 DISPATCH_OPS = 20
+DISPATCH_PREPROCESS_OPS = 8  # of DISPATCH_OPS: the routing counts, forward-only
 DISPATCH_GRAD_OPS = 12
 GROUPED_EXPERT_OPS = 6
 SEQUENTIAL_EXPERT_OPS = 4  # per local expert, plus SEQUENTIAL_MERGE_OPS
@@ -156,9 +161,11 @@ def moe_mlp_ops(model: ModelSpec, layout: Layout, grouped_gemm: bool = True, rou
 
 
 def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_graphs: bool = False,
-              grouped_gemm: bool = True, router_fusion: bool = False) -> tuple[float, float]:
+              grouped_gemm: bool = True, router_fusion: bool = False, router_graphs: bool = False
+              ) -> tuple[float, float]:
     """(forward, backward) host operations of one pass of the model's average layer (dense and MoE
-    layers mixed by their counts); a CUDA graph replay counts as one operation per pass."""
+    layers mixed by their counts); a CUDA graph replay counts as one operation per pass.
+    router_graphs: only the router and the dispatch preprocessing replay (cuda_graphs covers more)."""
     common = model.norms_per_layer * NORM_OPS + 2 * RESIDUAL_OPS + attention_ops(model, fused_attention)
     f = model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
     dense = common + DENSE_MLP_OPS
@@ -169,6 +176,12 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
         return (graph, graph) if cuda_graphs else (float(dense), 2.0 * dense + redo)
     (static, static_grad), (routed, routed_grad) = moe_mlp_ops(model, layout, grouped_gemm,
                                                                       router_fusion)
+    if router_graphs and not cuda_graphs:
+        router, router_grad = router_ops(model, router_fusion)
+        static, static_grad = static - router + graph, static_grad - router_grad
+        routed -= DISPATCH_PREPROCESS_OPS
+        forward = (1.0 - f) * dense + f * (common + static + routed)
+        return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad)) + f * graph + redo
     if not cuda_graphs:
         forward = (1.0 - f) * dense + f * (common + static + routed)
         return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad)) + redo
@@ -179,8 +192,10 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
 
 
 def host_scale(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_graphs: bool = False,
-               grouped_gemm: bool = True, router_fusion: bool = False) -> tuple[float, float]:
+               grouped_gemm: bool = True, router_fusion: bool = False, router_graphs: bool = False
+               ) -> tuple[float, float]:
     """A layer's (forward, backward) eager host time over the reference dense layer's forward
     (`layer_overhead_s`); the reference's backward is 2."""
-    forward, backward = layer_ops(model, layout, fused_attention, cuda_graphs, grouped_gemm, router_fusion)
+    forward, backward = layer_ops(model, layout, fused_attention, cuda_graphs, grouped_gemm, router_fusion,
+                                  router_graphs)
     return forward / DENSE_REFERENCE_OPS, backward / DENSE_REFERENCE_OPS

@@ -190,3 +190,5 @@ def test_megatron_exports_the_host_recipe_options_the_prediction_assumed():
     fused = dataclasses.replace(moe, training=moe.training.replace(moe_router_fusion=True, moe_a2a_overlap=True))
     assert "--moe-router-fusion" in export_plan(fused, "megatron").text
     assert "--overlap-moe-expert-parallel-comm" in export_plan(fused, "megatron").text
+    router = dataclasses.replace(moe, training=moe.training.replace(moe_router_graphs=True))
+    assert "--cuda-graph-scope moe_router moe_preprocess" in export_plan(router, "megatron").text

@@ -125,8 +125,23 @@ def test_router_fusion_runs_either_router_as_the_same_few_kernels():
 
 def test_plan_json_keeps_the_moe_recipe_options_optional():
     training = TrainingSpec(seq_len=128, global_batch_size=8)
-    assert not {"moe_router_fusion", "moe_a2a_overlap"} & set(training.to_json())
-    changed = training.replace(moe_router_fusion=True, moe_a2a_overlap=True)
+    assert not {"moe_router_fusion", "moe_router_graphs", "moe_a2a_overlap"} & set(training.to_json())
+    changed = training.replace(moe_router_fusion=True, moe_router_graphs=True, moe_a2a_overlap=True)
     assert TrainingSpec.from_json(json.loads(json.dumps(changed.to_json()))) == changed
     with pytest.raises(Exception, match="moe_a2a_overlap"):
         training.replace(moe_a2a_overlap="yes")
+
+
+def test_router_graphs_replay_the_router_and_leave_the_rest_eager():
+    """--cuda-graph-scope moe_router moe_preprocess: fewer operations than eager, more than attention graphs too."""
+    qwen, layout = load_model("qwen3-30b-a3b"), Layout(dp_shard=8, zero_stage=1, ep=8)
+    eager = launches.layer_ops(qwen, layout, True, router_fusion=True)
+    router = launches.layer_ops(qwen, layout, True, router_fusion=True, router_graphs=True)
+    wider = launches.layer_ops(qwen, layout, True, cuda_graphs=True, router_fusion=True)
+    fused_f, fused_b = launches.router_ops(qwen, fused=True)
+    assert eager[0] - router[0] == fused_f - 1 + launches.DISPATCH_PREPROCESS_OPS
+    assert eager[1] - router[1] == 2 * fused_b - 1
+    assert all(w < r < e for w, r, e in zip(wider, router, eager, strict=True))
+    # cuda_graphs' wider scope takes precedence
+    assert launches.layer_ops(qwen, layout, True, cuda_graphs=True, router_graphs=True) == \
+        launches.layer_ops(qwen, layout, True, cuda_graphs=True)
