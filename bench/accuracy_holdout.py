@@ -32,7 +32,12 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   whose layers do not divide evenly get the balanced split;
 * recipe details the planner has no term for, listed per row and not
   modelled: activation offloading to the host (the FSDP Llama rows, the
-  recipes' cpu_offloading_num_layers), CUDA graphs.
+  recipes' cpu_offloading_num_layers), CUDA graphs of the dense rows;
+* MoE rows run their Megatron-Bridge preset's MoE options
+  (bench/bridge_moe_recipes.py): router fusion, the CUDA graph scope
+  (attention + router, or router + dispatch preprocessing only), the expert
+  all-to-all overlap, DeepSeek-V3's own pipeline split; the flex dispatcher
+  (HybridEP/DeepEP) and recompute_modules are listed per row, not modelled.
 
 A row is INCONSISTENT, and left out of the MAPE, when its Model TFLOP/s per
 token differs by more than 3% from the median of the same model and
@@ -47,8 +52,10 @@ GBS / (dp * MBS).
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
 expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), GB200 14.4%
 (+12.4%), B200 22.7% (+22.7%), GB300 37.6% (+37.6%), A100 (torchtitan)
-17.9% (-17.9%), all 16.8%; MoE 38.8% (+23.1%) over 34 rows
-(2 left out: their GA disagrees with the batch). What the Blackwell rows say:
+17.9% (-17.9%), all 16.8%; MoE 18.1% (-3.5%) over 34 rows
+(2 left out: their GA disagrees with the batch; 38.8%, +23.1%, before the
+presets' MoE options were applied; worst: H100 Qwen3-30B-A3B FP8 -66%,
+GPT-OSS 120B -15..-36% on all but one GPU). What the Blackwell rows say:
 
 * the GB200 profile's attention efficiency (0.21, tied to its GEMM
   efficiency by the DGX Cloud fit) is too low: fitted on this source's GB200
