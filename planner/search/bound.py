@@ -164,8 +164,9 @@ class StepBound:
         return hit
 
     def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
-        """Expert communication of one layer pass at micro-batch 1 (module docstring)."""
-        if self.model.moe is None or shape.ep * shape.etp == 1:
+        """Expert communication of one layer pass at micro-batch 1 (module docstring); none under
+        moe_a2a_overlap, where another micro-batch's compute can hide all of it."""
+        if self.model.moe is None or shape.ep * shape.etp == 1 or training.moe_a2a_overlap:
             return 0.0
         key = ("expert", shape_key, shape.ep, shape.etp, training.seq_len, training.dtype_bytes)
         hit = self._times.get(key)

@@ -171,3 +171,6 @@ def test_a2a_overlap_hides_the_expert_all_to_alls_under_the_other_pass():
     assert plain.time_breakdown_s["ep_comm"] > 0
     assert hidden.time_breakdown_s["ep_comm"] < plain.time_breakdown_s["ep_comm"]
     assert hidden.step_time_s < plain.step_time_s
+    bound = StepBound(MIXTRAL, cluster, cal, "megatron")
+    overlapped = training.replace(moe_a2a_overlap=True)
+    assert bound.seconds(layout, overlapped) <= hidden.step_time_s * (1 + 1e-9)
