@@ -218,6 +218,12 @@ def inconsistent(rows: list[PerfRow]) -> set[str]:
     return out | {r.id for r in rows if r.ga_mismatch}
 
 
+def fitted(row: PerfRow) -> bool:
+    """Rows a shipped profile was fitted on: the GB200 profile's fit (bench/accuracy_dgxc.py --fit --blackwell
+    both) includes this source's dense GB200 rows; every other row is held out."""
+    return row.source == "megatron-bridge" and row.gpu == "gb200" and not row.moe
+
+
 Overrides = dict[str, dict[str, float]]  # per GPU (row.gpu): CalibrationProfile fields replaced (what-ifs)
 
 
@@ -306,6 +312,8 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
         out[label] = _line(label, mine, scored)
         plain = [r for r in mine if not r.unmodelled]
         out[f"{kind}/ALL without unmodelled recipe"] = _line(f"{kind}/ALL, no offload rows", plain, scored)
+        held = [r for r in mine if not fitted(r)]
+        out[f"{kind}/held out"] = _line(f"{kind}/ALL not fitted", held, scored)
     dense = [r for r in rows if not r.moe]
     expressible = sum(r.expressible for r in dense) / len(dense)
     out["dense/expressible"] = (expressible, 0.0, len(dense))
@@ -323,9 +331,6 @@ def main() -> None:
     parser.add_argument("--fit-attention-on", metavar="GPU", choices=sorted(CLUSTERS),
                         help="diagnostic: fit attention_efficiency on this GPU's dense rows, score every GPU of its "
                              "calibration family with it (nothing is written)")
-    parser.add_argument("--gb300-softmax", type=float, default=1.0, metavar="X",
-                        help="what-if, not a fit: GB300 attention runs X times faster than the GB200 profile says "
-                             "(Blackwell Ultra doubles the SFU exponential rate: X <= 2)")
     args = parser.parse_args()
     rows = load_rows()
     overrides: Overrides = {}
@@ -335,10 +340,6 @@ def main() -> None:
         overrides = {g: {"attention_efficiency": value} for g in family}
         print(f"attention_efficiency fitted on {args.fit_attention_on} dense rows: {value} "
               f"(rows of the other GPUs of {', '.join(family)} are unseen by it)")
-    if args.gb300_softmax != 1.0:
-        att = overrides.get("gb300", {}).get("attention_efficiency") or load_calibration(
-            None, load_cluster(CLUSTERS["gb300"], 72).gpu).attention_efficiency
-        overrides["gb300"] = {"attention_efficiency": min(1.0, att * args.gb300_softmax)}
     summary(rows, show_rows=not args.quiet, overrides=overrides)
 
 
