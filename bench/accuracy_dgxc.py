@@ -158,16 +158,20 @@ def bridge_gb200_rows() -> list:
             and r.expressible and r.id not in bad]
 
 
-def fit(rows: list[DgxcRow], swapped: bool = False, blackwell: str = "dgxc") -> dict[str, CalibrationProfile]:
+def fit(rows: list[DgxcRow], swapped: bool = False, blackwell: str = "dgxc",
+        only: tuple[str, ...] | None = None) -> dict[str, CalibrationProfile]:
     """Least squares on the relative errors of the fit rows, one family at a time.
 
-    blackwell: which GB200 rows fit the GB200 profile (BLACKWELL_SPLITS).
+    blackwell: which GB200 rows fit the GB200 profile (BLACKWELL_SPLITS);
+    only: the families refitted (the others keep their shipped profiles).
     """
     import numpy as np
     from scipy.optimize import least_squares
 
     profs = profiles()
     for gpu, family in FAMILY.items():
+        if only is not None and family not in only:
+            continue
         mine = [r for r in rows if split(r, swapped) == "fit" and r.gpu == gpu]
         if family == "h100":
             mine = [r for r in mine if r.training.fp8]  # the bf16 parameters are not refitted here
