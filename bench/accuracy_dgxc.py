@@ -7,9 +7,14 @@ cannot be expressed). Fitted, per GPU family and never per row:
   GEMMs reach). The 16-bit parameters stay those bench/accuracy_published.py
   fitted on NeMo 24.09 and LLM Foundry runs, so every bf16 row here is a
   hold-out row for them.
-* GB200: `gemm_efficiency` and `fp8_gemm_efficiency`, the attention
-  efficiency scaled with the GEMM efficiency in the H100 ratio (one model's
-  rows cannot separate the two).
+* GB200: `gemm_efficiency`, `fp8_gemm_efficiency` and `attention_efficiency`
+  (--blackwell, BLACKWELL_SPLITS). One model's rows cannot separate attention
+  from the GEMMs, so the fit also takes the Megatron-Bridge performance-summary
+  GB200 dense rows of bench/accuracy_holdout.py (Llama 3 8B at 8K is
+  attention-heavy, 405B is not): "both", the shipped profile. "dgxc" keeps
+  the DGX Cloud rows alone with attention tied to the GEMMs in the H100
+  ratio; "bridge" fits on the Megatron-Bridge rows alone, every DGX Cloud row
+  unseen. B200, B300 and GB300 share the profile and are never fitted.
 
 Hold-out by model: only the rows of FIT_MODELS (and their proxies, the same
 model with fewer layers) are fitted; every other model and both JAX stacks
@@ -23,6 +28,10 @@ in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
 
     python bench/accuracy_dgxc.py          # per row, then per source/GPU/precision/split
     python bench/accuracy_dgxc.py --fit    # refit and write planner/simulate/calibrations/{h100,gb200}.json
+    python bench/accuracy_dgxc.py --blackwell bridge   # another GB200 split: fit, score this bench and
+                                           # bench/accuracy_holdout.py's dense rows, write nothing
+                                           # (2026-11-24, validate / hold-out rows not fitted:
+                                           # both 5.6% / 12.0%, bridge 5.9% / 11.4%, dgxc 6.1% / 18.1%)
     python bench/accuracy_dgxc.py --swap   # fit on the held-out NeMo models instead, score the fit ones
                                            # (2026-11-24: 6.6% MAPE, bias -0.8% on those 68 rows)
 """
