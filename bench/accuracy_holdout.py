@@ -1,4 +1,4 @@
-"""Hold-out accuracy on published runs no profile was fitted on: NeMo (H100, B200, B300, GB200, GB300), torchtitan.
+"""Hold-out accuracy on published runs: NeMo (H100, B200, B300, GB200, GB300), torchtitan; only GB200 rows fitted.
 
 Rows (each names its table): bench/data/nemo_perf_summary.json, typed from
 the Megatron-Bridge performance summaries of the 25.09, 25.11 and 26.02 NeMo
