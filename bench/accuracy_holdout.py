@@ -250,10 +250,10 @@ def errors(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str,
 def fit_attention(rows: list[PerfRow], gpu: str) -> float:
     """Diagnostic, never written to a profile: the attention_efficiency that fits `gpu`'s dense rows best.
 
-    The shipped GB200 profile ties attention to the GEMM efficiency in the H100
-    ratio (its fit rows, one model, cannot separate them); these rows can
-    (Llama 3 8B at 8K is attention-heavy, 405B is not). Scored on the other
-    GPUs of the same calibration family, which the fit never sees.
+    Attention alone, the GEMM efficiencies kept as shipped (the shipped GB200
+    profile fits all three: bench/accuracy_dgxc.py --fit --blackwell both).
+    Scored on the other GPUs of the same calibration family, which this fit
+    never sees.
     """
     import numpy as np
     from scipy.optimize import least_squares
