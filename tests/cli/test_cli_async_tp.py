@@ -37,6 +37,9 @@ def test_megatron_async_tp_plan_holds_tp_with_sp_and_exports_tp_comm_overlap(cli
     assert plan.layout.tp > 1 and plan.layout.sequence_parallel  # the search keeps only layouts it applies to
     text = export_plan(plan, "megatron").text
     assert "--sequence-parallel" in text and "--tp-comm-overlap" in text
+    # `simulate` re-prices the plan with its async TP: the same step as the search predicted
+    r = cli("simulate", str(tmp_path / "p.json"), "--json")
+    assert r.code == 0 and r.json()["step_time_s"] == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
     sync = dataclasses.replace(plan, training=plan.training.replace(async_tp=False))
     assert "--tp-comm-overlap" not in export_plan(sync, "megatron").text
 
