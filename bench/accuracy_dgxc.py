@@ -32,7 +32,7 @@ Engine's userbuffers (bench/dgxc_rows.py). Priced as async TP
 (planner.simulate.tp_overlap: each collective hidden under its own GEMM,
 tp-chunked GEMMs at the knee's efficiency), the rows come out faster than
 measured: measured 2026-11-24, held-out MAPE 5.7% -> 7.7% with the shipped
-profiles, and 5.8% -> 7.0% when the NeMo 24.09 rows of
+profiles, 7.3% after this bench's fit, and 5.8% -> 7.0% when the NeMo 24.09 rows of
 bench/accuracy_published.py are given their overlap too and both fits are
 redone (the fit rows improve, 5.9% -> 5.0%). The overlap is not free in
 TE: its pipelined reduce-scatters hold 16-32 of the GPU's SMs away from the
