@@ -308,6 +308,8 @@ class ShapeBound:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
+        if self.training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
+            tp_f = tp_b = 0.0
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
         f_layer = max(max(f, ag) + tp_f + self.expert_s, host * self.host_scale[0])

@@ -79,3 +79,13 @@ def test_the_shipped_gb200_profile_is_what_its_fit_produces(rows, profiles):
     # the tied fit (DGX Cloud rows alone) cannot see attention: it lands far lower
     tied = bench.fit(rows, blackwell="dgxc", only=("gb200",))["gb200"]
     assert tied.attention_efficiency < 0.5 * shipped.attention_efficiency
+
+
+def test_rows_record_the_tp_overlap_their_recipes_ran_and_price_it_on_request(rows):
+    """Every NeMo row with tp > 1 ran TE's userbuffers; it is priced as async TP only with tp_overlap."""
+    assert all(r.tp_comm_overlap == (r.source == "nemo" and r.layout.tp > 1) for r in rows if r.expressible)
+    assert not any(r.training.async_tp for r in rows)
+    overlapped = rows_module.load_dense_rows(rows_module.DATA if rows_module.DATA.exists()
+                                             else shared_data("data/published/dgxc.json"), tp_overlap=True)
+    assert [r.training.async_tp for r in overlapped] == [r.tp_comm_overlap for r in rows]
+    assert sum(r.tp_comm_overlap for r in rows) >= 100
