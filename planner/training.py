@@ -18,7 +18,11 @@ torch.compile per block (torchtitan's and meshplan's engines). `cuda_graphs`,
 Transformer Engine stacks that change how many operations the host dispatches
 (planner.simulate.launches); `moe_a2a_overlap` (Megatron-Core's
 --overlap-moe-expert-parallel-comm) runs one micro-batch's expert all-to-alls
-under another's compute (planner.simulate.step).
+under another's compute (planner.simulate.step). `async_tp` pipelines the tensor-parallel
+all-gathers and reduce-scatters of sequence parallelism with the GEMMs that
+consume or produce them (torchtitan's enable_async_tensor_parallel under
+torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
+userbuffers; planner.simulate.tp_overlap).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ MAX_SIZE = 1 << 24
 # 405B); beyond it the search would enumerate millions of data-parallel shapes.
 MAX_TOKENS_PER_STEP = 1 << 32
 # Execution options of the training stack that change only the host time (planner.simulate.launches).
-_OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "moe_router_fusion": False,
+_OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
                   "moe_router_graphs": False, "moe_a2a_overlap": False}
 
 # Default global batch: about one million tokens a step, the order of magnitude
@@ -64,6 +68,7 @@ class TrainingSpec:
     compile: bool = False  # torch.compile per transformer block
     cuda_graphs: bool = False  # layers replayed as CUDA graphs (Megatron-Core/TE --enable-cuda-graph)
     moe_grouped_gemm: bool = True  # routed experts as one grouped GEMM per matrix (else one MLP per local expert)
+    async_tp: bool = False  # TP collectives pipelined with their GEMMs (needs tp > 1 with sequence parallel)
     moe_router_fusion: bool = False  # score function, top-k and aux-loss scores as fused TE kernels (--moe-router-fusion)
     moe_router_graphs: bool = False  # only the router + dispatch preprocessing as CUDA graphs (--cuda-graph-scope)
     # expert all-to-alls of one micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm)

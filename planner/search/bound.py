@@ -66,6 +66,7 @@ from planner.simulate.comm import StepComm, expert_comm_s, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
+    fp8_cast_bytes,
     fp8_peak_flops,
     layer_times,
     optimizer_time_s,
@@ -224,7 +225,8 @@ class StepBound:
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
                              training.fused_attention(self.traits.fused_attention),
-                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile)
+                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
+                             cast_bytes=fp8_cast_bytes(training.precision, gpu))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
@@ -308,6 +310,8 @@ class ShapeBound:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
+        if self.training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
+            tp_f = tp_b = 0.0
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
         f_layer = max(max(f, ag) + tp_f + self.expert_s, host * self.host_scale[0])
