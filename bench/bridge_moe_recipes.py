@@ -20,6 +20,18 @@ whose batch the table gives) and their *_llm_pretrain.py:
   dispatcher instead of the all-to-all one) and recompute_modules
   ("mla_up_proj", "moe_act", "layernorm", "mlp"): listed, not modelled.
 
+GPT-OSS kernels, checked in the sources because its rows are predicted fast:
+attention with learnable sinks (softmax_type "learnable", 128-token window
+on every other layer) runs fused. Bridge v0.2.2 pins Transformer Engine
+2.9 (v0.3.0: 2.10-2.12) and falls back to Megatron's local attention only
+below TE 2.8; TE 2.9's get_attention_backend drops FlashAttention for a
+non-vanilla softmax but keeps cuDNN's arbitrary-seqlen kernel, which
+fused_attn.cpp accepts for learnable softmax from cuDNN 9.13.1. So the rows
+keep TrainingSpec attention "fused", not the eager model. The clamped GLU
+(quick_gelu, glu_linear_offset 1, clamp 7) is one fused kernel as well:
+Megatron-Core 0.15 TEGroupedMLP calls weighted_bias_quick_geglu_impl under
+bias_activation_fusion, which the provider sets.
+
 Keys: (release, system, model); a missing key means none of these options.
 
 DeepSeek-V3's pipeline split is the recipe's, not Megatron's default
