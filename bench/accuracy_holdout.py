@@ -16,7 +16,18 @@ torchtitan rows run as engine "torchtitan": FSDP2 over every GPU (ZeRO-3),
 their stated checkpointing ("op" = per-op SAC, "full"; "selective layer",
 every 2nd block whole, is not expressible), compile and float8 as stated,
 fp32 gradient reduction. Where a row gives the measured memory, the predicted
-peak is printed beside it.
+peak is printed beside it. The A100 rows' recipe as torchtitan ran it (commit
+0413364 of 2024-04-24, its train_configs and parallelize_llama.py): FSDP2
+per block, bf16 parameters reduced in fp32, resharded after forward (all but
+the last block, not modelled), SDPA causal attention (FlashAttention-2 on
+A100), per-op SAC saving all mm outputs but every second one, eager, local
+batch and sequence length as typed; Llama 3 8B and Llama 2 13B ran a Triton
+fused RMSNorm, the rest eager RMSNorm (not told apart: every row prices its
+memory-bound work at the engine's eager rate). The A100 profile is fitted on
+Megatron-DeepSpeed, so torchtitan runs there with the H100 profile's
+PyTorch-native memory-bound factor and no attention factor
+(planner.simulate.calibration._TRANSFERRED_FACTORS says why), never fitted on
+these rows.
 
 Each NeMo row is planned with its stated layout and recipe, engine "megatron":
 
@@ -53,9 +64,9 @@ GBS / (dp * MBS).
 
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
 expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), B200 9.4%
-(+9.4%), GB300 20.7% (+20.7%), A100 (torchtitan) 17.9% (-17.9%), GB200 3.8%
-(+0.3%, fitted on); 12.0% (+1.8%) over the 44 rows not fitted, 10.1% over
-all; MoE 16.1% (-9.1%) over 34 rows (2 left out: their GA disagrees with the
+(+9.4%), GB300 20.7% (+20.7%), A100 (torchtitan) 8.5% (-8.5%; 17.9%, -17.9%,
+before the borrowed memory-bound factor), GB200 3.8% (+0.3%, fitted on);
+10.7% (+3.0%) over the 44 rows not fitted, 9.1% over all; MoE 16.1% (-9.1%) over 34 rows (2 left out: their GA disagrees with the
 batch; 36.0%, +19.4%, without the presets' MoE options; worst H100
 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -20..-36% on all but one GPU). Before the SFU term, the cast bytes and the joint GB200 refit (the
 profile's attention tied to its GEMMs): GB200 14.4%, B200 22.7%, GB300 37.6%,

@@ -71,6 +71,8 @@ def test_held_out_figures(figures):
     assert mape["dense/gb200"] < 0.06 and mape["dense/gb300"] < 0.25
     assert bias["dense/gb300"] > bias["dense/gb200"]  # GB300 still beats what its SFU rate alone explains
     assert mape["dense/h200"] <= bench.TARGET_MAPE
+    # torchtitan on A100: the H100's PyTorch-native memory-bound factor borrowed, nothing fitted on these rows
+    assert mape["dense/a100"] <= bench.TARGET_MAPE and figures["dense/a100"][2] == 6
     assert mape["dense/ALL"] < 0.12
     assert figures["dense/ALL"][2] == 57
 
