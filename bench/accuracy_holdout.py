@@ -32,9 +32,14 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   layer fewer in the first and last chunk (bench/dgxc_rows._stage_layers);
   128 chunks would leave one empty, such rows are not expressible. MoE rows
   whose layers do not divide evenly get the balanced split;
-* recipe details the planner has no term for, listed per row and not
-  modelled: activation offloading to the host (the FSDP Llama rows, the
-  recipes' cpu_offloading_num_layers), CUDA graphs.
+* activation offloading to the host as the recipe sets it (the FSDP Llama
+  rows' cpu_offloading_num_layers: Layout.activation_offload_layers);
+  recipe details the planner has no term for are listed per row (CUDA
+  graphs are not modelled).
+
+Every expressible row prints its predicted peak memory per GPU against the
+GPU's memory (and the measured peak where the source gives one); the last
+line counts the rows predicted above the GPU's memory, though they ran.
 
 A row is INCONSISTENT, and left out of the MAPE, when its Model TFLOP/s per
 token differs by more than 3% from the median of the same model and
@@ -153,9 +158,7 @@ def _row(rec: dict, models: dict) -> PerfRow:
     gpus, mb, gbs, seq = rec["gpus"], rec["micro_batch"], rec["global_batch"], rec["seq"]
     tps = rec["tokens_per_s_per_gpu"]
     moe = bool(rec.get("moe"))
-    unmodelled = []
-    if rec.get("activation_offload_layers"):
-        unmodelled.append(f"activation offload of {rec['activation_offload_layers']} layers")
+    unmodelled: list[str] = []
     label = rec["model"] + (" (no MTP)" if rec.get("no_mtp") else "")  # fewer model FLOPs per token
     common = dict(id=rec["id"], source=rec["source"], release=rec["release"], gpu=rec["system"],
                   precision=rec["precision"], model=label, moe=moe, gpus=gpus,
@@ -187,7 +190,8 @@ def _row(rec: dict, models: dict) -> PerfRow:
         layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, ep=ep, zero_stage=3 if rec["fsdp"] else (1 if dp > 1 else 0),
                         micro_batch_size=mb, grad_accum_steps=gbs // (dp * mb), recompute=recompute,
                         sequence_parallel=tp > 1, pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b",
-                        virtual_stages=vp, layers_per_stage=lps)
+                        virtual_stages=vp, layers_per_stage=lps,
+                        activation_offload_layers=rec.get("activation_offload_layers") or 0)
         cluster = load_cluster(CLUSTERS[rec["system"]], gpus)
         validate(model, cluster, training, layout)
         refusal = get_engine(common["engine"]).refusal(model, layout, "bf16", True, training)
@@ -236,15 +240,27 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 
-def errors(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, bool]]:
-    """{row id: (relative step-time error, predicted peak above the GPU's memory)} of the expressible rows."""
+def results(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, int, int]]:
+    """{row id: (relative step-time error, predicted peak bytes per GPU, the GPU's memory bytes)}, expressible rows."""
     out = {}
     for r in rows:
         if r.expressible:
             result = simulate(r, overrides)
-            out[r.id] = (result.step_time_s / r.measured_s - 1.0,
-                         result.memory.peak_bytes > r.cluster().gpu.memory_bytes)
+            out[r.id] = (result.step_time_s / r.measured_s - 1.0, result.memory.peak_bytes,
+                         r.cluster().gpu.memory_bytes)
     return out
+
+
+def errors(rows: list[PerfRow], overrides: Overrides | None = None,
+           res: dict[str, tuple[float, int, int]] | None = None) -> dict[str, tuple[float, bool]]:
+    """{row id: (relative step-time error, predicted peak above the GPU's memory)} of the expressible rows."""
+    res = results(rows, overrides) if res is None else res
+    return {k: (e, peak > cap) for k, (e, peak, cap) in res.items()}
+
+
+def memory_errors(rows: list[PerfRow], res: dict[str, tuple[float, int, int]]) -> dict[str, float]:
+    """{row id: predicted / measured peak - 1} where the source measured the memory (torchtitan: reserved)."""
+    return {r.id: res[r.id][1] / (r.memory_gib * 2**30) - 1.0 for r in rows if r.memory_gib and r.id in res}
 
 
 def fit_attention(rows: list[PerfRow], gpu: str) -> float:
@@ -283,9 +299,13 @@ def _line(label: str, rs: list[PerfRow], errs: dict[str, tuple[float, bool]]) ->
 
 def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | None = None
             ) -> dict[str, tuple[float, float, int]]:
-    """Print per row and per group; return {group: (MAPE, bias, rows scored)} (keys as printed)."""
+    """Print per row and per group; return {group: (MAPE, bias, rows scored)} (keys as printed), with
+    "memory/over capacity": (rows predicted above the GPU's memory, of them dense, expressible rows) and
+    "memory/measured": (mean absolute, mean relative error of the predicted peak, rows measured)."""
     bad = inconsistent(rows)
-    errs = errors(rows, overrides)
+    res = results(rows, overrides)
+    errs = errors(rows, res=res)
+    mem_errs = memory_errors(rows, res)
     scored = {k: v for k, v in errs.items() if k not in bad}
     if show_rows:
         for r in rows:
@@ -295,9 +315,12 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
             else:
                 shown = f"  -     ({r.reason})"
             note = f"  [not modelled: {r.unmodelled}]" if r.unmodelled else ""
-            if r.memory_gib and r.id in errs:
-                note += f"  memory {simulate(r, overrides).memory.peak_bytes / 2**30:.1f} GiB predicted, " \
-                        f"{r.memory_gib} GiB measured"
+            if r.id in res:
+                note += f"  mem {res[r.id][1] / 2**30:5.1f}/{res[r.id][2] / 2**30:.0f} GiB"
+                if r.layout.activation_offload_layers:
+                    note += f" ({r.layout.activation_offload_layers} layers' activations offloaded)"
+            if r.id in mem_errs:
+                note += f", {r.memory_gib} GiB measured ({100 * mem_errs[r.id]:+.1f}%)"
             print(f"{r.id:<46} {r.measured_s:8.2f} s {shown}{note}")
     out = {}
     for kind, moe in (("dense", False), ("moe", True)):
@@ -323,6 +346,12 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
           f" MAPE target <= {100 * TARGET_MAPE:.0f}%")
     print(f"memory: {len(over)} of {len(errs)} expressible rows predicted above the GPU's memory (they ran): "
           f"{', '.join(over) or 'none'}")
+    out["memory/over capacity"] = (float(len(over)), float(sum(k in over for k in (r.id for r in dense))), len(errs))
+    for rid, e in sorted(mem_errs.items()):
+        print(f"memory measured: {rid} predicted {100 * e:+.1f}%")
+    if mem_errs:
+        out["memory/measured"] = (sum(map(abs, mem_errs.values())) / len(mem_errs),
+                                  sum(mem_errs.values()) / len(mem_errs), len(mem_errs))
     return out
 
 

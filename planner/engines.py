@@ -104,6 +104,9 @@ class MemoryTraits:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward
     cp_saves_gathered: bool = False
+    # activations of N layers per chunk moved to host memory during the forward and brought back for the
+    # backward (Megatron-Core's cpu_offloading: Transformer Engine's get_cpu_offload_context)
+    activation_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,9 @@ class Engine:
                     f"tp > 1 with sequence parallel, got tp {layout.tp}"
                     f"{'' if layout.sequence_parallel else ' without sequence parallel'}; "
                     "allow --tp > 1 and --sequence-parallel, or drop --async-tp")
+        if layout.activation_offload_layers and not self.memory.activation_offload:
+            return (f"engine {self.name} does not offload activations to the host (activation_offload_layers "
+                    f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -292,7 +298,8 @@ ENGINES: dict[str, Engine] = {
                      pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
-                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
+                                    **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,

@@ -115,6 +115,13 @@ pool per CUDA stream, the loss's hole), the same in every phase. So
 papers' accounting, their allocator slack inside the fixed `other`.
 
 Activations: see planner.memory.activations (Korthikanti et al. 2022).
+Activation offload (Layout.activation_offload_layers = N, Megatron-Core's
+cpu_offloading_num_layers through Transformer Engine's CPU offload context):
+the kept activations of N layers per model chunk wait in host memory from
+their forward to their backward, so the GPU holds the stage's other layers'
+(at least one layer's: the one whose backward runs first); `host_bytes`
+counts what moved. Megatron-Core offloads activations only without pipeline
+parallelism (TransformerConfig refuses cpu_offloading with pp > 1).
 """
 
 from __future__ import annotations
@@ -141,6 +148,7 @@ from planner.memory.phases import (
     Phase,
     StageBytes,
     meshplan_stage_bytes,
+    on_gpu_layers,
     peak_phase,
     published_phase,
     published_stage_bytes,
@@ -284,7 +292,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output)
+                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output,
+                       layout.activation_offload_layers * layout.virtual_stages)
 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
@@ -341,7 +350,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         sp = params[rank]
         states = stage_states(model, training, layout, sp, engine)
         built[key] = sb = build(model, training, layout, sp, states, comm)
-        host_bytes = max(host_bytes, states.host)
+        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
+        host_bytes = max(host_bytes, states.host + int(offloaded))
         phases = phases_of(sb, sp, acts, in_flight[rank])
         name, phase = peak_phase(phases)
         reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
