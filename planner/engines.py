@@ -107,6 +107,15 @@ class MemoryTraits:
     # activations of N layers per chunk moved to host memory during the forward and brought back for the
     # backward (Megatron-Core's cpu_offloading: Transformer Engine's get_cpu_offload_context)
     activation_offload: bool = False
+    # per-op selective checkpointing saves the float8 GEMMs' outputs: meshplan's executor lists
+    # aten._scaled_mm beside aten.mm (executor.parallel.recompute); torchtitan's _op_sac_save_list names
+    # aten.mm only, so under float8 (torchao's Float8Linear runs aten._scaled_mm) every projection is
+    # recomputed and only the attention outputs (and the amax results, aten.max) are kept
+    op_sac_saves_fp8_mm: bool = True
+    # the loss's backward works in place on the fp32 softmax its forward saved (Megatron-Core's
+    # vocab-parallel cross entropy: calculate_logits_max casts the logits to fp32 once, the backward
+    # turns that buffer into the gradient), so only the compute-dtype logits gradient is new
+    inplace_loss_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,7 +308,7 @@ ENGINES: dict[str, Engine] = {
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
-                                    **_PUBLISHED_MEMORY),
+                                    inplace_loss_backward=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
@@ -312,7 +321,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
-                     cp_all_gather=True),
+                     cp_all_gather=True, op_sac_saves_fp8_mm=False),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

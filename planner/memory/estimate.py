@@ -268,7 +268,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
                                    autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
                                    fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
-    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
+    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
+                              save_matmuls=traits.op_sac_saves_fp8_mm or not training.fp8) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
@@ -287,6 +288,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel)
     logits_grad = logits_saved / FP32_BYTES * d
+    if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
+        logits_transient = logits_grad
     stage_output = 0.0
     if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
