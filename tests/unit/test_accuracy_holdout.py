@@ -48,7 +48,7 @@ def test_layouts_are_the_stated_ones(rows):
             assert r.layout.micro_batch_size * r.layout.grad_accum_steps * r.layout.dp == r.training.global_batch_size
     by_id = {r.id: r for r in rows}
     fsdp = by_id["mb-25.11-gb200-llama3-70b-64g-fp8"]
-    assert fsdp.layout.zero_stage == 3 and "offload" in fsdp.unmodelled
+    assert fsdp.layout.zero_stage == 3 and fsdp.layout.activation_offload_layers == 40  # the recipe's count
     assert by_id["mb-25.11-gb300-llama3-8b-8g-mxfp8"].training.precision == "mxfp8"
     # Megatron's 405B split: 126 layers over 64 chunks, one fewer in the first and last
     assert by_id["mb-26.02-h100-llama3-405b-1024g-fp8"].layout.layers_per_stage[:2] == (1, 2)
