@@ -26,8 +26,9 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   Llama recipes set none on these rows), GPT-3 175B of 24.07 selective;
 * precision: FP8-CS and the 24.07 FP8 as per-tensor fp8, FP8-MX as mxfp8;
   NVFP4 rows cannot be expressed (no 4-bit GEMM precision);
-* gradients reduced in bf16 (the Megatron-Bridge performance scripts turn
-  grad_reduce_in_fp32 off), in fp32 for NeMo 24.07;
+* gradients kept and reduced in bf16 (the Megatron-Bridge performance
+  scripts turn grad_reduce_in_fp32 off; NeMo 24.07's launcher examples pass
+  optim.grad_sync_dtype=bf16);
 * Llama 3.1 405B's 126 layers over pp*vp chunks: Megatron's split with one
   layer fewer in the first and last chunk (bench/dgxc_rows._stage_layers);
   128 chunks would leave one empty, such rows are not expressible. MoE rows
@@ -170,9 +171,12 @@ def _row(rec: dict, models: dict) -> PerfRow:
         return PerfRow(model_spec=None, training=None, layout=None, reason="NVFP4: no 4-bit GEMM precision", **common)
     model = _model(rec["model"], models, seq, bool(rec.get("no_mtp")))
     nemo1 = rec["source"] == "nemo-24.07"
-    bridge = rec["source"] == "megatron-bridge"  # grad_reduce_in_fp32 off in its performance scripts
+    # bf16 gradient buffers and reduction: the Megatron-Bridge performance scripts turn grad_reduce_in_fp32
+    # off; NeMo 24.07's launcher examples (NeMo-Framework-Launcher examples/training/*/h100/*_fp8*.sh) pass
+    # optim.grad_sync_dtype=bf16; torchtitan reduces in fp32 (its mixed_precision_reduce default)
+    bf16_grads = rec.get("engine", "megatron") == "megatron"
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
-                            attention="fused", grad_dtype="bf16" if bridge else "fp32",
+                            attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
                             compile=bool(rec.get("compile")))
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,
