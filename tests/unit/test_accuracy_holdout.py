@@ -90,11 +90,12 @@ def test_attention_fitted_on_one_blackwell_part_carries_to_another(rows):
 
 def test_published_layouts_fit_and_measured_memory(figures):
     """Rows that ran must not be called infeasible: 29 of 93 were before activation offload, the sharded fp8
-    weights, Megatron's in-place loss backward and torchtitan's float8 SAC list (2026-11-24: 24, 8 dense:
-    Llama 3 70B FSDP on GB200 ~4% over, 405B TP4 PP16 on GB200 ~3% over, three NeMo 24.07 H100 rows)."""
+    weights, Megatron's in-place loss backward, torchtitan's float8 SAC list and NeMo 24.07's bf16 gradients
+    (2026-11-24: 22, 6 dense: Llama 3 70B FSDP on GB200 4% over, 405B TP4 PP16 VP4 on GB200 2.5% over,
+    Nemotron-4 340B on H100 2.7% over; the other 16 are MoE rows)."""
     over, dense_over, expressible = figures["memory/over capacity"]
     assert expressible == 93
-    assert over <= 26 and dense_over <= 8
+    assert over <= 24 and dense_over <= 6
     # torchtitan's measured peak (max reserved) on H200, Llama 3.1 8B FP8, FSDP 32 and 64: -10% and -12%
     mae, bias, measured = figures["memory/measured"]
     assert measured == 2 and mae < 0.15 and abs(bias) < 0.15
