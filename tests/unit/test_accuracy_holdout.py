@@ -3,8 +3,9 @@
 The rows live in the repository (bench/data/nemo_perf_summary.json,
 bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
 what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
-H100 8.1%, H200 8.2%, GB200 3.8% (fitted on), B200 9.4%, GB300 20.7%, A100
-17.9%; 12.0% over the 44 rows no profile was fitted on). The GB200 profile's
+H100 8.6%, H200 8.2%, GB200 3.8% (fitted on), B200 9.4%, GB300 20.7%, A100
+17.9%; 12.2% over the 44 rows no profile was fitted on; 22 of 93 rows
+predicted above the GPU's memory, 6 of them dense). The GB200 profile's
 fit (bench/accuracy_dgxc.py --fit --blackwell both) includes this source's
 GB200 rows; B200, B300 and GB300 share it and are never fitted.
 """
