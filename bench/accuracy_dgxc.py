@@ -34,7 +34,8 @@ in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
                                            # hold-out rows not fitted: both 5.6% / 12.0%, bridge 5.9% /
                                            # 11.4%, dgxc 6.1% / 18.1%; with it, both 5.7% / 12.0%)
     python bench/accuracy_dgxc.py --swap   # fit on the held-out NeMo models instead, score the fit ones
-                                           # (2026-11-24: 6.6% MAPE, bias -0.8% on those 68 rows)
+                                           # (2026-11-24: 6.4% MAPE, bias +0.2% on those 68 rows;
+                                           # 6.6%, -0.8% before the TP overlap was priced)
     python bench/accuracy_dgxc.py --no-tp-overlap  # the NeMo rows' TP collectives without their overlap
 
 TP communication overlap: every NeMo row with tp > 1 ran Transformer
