@@ -31,20 +31,14 @@ import time
 from dataclasses import dataclass, field
 
 from planner.engines import get_engine
-from planner.layout import Layout, divisors, partial_recompute_options
+from planner.layout import Layout, partial_recompute_options
 from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
-from planner.search.bound import ShapeBound, StepBound
-from planner.search.candidates import (
-    Pins,
-    global_batch_for,
-    offload_option,
-    pipeline_allows,
-    recompute_options,
-    shapes,
-)
+from planner.search.bound import StepBound
+from planner.search.candidates import Pins, offload_option, recompute_options
+from planner.search.families import Family, FamilyBounds, Shape, build_families
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.step import StepResult, simulate_step, step_memory
 from planner.training import TrainingSpec, default_global_batch
@@ -193,57 +187,30 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    pins=pins or Pins(), engine=engine, calibration=calibration,
                    bound=StepBound(model, cluster, calibration, engine), usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile)
-    ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
+    offload = offload_option(ctx.pins)
+    ranked = _branch_and_bound(ctx, build_families(ctx, offload), top_k, offload)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
 
 
-@dataclass
-class _Shape:
-    """A shape with its batch, and what memory checks learned about it."""
-
-    layout: Layout
-    training: TrainingSpec
-    per_replica: int  # sequences per data-parallel replica per step
-    bound: ShapeBound  # its step-time bound for any micro-batch and recompute
-    state_fits: bool | None = None  # None until model_state_bytes is checked
-    levels: dict[int, int] = field(default_factory=dict)  # micro-batch -> lightest fitting recompute level
-
-
-def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
-    """Every shape whose dp can run the global batch (R1-R7 in planner.search.candidates)."""
-    batches: dict[int, int | None] = {}
-
-    def dp_ok(dp: int) -> bool:
-        if dp not in batches:
-            unit = dp * (ctx.pins.micro_batch_size or 1)
-            batches[dp] = global_batch_for(dp, unit, ctx.target_batch, ctx.batch_fixed)
-            ctx.stats.batch_rejected += batches[dp] is None
-        return batches[dp] is not None
-
-    out = []
-    for shape in shapes(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, offload, dp_ok):
-        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu, ctx.training(batches[shape.dp]))
-        if refusal:  # the plan must run on our executor (planner.engines)
-            ctx.stats.unsupported += 1
-            ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
-            continue
-        training = ctx.training(batches[shape.dp])
-        out.append(_Shape(shape, training, training.global_batch_size // shape.dp, ctx.bound.for_shape(shape, training)))
-    ctx.stats.shapes = len(out)
-    return out
-
-
-def _bound(sh: _Shape, mb: int, recompute: tuple[str, int]) -> float:
+def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:
     """Lower bound of the step time per token."""
     return sh.bound.seconds(mb, recompute) / sh.training.tokens_per_step
 
 
-def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> list[Scored]:
+# queue entries: (bound per token, order, what, item); `order` breaks ties so that families and members
+# come before candidates of the same bound, and candidates keep the order of the full enumeration
+_FAMILY, _MEMBER, _CANDIDATE = 0, 1, 2
+
+
+def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload: str) -> list[Scored]:
     """Expand (shape, micro-batch) candidates in order of their bound until none can enter the top k.
 
-    A queue entry is (bound per token, counter, shape index, micro-batch,
-    recompute level, fits). An entry not yet known to fit is memory-checked
+    Families and their members (planner.search.families) enter the queue with
+    bounds below those of their candidates, and are expanded only when
+    popped, so candidates reach the queue in time to be popped in the order a
+    queue of every candidate would pop them. A candidate is (shape, micro-batch,
+    recompute level, fits); one not yet known to fit is memory-checked
     when popped; if it needs heavier recomputation than its bound assumed, it
     goes back with the bound of that recomputation.
     """
@@ -251,48 +218,63 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
         recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
             ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
-    queue = []
     if not recomputes:
         return []
     partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
     by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
 
-    def levels_of(sh: _Shape) -> tuple[tuple[str, int], ...]:
+    def levels_of(pp: int, v: int) -> tuple[tuple[str, int], ...]:
         """(kind, recompute_layers) from lightest to heaviest; partial full recomputation before full."""
-        key = (sh.layout.pp, sh.layout.virtual_stages)
+        key = (pp, v)
         if key not in by_pipeline:
             extra = partial_recompute_options(ctx.model.n_layers, *key) if partial else ()
             by_pipeline[key] = tuple(lv for kind in recomputes for lv in (
                 [("full", n) for n in extra] + [("full", 0)] if kind == "full" else [(kind, 0)]))
         return by_pipeline[key]
 
-    for i, sh in enumerate(shape_list):
-        mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
-        for mb in mbs:
-            accum = sh.per_replica // mb
-            if pipeline_allows(sh.layout, accum):
-                queue.append((_bound(sh, mb, levels_of(sh)[0]), len(queue), i, mb, 0, False))
-    ctx.stats.candidates += len(queue)
+    ctx.stats.candidates += sum(len(fam.members) * len(fam.micro_batches) for fam in families)
+    bounds = FamilyBounds(ctx, offload)
+    queue = [(bounds.family(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), (-1, k), _FAMILY, (fam, mb))
+             for k, (fam, mb) in enumerate((fam, mb) for fam in families for mb in fam.micro_batches)]
     heapq.heapify(queue)
     best: list[Scored] = []  # sorted by key, at most top_k
-    counter = len(queue)
+    serial = len(queue)  # tie-breaker of families, members and candidates that went back
+    popped = pushed_back = 0  # candidates, for the count of those the bound pruned
     while queue:
-        bound, _, i, mb, level, fits = heapq.heappop(queue)
+        bound, _, what, item = heapq.heappop(queue)
         if len(best) == top_k and bound > best[-1].seconds_per_token:
-            ctx.stats.bound_pruned += len(queue) + 1
+            ctx.stats.bound_pruned += ctx.stats.candidates - popped + pushed_back
             break
-        sh = shape_list[i]
+        if what == _FAMILY:
+            fam, mb = item
+            level = levels_of(fam.group.pp, fam.schedule[1])[0]
+            for j in fam.members:
+                serial += 1
+                heapq.heappush(queue, (bounds.member(fam, j, mb, level), (-1, serial), _MEMBER, (fam, j, mb)))
+            continue
+        if what == _MEMBER:
+            fam, j, mb = item
+            sh = bounds.shape(fam, j)
+            if sh is not None:
+                order = (0, (fam.group_index, j, fam.schedule_index, mb))
+                heapq.heappush(queue, (_bound(sh, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), order,
+                                       _CANDIDATE, (sh, mb, 0, False)))
+            continue
+        popped += 1
+        sh, mb, level, fits = item
+        levels = levels_of(sh.layout.pp, sh.layout.virtual_stages)
         if not fits:
-            found = _lightest_fit(ctx, sh, mb, level, levels_of(sh))
+            found = _lightest_fit(ctx, sh, mb, level, levels)
             if found is None:
                 continue
             if found != level:
-                counter += 1
-                heapq.heappush(queue, (_bound(sh, mb, levels_of(sh)[found]), counter, i, mb, found, True))
+                serial += 1
+                pushed_back += 1
+                heapq.heappush(queue, (_bound(sh, mb, levels[found]), (1, serial), _CANDIDATE, (sh, mb, found, True)))
                 continue
         layout = with_stage_layers(ctx.model, sh.layout.replace(
-            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels_of(sh)[level][0],
-            recompute_layers=levels_of(sh)[level][1]))
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels[level][0],
+            recompute_layers=levels[level][1]))
         tick = time.perf_counter()
         result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
         ctx.stats.simulate_s += time.perf_counter() - tick
@@ -303,7 +285,7 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     return best
 
 
-def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int,
+def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
                   recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
     if sh.state_fits is None:

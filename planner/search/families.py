@@ -1,0 +1,193 @@
+"""Families of shapes, bounded before they are built: how the search skips most of a large space.
+
+On 16,384 GPUs a 1T model has about 15,000 shapes (a MoE model over 100,000,
+with ep and etp), and building each one's Layout and pricing its gradient
+reduction is most of a search. A *family* is one `ShapeGroup` (mesh pp x dp x
+cp x tp and sequence parallelism) with one pipeline schedule; its *members*
+are the group's splits (dp_replicate, dp_shard, ZeRO, ep, etp). Branch-and-bound
+(planner.search.search) then works on three levels, each bound never above the
+ones below it, so expanding in bound order finds exactly what bounding every
+candidate would (and pops the candidates in the same order):
+
+1. family x micro-batch: `StepBound.relaxed` with each layer term at the
+   minimum over the members (GPU time over their expert grids, FSDP
+   collectives, expert all-to-alls) and every rank's tail at 0;
+2. member x micro-batch: the same with the member's own layer terms, still
+   no Layout built;
+3. candidate: the shape's Layout and full bound (`StepBound.for_shape`).
+
+Which members an engine refuses is decided per split, on the split's layout
+with a one-stage pipeline: engines refuse on degrees, ZeRO, experts and
+precision, never on the pipeline (`tests/unit/test_search_families.py` checks
+it on every engine); a built shape is checked again on its own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.engines import get_engine
+from planner.layout import Layout, divisors
+from planner.search.bound import ShapeBound
+from planner.search.candidates import ShapeGroup, global_batch_for, pipeline_allows, shape_groups
+from planner.training import TrainingSpec
+
+
+@dataclass
+class Shape:
+    """A shape with its batch, and what memory checks learned about it."""
+
+    layout: Layout
+    training: TrainingSpec
+    per_replica: int  # sequences per data-parallel replica per step
+    bound: ShapeBound  # its step-time bound for any micro-batch and recompute
+    state_fits: bool | None = None  # None until model_state_bytes is checked
+    levels: dict[int, int] = field(default_factory=dict)  # micro-batch -> lightest fitting recompute level
+
+
+@dataclass
+class Family:
+    """One schedule of a ShapeGroup: its shapes differ only in the split of dp, ZeRO and the expert grid."""
+
+    group_index: int  # enumeration order of its group
+    group: ShapeGroup
+    schedule_index: int
+    schedule: tuple[str, int]  # (pp_schedule, virtual_stages)
+    training: TrainingSpec
+    per_replica: int
+    members: tuple[int, ...]  # indices into group.splits the engine accepts, in order
+    micro_batches: tuple[int, ...]  # the micro-batch sizes its schedule can run
+    shapes: dict[int, Shape | None] = field(default_factory=dict)  # built on demand; None: refused after all
+
+    @property
+    def pipeline(self) -> tuple[int, str, int]:
+        return self.group.pp, self.schedule[0], self.schedule[1]
+
+    def mesh(self, split: tuple[int, int, int, int, int]) -> tuple[int, ...]:
+        """The mesh shape (pp, dp_replicate, dp_shard, cp, tp) of a split."""
+        g = self.group
+        return g.pp, split[0], split[1], g.cp, g.tp
+
+
+def build_families(ctx, offload: str) -> list[Family]:
+    """Every family whose dp can run the global batch; counts its shapes and refusals in ctx.stats.
+
+    `ctx` is the search's context (planner.search.search._Context).
+    """
+    batches: dict[int, int | None] = {}
+
+    def dp_ok(dp: int) -> bool:
+        if dp not in batches:
+            unit = dp * (ctx.pins.micro_batch_size or 1)
+            batches[dp] = global_batch_for(dp, unit, ctx.target_batch, ctx.batch_fixed)
+            ctx.stats.batch_rejected += batches[dp] is None
+        return batches[dp] is not None
+
+    engine = get_engine(ctx.engine)
+    refusals: dict[tuple, str | None] = {}
+    out: list[Family] = []
+    for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
+        training = ctx.training(batches[group.dp])
+        accepted = []
+        for j, split in enumerate(group.splits):
+            key = (split, group.cp, group.tp, group.sequence_parallel, training.global_batch_size)
+            if key not in refusals:
+                refusals[key] = engine.refusal(ctx.model, group.layout(split, ("1f1b", 1), offload).replace(pp=1),
+                                               ctx.dtype, ctx.on_gpu, training)
+            if refusals[key]:  # the plan must run on our executor (planner.engines)
+                ctx.stats.unsupported += len(group.schedules)
+                ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusals[key]
+            else:
+                accepted.append(j)
+        per_replica = training.global_batch_size // group.dp
+        pinned = ctx.pins.micro_batch_size
+        for s, schedule in enumerate(group.schedules):
+            probe = Layout(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
+            mbs = tuple(mb for mb in ((pinned,) if pinned else divisors(per_replica))
+                        if pipeline_allows(probe, per_replica // mb))
+            ctx.stats.shapes += len(accepted)
+            if accepted:
+                out.append(Family(index, group, s, schedule, training, per_replica, tuple(accepted), mbs))
+    return out
+
+
+class FamilyBounds:
+    """The level-1 and level-2 bounds of the module docstring, and the shapes built on demand."""
+
+    def __init__(self, ctx, offload: str) -> None:
+        self.ctx, self.bound, self.offload = ctx, ctx.bound, offload
+        self._probes: dict[tuple, Layout] = {}
+        self._group_terms: dict[tuple, tuple[tuple[float, float], float]] = {}
+
+    def family(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> float:
+        """Level 1: never above `member` for any member of `fam` (per token)."""
+        fsdp, expert_s, grids = self._group_minima(fam)
+        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in grids]
+        low = tuple(min(u[i] for u in units) for i in range(4))
+        return self._relaxed(fam, low, fsdp, expert_s, micro_batch_size, recompute)
+
+    def member(self, fam: Family, j: int, micro_batch_size: int, recompute: tuple[str, int]) -> float:
+        """Level 2: never above the bound of the member's shape at this micro-batch (per token)."""
+        split = fam.group.splits[j]
+        _, shard, zero, ep, etp = split
+        mesh = fam.mesh(split)
+        return self._relaxed(fam, self._unit(fam, (ep, etp), micro_batch_size, recompute),
+                             self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training),
+                             self.bound.expert(mesh, ep, etp, fam.training), micro_batch_size, recompute)
+
+    def shape(self, fam: Family, j: int) -> Shape | None:
+        """Level 3: member j's Shape, built once; None if the engine refuses its real layout after all."""
+        if j not in fam.shapes:
+            ctx = self.ctx
+            layout = fam.group.layout(fam.group.splits[j], fam.schedule, self.offload)
+            refusal = get_engine(ctx.engine).refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
+            if refusal:  # counted as a shape and its candidates in build_families: correct the counts
+                ctx.stats.shapes -= 1
+                ctx.stats.candidates -= len(fam.micro_batches)
+                ctx.stats.unsupported += 1
+                fam.shapes[j] = None
+            else:
+                fam.shapes[j] = Shape(layout, fam.training, fam.per_replica, self.bound.for_shape(layout, fam.training))
+        return fam.shapes[j]
+
+    # ---- pieces ----------------------------------------------------------
+
+    def _relaxed(self, fam: Family, units: tuple[float, float, float, float], fsdp: tuple[float, float],
+                 expert_s: float, micro_batch_size: int, recompute: tuple[str, int]) -> float:
+        g = fam.group
+        seconds = self.bound.relaxed(units, fsdp, expert_s, fam.training, micro_batch_size, recompute, fam.pipeline,
+                                     g.tp, g.cp, fam.per_replica)
+        return seconds / fam.training.tokens_per_step
+
+    def _unit(self, fam: Family, grid: tuple[int, int], micro_batch_size: int,
+              recompute: tuple[str, int]) -> tuple[float, float, float, float]:
+        """StepBound.unit of a member with expert grid (ep, etp), asked on a probe layout with the same unit key."""
+        g, (ep, etp) = fam.group, grid
+        key = (g.tp, g.cp, g.sequence_parallel, ep, etp, *(fam.pipeline if recompute[1] else ()))
+        probe = self._probes.get(key)
+        if probe is None:
+            pp, schedule, v = fam.pipeline if recompute[1] else (1, "1f1b", 1)
+            probe = self._probes[key] = Layout(tp=g.tp, pp=pp, dp_shard=ep * etp, cp=g.cp, ep=ep, etp=etp,
+                                               zero_stage=1 if ep * etp > 1 else 0,
+                                               sequence_parallel=g.sequence_parallel, pp_schedule=schedule,
+                                               virtual_stages=v)
+        return self.bound.unit(probe, fam.training, micro_batch_size, recompute)
+
+    def _group_minima(self, fam: Family) -> tuple[tuple[float, float], float, tuple[tuple[int, int], ...]]:
+        """(FSDP collectives, expert communication), each the minimum over the family's members, and their
+        distinct expert grids (ep, etp)."""
+        key = (fam.group_index, fam.members)
+        hit = self._group_terms.get(key)
+        if hit is None:
+            ag = ag_rs = expert_s = float("inf")
+            grids: dict[tuple[int, int], None] = {}
+            for j in fam.members:
+                split = fam.group.splits[j]
+                _, shard, zero, ep, etp = split
+                mesh = fam.mesh(split)
+                fsdp = self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training)
+                ag, ag_rs = min(ag, fsdp[0]), min(ag_rs, fsdp[1])
+                expert_s = min(expert_s, self.bound.expert(mesh, ep, etp, fam.training))
+                grids[ep, etp] = None
+            hit = self._group_terms[key] = ((ag, ag_rs), expert_s, tuple(grids))
+        return hit
