@@ -48,6 +48,7 @@ exhaustive simulation finds. Change this file with planner/simulate/step.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
@@ -157,35 +158,39 @@ class StepBound:
 
     def relaxed(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
                 training: TrainingSpec, micro_batch_size: int, recompute: tuple[str, int], pipeline: tuple[int, str, int],
-                tp: int, cp: int, per_replica: int) -> float:
+                tp: int, cp: int, per_replica: int, maximum: Callable = max) -> float:
         """`ShapeBound.seconds` with every rank's tail (gradient reduction, gathers, optimizer) at 0.
 
         Given terms at or below those of a set of shapes with this pipeline (pp, schedule, virtual
         stages), tp, cp and micro-batch count, it is never above the bound of any of them: every
         step of the chain is a sum or max of non-negative terms, and floating-point rounding of
         sums and maxima is monotone. The search bounds a group of shapes with it before it builds them.
+        With numpy arrays of terms and maximum=np.maximum it bounds many shapes at once, with the same
+        operations in the same order, hence the same values.
         """
         pp, schedule, v = pipeline
         kinds = self._chains.get(pipeline)
         if kinds is None:
             kinds = self._chains[pipeline] = tuple((*kind[:5], 0.0, 0.0, 0.0) for kind in rank_structure(
                 self.model.n_layers, pp, v, schedule, ()))
-        probe = Layout(tp=tp, cp=cp)  # end_times reads tp and cp only
-        f_layer, b_layer = self._layers(units, fsdp, expert_s, training, recompute, pp * v)
-        return chain_seconds(f_layer, b_layer, self.end_times(probe, training, micro_batch_size),
+        f_layer, b_layer = self._layers(units, fsdp, expert_s, training, recompute, pp * v, maximum)
+        ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
+            self.end_times(Layout(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
+        return chain_seconds(f_layer, b_layer, ends,
                              per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
-                             schedule in CHAIN_BACK_SCHEDULES)
+                             schedule in CHAIN_BACK_SCHEDULES, maximum)
 
     def _layers(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
-                training: TrainingSpec, recompute: str | tuple[str, int], stages: int) -> tuple[float, float]:
-        """(F, B) of one layer and micro-batch (module docstring)."""
+                training: TrainingSpec, recompute: str | tuple[str, int], stages: int, maximum: Callable = max
+                ) -> tuple[float, float]:
+        """(F, B) of one layer and micro-batch (module docstring); numpy arrays of terms with maximum=np.maximum."""
         f, b, tp_f, tp_b = units
         ag, ag_rs = fsdp
         host = self.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-        f_layer = max(max(f, ag) + tp_f + expert_s, host)
+        f_layer = maximum(maximum(f, ag) + tp_f + expert_s, host)
         kind, n = recompute_level(recompute)
         share = recomputed_share(kind, n, self.model.n_layers, stages)
-        b_layer = max(max(b, ag_rs) + tp_b + expert_s, host * (2.0 + share))
+        b_layer = maximum(maximum(b, ag_rs) + tp_b + expert_s, host * (2.0 + share))
         return f_layer, b_layer
 
     def expert(self, shape_key: tuple[int, ...], ep: int, etp: int, training: TrainingSpec) -> float:
@@ -344,8 +349,11 @@ class ShapeBound:
 
 
 def chain_seconds(f_layer: float, b_layer: float, ends: tuple[float, float, float, float], n: int,
-                  kinds: tuple[tuple, ...], overlap: bool, chain_back: bool) -> float:
-    """The pipeline chains of the module docstring: F and B of a layer, the embedding/output ends, n micro-batches."""
+                  kinds: tuple[tuple, ...], overlap: bool, chain_back: bool, maximum: Callable = max) -> float:
+    """The pipeline chains of the module docstring: F and B of a layer, the embedding/output ends, n micro-batches.
+
+    F and B may be numpy arrays (one entry per shape) with maximum=np.maximum.
+    """
     ef, eb, of, ob = ends
     best = chain_end = rank0_tail = 0.0
     for held, below, emb, out, low, reduce_s, last_bucket_s, after_s in kinds:
@@ -354,14 +362,14 @@ def chain_seconds(f_layer: float, b_layer: float, ends: tuple[float, float, floa
         start = below * f_layer + (ef if low else 0.0)
         end = start + n * (fr + br)
         if overlap:
-            finish = max(end + last_bucket_s, start + n * fr + (n - 1) * br + reduce_s)
+            finish = maximum(end + last_bucket_s, start + n * fr + (n - 1) * br + reduce_s)
         else:
             finish = end + reduce_s
-        best = max(best, finish + after_s)
+        best = maximum(best, finish + after_s)
         if low:
-            chain_end = max(chain_end, end + below * b_layer + eb)
+            chain_end = maximum(chain_end, end + below * b_layer + eb)
         else:
             rank0_tail = after_s + (last_bucket_s if overlap else reduce_s)
     if chain_back:  # the backward chain ends on rank 0, then its tail
-        best = max(best, chain_end + rank0_tail)
+        best = maximum(best, chain_end + rank0_tail)
     return best

@@ -24,7 +24,10 @@ it on every engine); a built shape is checked again on its own layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, divisors
@@ -58,6 +61,7 @@ class Family:
     members: tuple[int, ...]  # indices into group.splits the engine accepts, in order
     micro_batches: tuple[int, ...]  # the micro-batch sizes its schedule can run
     shapes: dict[int, Shape | None] = field(default_factory=dict)  # built on demand; None: refused after all
+    checked: bool = False  # members filtered by the engine's refusals (FamilyBounds.accept)
 
     @property
     def pipeline(self) -> tuple[int, str, int]:
@@ -83,31 +87,17 @@ def build_families(ctx, offload: str) -> list[Family]:
             ctx.stats.batch_rejected += batches[dp] is None
         return batches[dp] is not None
 
-    engine = get_engine(ctx.engine)
-    refusals: dict[tuple, str | None] = {}
     out: list[Family] = []
     for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
         training = ctx.training(batches[group.dp])
-        accepted = []
-        for j, split in enumerate(group.splits):
-            key = (split, group.cp, group.tp, group.sequence_parallel, training.global_batch_size)
-            if key not in refusals:
-                refusals[key] = engine.refusal(ctx.model, group.layout(split, ("1f1b", 1), offload).replace(pp=1),
-                                               ctx.dtype, ctx.on_gpu, training)
-            if refusals[key]:  # the plan must run on our executor (planner.engines)
-                ctx.stats.unsupported += len(group.schedules)
-                ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusals[key]
-            else:
-                accepted.append(j)
         per_replica = training.global_batch_size // group.dp
         pinned = ctx.pins.micro_batch_size
         for s, schedule in enumerate(group.schedules):
             probe = Layout(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
             mbs = tuple(mb for mb in ((pinned,) if pinned else divisors(per_replica))
                         if pipeline_allows(probe, per_replica // mb))
-            ctx.stats.shapes += len(accepted)
-            if accepted:
-                out.append(Family(index, group, s, schedule, training, per_replica, tuple(accepted), mbs))
+            out.append(Family(index, group, s, schedule, training, per_replica, tuple(range(len(group.splits))), mbs))
+            ctx.stats.shapes += len(group.splits)
     return out
 
 
@@ -117,23 +107,54 @@ class FamilyBounds:
     def __init__(self, ctx, offload: str) -> None:
         self.ctx, self.bound, self.offload = ctx, ctx.bound, offload
         self._probes: dict[tuple, Layout] = {}
-        self._group_terms: dict[tuple, tuple[tuple[float, float], float]] = {}
+        self._refusals: dict[tuple, str | None] = {}
+        self._first_refusal: tuple[int, int] | None = None  # enumeration position of the first refused split
+        self._group_terms: dict[tuple, _Terms] = {}
 
     def family(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> float:
-        """Level 1: never above `member` for any member of `fam` (per token)."""
-        fsdp, expert_s, grids = self._group_minima(fam)
-        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in grids]
+        """Level 1: never above `members` for any member of `fam` (per token)."""
+        terms = self._terms(fam)
+        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids]
         low = tuple(min(u[i] for u in units) for i in range(4))
-        return self._relaxed(fam, low, fsdp, expert_s, micro_batch_size, recompute)
+        return self._relaxed(fam, low, (terms.ag.min(), terms.ag_rs.min()), terms.expert_s.min(), micro_batch_size,
+                             recompute)
 
-    def member(self, fam: Family, j: int, micro_batch_size: int, recompute: tuple[str, int]) -> float:
-        """Level 2: never above the bound of the member's shape at this micro-batch (per token)."""
-        split = fam.group.splits[j]
-        _, shard, zero, ep, etp = split
-        mesh = fam.mesh(split)
-        return self._relaxed(fam, self._unit(fam, (ep, etp), micro_batch_size, recompute),
-                             self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training),
-                             self.bound.expert(mesh, ep, etp, fam.training), micro_batch_size, recompute)
+    def members(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> np.ndarray:
+        """Level 2, for every member of `fam` at once: never above the bound of its shape (per token)."""
+        terms = self._terms(fam)
+        units = np.array([self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids])[terms.grid]
+        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, micro_batch_size,
+                             recompute, np.maximum)
+
+    def accept(self, fam: Family) -> None:
+        """Drop the members the engine refuses (asked once per split, on its layout with a one-stage pipeline)."""
+        if fam.checked:
+            return
+        ctx, group, accepted = self.ctx, fam.group, []
+        engine = get_engine(ctx.engine)
+        for j in fam.members:
+            split = group.splits[j]
+            key = (split, group.cp, group.tp, group.sequence_parallel, fam.training.global_batch_size)
+            if key not in self._refusals:
+                self._refusals[key] = engine.refusal(
+                    ctx.model, group.layout(split, ("1f1b", 1), self.offload).replace(pp=1), ctx.dtype, ctx.on_gpu,
+                    fam.training)
+            refusal = self._refusals[key]
+            if not refusal:
+                accepted.append(j)
+                continue
+            self._refused(fam)  # the plan must run on our executor (planner.engines)
+            if self._first_refusal is None or (fam.group_index, j) < self._first_refusal:
+                self._first_refusal = (fam.group_index, j)
+                ctx.stats.unsupported_reason = refusal
+        fam.members, fam.checked = tuple(accepted), True
+
+    def _refused(self, fam: Family) -> None:
+        """Count one shape of `fam` (and its candidates) as refused instead of searched."""
+        stats = self.ctx.stats
+        stats.shapes -= 1
+        stats.candidates -= len(fam.micro_batches)
+        stats.unsupported += 1
 
     def shape(self, fam: Family, j: int) -> Shape | None:
         """Level 3: member j's Shape, built once; None if the engine refuses its real layout after all."""
@@ -141,10 +162,9 @@ class FamilyBounds:
             ctx = self.ctx
             layout = fam.group.layout(fam.group.splits[j], fam.schedule, self.offload)
             refusal = get_engine(ctx.engine).refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
-            if refusal:  # counted as a shape and its candidates in build_families: correct the counts
-                ctx.stats.shapes -= 1
-                ctx.stats.candidates -= len(fam.micro_batches)
-                ctx.stats.unsupported += 1
+            if refusal:  # its one-stage stand-in was accepted
+                self._refused(fam)
+                ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
                 fam.shapes[j] = None
             else:
                 fam.shapes[j] = Shape(layout, fam.training, fam.per_replica, self.bound.for_shape(layout, fam.training))
@@ -152,11 +172,11 @@ class FamilyBounds:
 
     # ---- pieces ----------------------------------------------------------
 
-    def _relaxed(self, fam: Family, units: tuple[float, float, float, float], fsdp: tuple[float, float],
-                 expert_s: float, micro_batch_size: int, recompute: tuple[str, int]) -> float:
+    def _relaxed(self, fam: Family, units: tuple, fsdp: tuple, expert_s, micro_batch_size: int,
+                 recompute: tuple[str, int], maximum: Callable = max):
         g = fam.group
         seconds = self.bound.relaxed(units, fsdp, expert_s, fam.training, micro_batch_size, recompute, fam.pipeline,
-                                     g.tp, g.cp, fam.per_replica)
+                                     g.tp, g.cp, fam.per_replica, maximum)
         return seconds / fam.training.tokens_per_step
 
     def _unit(self, fam: Family, grid: tuple[int, int], micro_batch_size: int,
@@ -173,21 +193,33 @@ class FamilyBounds:
                                                virtual_stages=v)
         return self.bound.unit(probe, fam.training, micro_batch_size, recompute)
 
-    def _group_minima(self, fam: Family) -> tuple[tuple[float, float], float, tuple[tuple[int, int], ...]]:
-        """(FSDP collectives, expert communication), each the minimum over the family's members, and their
-        distinct expert grids (ep, etp)."""
+    def _terms(self, fam: Family) -> _Terms:
+        """The members' layer terms that do not depend on the micro-batch, as arrays (shared by a group's schedules)."""
         key = (fam.group_index, fam.members)
         hit = self._group_terms.get(key)
         if hit is None:
-            ag = ag_rs = expert_s = float("inf")
-            grids: dict[tuple[int, int], None] = {}
+            grids: dict[tuple[int, int], int] = {}
+            rows = []
             for j in fam.members:
                 split = fam.group.splits[j]
                 _, shard, zero, ep, etp = split
                 mesh = fam.mesh(split)
-                fsdp = self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training)
-                ag, ag_rs = min(ag, fsdp[0]), min(ag_rs, fsdp[1])
-                expert_s = min(expert_s, self.bound.expert(mesh, ep, etp, fam.training))
-                grids[ep, etp] = None
-            hit = self._group_terms[key] = ((ag, ag_rs), expert_s, tuple(grids))
+                rows.append((grids.setdefault((ep, etp), len(grids)),
+                             *self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training),
+                             self.bound.expert(mesh, ep, etp, fam.training)))
+            table = np.array(rows, dtype=np.float64).reshape(-1, 4)
+            hit = self._group_terms[key] = _Terms(tuple(grids), table[:, 0].astype(np.int64), table[:, 1],
+                                                  table[:, 2], table[:, 3])
         return hit
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """Per member of a family: index into `grids` (its (ep, etp)), FSDP all-gather, all-gather + reduce-scatter,
+    expert communication."""
+
+    grids: tuple[tuple[int, int], ...]
+    grid: np.ndarray
+    ag: np.ndarray
+    ag_rs: np.ndarray
+    expert_s: np.ndarray

@@ -82,7 +82,9 @@ class NearMiss:
 
 @dataclass
 class SearchStats:
-    shapes: int = 0  # shapes whose dp can run the global batch
+    # shapes whose dp can run the global batch, less those the engine refuses (asked of the shapes the
+    # search looked at: all of them whenever nothing fits or is accepted)
+    shapes: int = 0
     batch_rejected: int = 0  # data-parallel degrees that cannot run it
     state_pruned: int = 0  # shapes whose model state alone does not fit
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
@@ -247,10 +249,15 @@ def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload
             break
         if what == _FAMILY:
             fam, mb = item
-            level = levels_of(fam.group.pp, fam.schedule[1])[0]
-            for j in fam.members:
-                serial += 1
-                heapq.heappush(queue, (bounds.member(fam, j, mb, level), (-1, serial), _MEMBER, (fam, j, mb)))
+            bounds.accept(fam)
+            if not fam.members:
+                continue
+            member_bounds = bounds.members(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0])
+            limit = best[-1].seconds_per_token if len(best) == top_k else float("inf")
+            for j, member_bound in zip(fam.members, member_bounds.tolist(), strict=True):
+                if member_bound <= limit:  # the others could only be popped after the search ends
+                    serial += 1
+                    heapq.heappush(queue, (member_bound, (-1, serial), _MEMBER, (fam, j, mb)))
             continue
         if what == _MEMBER:
             fam, j, mb = item
