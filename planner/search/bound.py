@@ -63,7 +63,7 @@ from planner.layout import (
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import StepComm, expert_comm_s, group_offsets
+from planner.simulate.comm import StepComm, expert_comm_s, expert_grid_key, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
@@ -197,7 +197,10 @@ class StepBound:
         """Expert communication of one layer pass at micro-batch 1 (module docstring) on mesh `shape_key`."""
         if self.model.moe is None or ep * etp == 1:
             return 0.0
-        key = ("expert", shape_key, ep, etp, training.seq_len, training.dtype_bytes)
+        # the all-to-alls and etp collectives run on the "ep" and "etp" groups only: meshes with the same
+        # expert grid key, cp and tp price the same
+        key = ("expert", expert_grid_key(shape_key, ep, etp, self.cluster.gpus_per_node), shape_key[3], shape_key[4],
+               training.seq_len, training.dtype_bytes)
         hit = self._times.get(key)
         if hit is None:
             one = self._expert_layout(shape_key, ep, etp)  # micro-batch 1

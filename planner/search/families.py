@@ -58,10 +58,13 @@ class Family:
     schedule: tuple[str, int]  # (pp_schedule, virtual_stages)
     training: TrainingSpec
     per_replica: int
-    members: tuple[int, ...]  # indices into group.splits the engine accepts, in order
     micro_batches: tuple[int, ...]  # the micro-batch sizes its schedule can run
     shapes: dict[int, Shape | None] = field(default_factory=dict)  # built on demand; None: refused after all
-    checked: bool = False  # members filtered by the engine's refusals (FamilyBounds.accept)
+
+    @property
+    def members(self) -> range:
+        """Indices into group.splits (the engine's refusals are asked when a member's shape is built)."""
+        return range(len(self.group.splits))
 
     @property
     def pipeline(self) -> tuple[int, str, int]:
@@ -96,7 +99,7 @@ def build_families(ctx, offload: str) -> list[Family]:
             probe = Layout(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
             mbs = tuple(mb for mb in ((pinned,) if pinned else divisors(per_replica))
                         if pipeline_allows(probe, per_replica // mb))
-            out.append(Family(index, group, s, schedule, training, per_replica, tuple(range(len(group.splits))), mbs))
+            out.append(Family(index, group, s, schedule, training, per_replica, mbs))
             ctx.stats.shapes += len(group.splits)
     return out
 
@@ -108,16 +111,23 @@ class FamilyBounds:
         self.ctx, self.bound, self.offload = ctx, ctx.bound, offload
         self._probes: dict[tuple, Layout] = {}
         self._refusals: dict[tuple, str | None] = {}
-        self._first_refusal: tuple[int, int] | None = None  # enumeration position of the first refused split
-        self._group_terms: dict[tuple, _Terms] = {}
+        self._first_refusal: tuple[int, int, int] | None = None  # enumeration position of the first refused split
+        self._group_terms: dict[int, _Terms] = {}  # by group index
+        self._grid_sets: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def family(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> float:
         """Level 1: never above `members` for any member of `fam` (per token)."""
-        terms = self._terms(fam)
-        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids]
+        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in self._grids(fam)]
         low = tuple(min(u[i] for u in units) for i in range(4))
-        return self._relaxed(fam, low, (terms.ag.min(), terms.ag_rs.min()), terms.expert_s.min(), micro_batch_size,
-                             recompute)
+        return self._relaxed(fam, low, (0.0, 0.0), 0.0, micro_batch_size, recompute)
+
+    def _grids(self, fam: Family) -> tuple[tuple[int, int], ...]:
+        """The distinct expert grids (ep, etp) of the group's splits."""
+        key = fam.group_index
+        hit = self._grid_sets.get(key)
+        if hit is None:
+            hit = self._grid_sets[key] = tuple(dict.fromkeys((split[3], split[4]) for split in fam.group.splits))
+        return hit
 
     def members(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> np.ndarray:
         """Level 2, for every member of `fam` at once: never above the bound of its shape (per token)."""
@@ -126,45 +136,33 @@ class FamilyBounds:
         return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, micro_batch_size,
                              recompute, np.maximum)
 
-    def accept(self, fam: Family) -> None:
-        """Drop the members the engine refuses (asked once per split, on its layout with a one-stage pipeline)."""
-        if fam.checked:
-            return
-        ctx, group, accepted = self.ctx, fam.group, []
-        engine = get_engine(ctx.engine)
-        for j in fam.members:
-            split = group.splits[j]
-            key = (split, group.cp, group.tp, group.sequence_parallel, fam.training.global_batch_size)
-            if key not in self._refusals:
-                self._refusals[key] = engine.refusal(
-                    ctx.model, group.layout(split, ("1f1b", 1), self.offload).replace(pp=1), ctx.dtype, ctx.on_gpu,
-                    fam.training)
-            refusal = self._refusals[key]
-            if not refusal:
-                accepted.append(j)
-                continue
-            self._refused(fam)  # the plan must run on our executor (planner.engines)
-            if self._first_refusal is None or (fam.group_index, j) < self._first_refusal:
-                self._first_refusal = (fam.group_index, j)
-                ctx.stats.unsupported_reason = refusal
-        fam.members, fam.checked = tuple(accepted), True
-
-    def _refused(self, fam: Family) -> None:
-        """Count one shape of `fam` (and its candidates) as refused instead of searched."""
+    def _refused(self, fam: Family, position: tuple[int, int, int], refusal: str) -> None:
+        """Count one shape of `fam` (and its candidates) as refused instead of searched; keep the reason of the
+        first refused shape in enumeration order (every shape's, when nothing was accepted)."""
         stats = self.ctx.stats
         stats.shapes -= 1
         stats.candidates -= len(fam.micro_batches)
         stats.unsupported += 1
+        if self._first_refusal is None or position < self._first_refusal:
+            self._first_refusal, stats.unsupported_reason = position, refusal
 
     def shape(self, fam: Family, j: int) -> Shape | None:
-        """Level 3: member j's Shape, built once; None if the engine refuses its real layout after all."""
+        """Level 3: member j's Shape, built once; None if the engine refuses it."""
         if j not in fam.shapes:
-            ctx = self.ctx
-            layout = fam.group.layout(fam.group.splits[j], fam.schedule, self.offload)
-            refusal = get_engine(ctx.engine).refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
-            if refusal:  # its one-stage stand-in was accepted
-                self._refused(fam)
-                ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
+            ctx, group, split = self.ctx, fam.group, fam.group.splits[j]
+            engine = get_engine(ctx.engine)
+            key = (split, group.cp, group.tp, group.sequence_parallel, fam.training.global_batch_size)
+            if key not in self._refusals:  # asked once per split, on its layout with a one-stage pipeline
+                replicate, shard, zero, ep, etp = split
+                stand_in = Layout(tp=group.tp, dp_replicate=replicate, dp_shard=shard, cp=group.cp, ep=ep, etp=etp,
+                                  zero_stage=zero, sequence_parallel=group.sequence_parallel, offload=self.offload)
+                self._refusals[key] = engine.refusal(ctx.model, stand_in, ctx.dtype, ctx.on_gpu, fam.training)
+            refusal, layout = self._refusals[key], None
+            if not refusal:
+                layout = group.layout(split, fam.schedule, self.offload)
+                refusal = engine.refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
+            if refusal:  # the plan must run on our executor (planner.engines)
+                self._refused(fam, (fam.group_index, j, fam.schedule_index), refusal)
                 fam.shapes[j] = None
             else:
                 fam.shapes[j] = Shape(layout, fam.training, fam.per_replica, self.bound.for_shape(layout, fam.training))
@@ -195,7 +193,7 @@ class FamilyBounds:
 
     def _terms(self, fam: Family) -> _Terms:
         """The members' layer terms that do not depend on the micro-batch, as arrays (shared by a group's schedules)."""
-        key = (fam.group_index, fam.members)
+        key = fam.group_index
         hit = self._group_terms.get(key)
         if hit is None:
             grids: dict[tuple[int, int], int] = {}

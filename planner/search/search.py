@@ -83,7 +83,7 @@ class NearMiss:
 @dataclass
 class SearchStats:
     # shapes whose dp can run the global batch, less those the engine refuses (asked of the shapes the
-    # search looked at: all of them whenever nothing fits or is accepted)
+    # search built: all of them whenever nothing is accepted)
     shapes: int = 0
     batch_rejected: int = 0  # data-parallel degrees that cannot run it
     state_pruned: int = 0  # shapes whose model state alone does not fit
@@ -249,7 +249,6 @@ def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload
             break
         if what == _FAMILY:
             fam, mb = item
-            bounds.accept(fam)
             if not fam.members:
                 continue
             member_bounds = bounds.members(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0])

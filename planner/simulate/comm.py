@@ -113,7 +113,6 @@ def representative_groups(shape: tuple[int, ...], axes: tuple[str, ...], gpus_pe
     return tuple(tuple((base + offsets).tolist()) for base in seen.values())
 
 
-@lru_cache(maxsize=4096)
 def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
                                  ) -> tuple[tuple[int, ...], ...]:
     """One group per distinct node placement among the "ep", "etp" or "edp" groups of the expert grid.
@@ -121,9 +120,34 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     A group is its first rank plus fixed offsets, so (as in
     `representative_groups`) its placement depends on that rank modulo the
     node size only; the smallest first rank of each reachable residue is priced.
+    The answer depends on the grid's shape only through what `_expert_groups`
+    takes: the ranks of a replica's stage, and how many stages (and replicas)
+    there are up to the node size (more add no residue); a 16,384-GPU search
+    asks it for a few hundred distinct keys instead of every mesh.
     """
     pp, replicate, shard, cp, tp = shape
-    inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
+    g = gpus_per_node
+    if kind == "edp":
+        return _expert_groups(shard * cp * tp, replicate, min(pp, g), ep, etp, kind, g)
+    return _expert_groups(shard * cp * tp, 1, min(pp * replicate, g), ep, etp, kind, g)
+
+
+def expert_grid_key(shape: tuple[int, ...], ep: int, etp: int, gpus_per_node: int) -> tuple[int, int, int, int]:
+    """What the "ep" and "etp" groups of `representative_expert_groups` depend on: meshes with equal keys have
+    the same representative groups (the ranks of a stage replica, stage replicas up to the node size, ep, etp)."""
+    pp, replicate, shard, cp, tp = shape
+    return shard * cp * tp, min(pp * replicate, gpus_per_node), ep, etp
+
+
+@lru_cache(maxsize=4096)
+def _expert_groups(inner: int, replicate: int, outer: int, ep: int, etp: int, kind: str, g: int
+                   ) -> tuple[tuple[int, ...], ...]:
+    """`representative_expert_groups` of a grid with `inner` ranks per stage replica.
+
+    "edp": `replicate` replicas and `outer` = min(pp, g) stages; "ep"/"etp":
+    `outer` = min(pp * replicate, g) stage replicas (replicate is 1).
+    """
+    block = ep * etp
     # a first rank is a sum of per-coordinate terms, and its residue modulo g depends on each term's
     # residue only: keep the smallest term of each residue, then combine (at most g^3, usually a few)
     def terms(step: int, count: int) -> dict[int, int]:  # residue -> smallest k * step, k < count
@@ -134,10 +158,10 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
 
     if kind == "edp":
         offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
-        parts = [terms(replicate * inner, pp), terms(1, block)]
+        parts = [terms(replicate * inner, outer), terms(1, block)]
     else:
         offsets = expert_group_offsets(ep, etp, kind)
-        parts = [terms(inner, pp * replicate), terms(block, inner // block),
+        parts = [terms(inner, outer), terms(block, inner // block),
                  terms(1, etp) if kind == "ep" else terms(etp, ep)]
     smallest: dict[int, int] = {0: 0}
     for part in parts:
@@ -151,8 +175,8 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     seen: dict[tuple[int, ...], int] = {}
     offs = np.asarray(offsets, dtype=np.int64)
     for base in sorted(smallest.values()):
-        _, per_node = np.unique((base % g + offs) // g, return_counts=True)
-        seen.setdefault(tuple(sorted(per_node.tolist())), base)
+        per_node = np.bincount((base % g + offs) // g)
+        seen.setdefault(tuple(sorted(per_node[per_node > 0].tolist())), base)
     return tuple(tuple((base + offs).tolist()) for base in seen.values())
 
 
