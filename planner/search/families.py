@@ -114,11 +114,17 @@ class FamilyBounds:
         self._first_refusal: tuple[int, int, int] | None = None  # enumeration position of the first refused split
         self._group_terms: dict[int, _Terms] = {}  # by group index
         self._grid_sets: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._low_units: dict[tuple, tuple[float, float, float, float]] = {}
 
     def family(self, fam: Family, micro_batch_size: int, recompute: tuple[str, int]) -> float:
         """Level 1: never above `members` for any member of `fam` (per token)."""
-        units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in self._grids(fam)]
-        low = tuple(min(u[i] for u in units) for i in range(4))
+        g, grids = fam.group, self._grids(fam)
+        key = (g.tp, g.cp, g.sequence_parallel, grids, micro_batch_size, recompute,
+               *(fam.pipeline if recompute[1] else ()))
+        low = self._low_units.get(key)
+        if low is None:
+            units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in grids]
+            low = self._low_units[key] = tuple(min(u[i] for u in units) for i in range(4))
         return self._relaxed(fam, low, (0.0, 0.0), 0.0, micro_batch_size, recompute)
 
     def _grids(self, fam: Family) -> tuple[tuple[int, int], ...]:
