@@ -16,10 +16,10 @@ candidate would (and pops the candidates in the same order):
    no Layout built;
 3. candidate: the shape's Layout and full bound (`StepBound.for_shape`).
 
-Which members an engine refuses is decided per split, on the split's layout
-with a one-stage pipeline: engines refuse on degrees, ZeRO, experts and
-precision, never on the pipeline (`tests/unit/test_search_families.py` checks
-it on every engine); a built shape is checked again on its own layout.
+The engine's refusals are asked of a shape when it is built; the bounds of
+levels 1 and 2 cover refused members too, which keeps them lower bounds. So
+the shapes a search never built are counted in `SearchStats.shapes` whether
+or not the engine would run them.
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ class FamilyBounds:
     def __init__(self, ctx, offload: str) -> None:
         self.ctx, self.bound, self.offload = ctx, ctx.bound, offload
         self._probes: dict[tuple, Layout] = {}
-        self._refusals: dict[tuple, str | None] = {}
         self._first_refusal: tuple[int, int, int] | None = None  # enumeration position of the first refused split
         self._group_terms: dict[int, _Terms] = {}  # by group index
         self._grid_sets: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -155,18 +154,9 @@ class FamilyBounds:
     def shape(self, fam: Family, j: int) -> Shape | None:
         """Level 3: member j's Shape, built once; None if the engine refuses it."""
         if j not in fam.shapes:
-            ctx, group, split = self.ctx, fam.group, fam.group.splits[j]
-            engine = get_engine(ctx.engine)
-            key = (split, group.cp, group.tp, group.sequence_parallel, fam.training.global_batch_size)
-            if key not in self._refusals:  # asked once per split, on its layout with a one-stage pipeline
-                replicate, shard, zero, ep, etp = split
-                stand_in = Layout(tp=group.tp, dp_replicate=replicate, dp_shard=shard, cp=group.cp, ep=ep, etp=etp,
-                                  zero_stage=zero, sequence_parallel=group.sequence_parallel, offload=self.offload)
-                self._refusals[key] = engine.refusal(ctx.model, stand_in, ctx.dtype, ctx.on_gpu, fam.training)
-            refusal, layout = self._refusals[key], None
-            if not refusal:
-                layout = group.layout(split, fam.schedule, self.offload)
-                refusal = engine.refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
+            ctx = self.ctx
+            layout = fam.group.layout(fam.group.splits[j], fam.schedule, self.offload)
+            refusal = get_engine(ctx.engine).refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
             if refusal:  # the plan must run on our executor (planner.engines)
                 self._refused(fam, (fam.group_index, j, fam.schedule_index), refusal)
                 fam.shapes[j] = None

@@ -30,6 +30,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from planner.engines import get_engine
 from planner.layout import Layout, partial_recompute_options
 from planner.memory.estimate import default_other_bytes
@@ -251,19 +253,22 @@ def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload
             fam, mb = item
             if not fam.members:
                 continue
+            # its members in bound order behind one queue entry (a cursor), which holds the next one's bound
             member_bounds = bounds.members(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0])
-            limit = best[-1].seconds_per_token if len(best) == top_k else float("inf")
-            for j, member_bound in zip(fam.members, member_bounds.tolist(), strict=True):
-                if member_bound <= limit:  # the others could only be popped after the search ends
-                    serial += 1
-                    heapq.heappush(queue, (member_bound, (-1, serial), _MEMBER, (fam, j, mb)))
+            order = np.argsort(member_bounds, kind="stable")
+            serial += 1
+            heapq.heappush(queue, (float(member_bounds[order[0]]), (-1, serial), _MEMBER,
+                                   (fam, mb, order.tolist(), member_bounds[order].tolist(), 0)))
             continue
         if what == _MEMBER:
-            fam, j, mb = item
-            sh = bounds.shape(fam, j)
+            fam, mb, order, values, at = item
+            if at + 1 < len(order):
+                serial += 1
+                heapq.heappush(queue, (values[at + 1], (-1, serial), _MEMBER, (fam, mb, order, values, at + 1)))
+            sh = bounds.shape(fam, order[at])
             if sh is not None:
-                order = (0, (fam.group_index, j, fam.schedule_index, mb))
-                heapq.heappush(queue, (_bound(sh, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), order,
+                position = (0, (fam.group_index, order[at], fam.schedule_index, mb))
+                heapq.heappush(queue, (_bound(sh, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), position,
                                        _CANDIDATE, (sh, mb, 0, False)))
             continue
         popped += 1
