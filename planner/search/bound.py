@@ -54,6 +54,7 @@ from functools import lru_cache
 from planner.engines import DDP_BUCKET_BYTES, get_engine
 from planner.layout import (
     DP_AXES,
+    MESH_AXES,
     Layout,
     balanced_layers,
     rank_chunks,
@@ -101,6 +102,16 @@ def rank_structure(n_layers: int, pp: int, v: int, schedule: str, layers_per_sta
         if work not in kinds or below[low] > kinds[work][1]:
             kinds[work] = (work[0], below[low], *work[1:], r)
     return tuple(kinds.values())
+
+
+@lru_cache(maxsize=16384)
+def _axes_key(shape_key: tuple[int, ...], axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(size, stride) of each of `axes` in the mesh: what the group of rank 0 along them depends on."""
+    strides, step = {}, 1
+    for axis, size in zip(reversed(MESH_AXES), reversed(shape_key), strict=True):
+        strides[axis] = (size, step)
+        step *= size
+    return tuple(strides[axis] for axis in MESH_AXES if axis in axes)
 
 
 def rank_kinds(model: ModelSpec, layout: Layout) -> tuple[tuple[int, int, bool, bool, bool, StageParams], ...]:
@@ -228,15 +239,19 @@ class StepBound:
     def _rank_kinds(self, layout: Layout) -> tuple:
         """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
         key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep, layout.etp,
-               *((layout.dp_shard, layout.cp) if self.model.moe is not None else ()))
+               *((layout.expert_dp_shard,) if self.model.moe is not None else ()))
         hit = self._kinds.get(key)
         if hit is None:
             hit = self._kinds[key] = rank_kinds(self.model, layout)
         return hit
 
     def _time(self, op: str, size_bytes: float, shape_key: tuple[int, ...], axes: tuple[str, ...]) -> float:
-        """`op` on the group of rank 0 along `axes`, cached here: a DP group of thousands of ranks is slow to hash."""
-        key = (op, size_bytes, shape_key, axes)
+        """`op` on the group of rank 0 along `axes`, cached here: a DP group of thousands of ranks is slow to hash.
+
+        That group is the sums of k * stride over the axes (`group_offsets`), so it is keyed by the axes' sizes
+        and strides: meshes that differ elsewhere share the price.
+        """
+        key = (op, size_bytes, _axes_key(shape_key, axes))
         hit = self._times.get(key)
         if hit is None:
             group = group_offsets(shape_key, axes)

@@ -193,14 +193,17 @@ class FamilyBounds:
         hit = self._group_terms.get(key)
         if hit is None:
             grids: dict[tuple[int, int], int] = {}
+            experts: dict[tuple, float] = {}  # the ZeRO stages of a split share it
             rows = []
             for j in fam.members:
                 split = fam.group.splits[j]
-                _, shard, zero, ep, etp = split
+                replicate, shard, zero, ep, etp = split
                 mesh = fam.mesh(split)
-                rows.append((grids.setdefault((ep, etp), len(grids)),
-                             *self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training),
-                             self.bound.expert(mesh, ep, etp, fam.training)))
+                expert_s = experts.get((replicate, shard, ep, etp))
+                if expert_s is None:
+                    expert_s = experts[replicate, shard, ep, etp] = self.bound.expert(mesh, ep, etp, fam.training)
+                fsdp = self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training) if zero >= 2 else (0.0, 0.0)
+                rows.append((grids.setdefault((ep, etp), len(grids)), *fsdp, expert_s))
             table = np.array(rows, dtype=np.float64).reshape(-1, 4)
             hit = self._group_terms[key] = _Terms(tuple(grids), table[:, 0].astype(np.int64), table[:, 1],
                                                   table[:, 2], table[:, 3])
