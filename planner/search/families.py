@@ -92,6 +92,8 @@ def build_families(ctx, offload: str) -> list[Family]:
 
     out: list[Family] = []
     for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
+        if not group.splits:
+            continue
         training = ctx.training(batches[group.dp])
         per_replica = training.global_batch_size // group.dp
         pinned = ctx.pins.micro_batch_size
