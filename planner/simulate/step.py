@@ -352,7 +352,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     engines run such steps, with a larger bubble.
     """
     cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    traits = traits or get_engine(engine).time
+    traits = traits or get_engine(engine).time_for(training.attention)
     layout = with_stage_layers(model, layout)
     if layout.world_size != cluster.world_size:
         raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
