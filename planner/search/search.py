@@ -3,7 +3,9 @@
 Order of work, cheapest test first (the rules themselves are in planner.search.candidates):
 
 1. shapes: mesh degrees, ZeRO, SP, schedule (planner.search.candidates.shapes),
-   each with the global batch its dp runs and its micro-batch sizes;
+   each with the global batch its dp runs and its micro-batch sizes, grouped in
+   families that share mesh, SP and schedule (planner.search.families) and are
+   bounded before any of their Layouts is built;
 2. model state (params + grads + optimizer on the worst stage,
    `planner.memory.states.model_state_bytes`) plus the fixed overhead must fit: otherwise no
    micro-batch or recomputation can save the shape;
@@ -12,11 +14,14 @@ Order of work, cheapest test first (the rules themselves are in planner.search.c
    micro-batch is not tried again at a larger one);
 4. branch-and-bound: every (shape, micro-batch) gets a lower bound of its
    step time (`planner.search.bound.StepBound`: `planner.simulate.step.compute_lower_bound_s`
-   is the same for almost every layout, this one prices shapes, TP, FSDP,
+   is the same for almost every layout of a search, this one prices shapes, TP, FSDP,
    the pipeline bubble and the DP tail, typically within a few % of the
    simulated time); they are expanded in order of that bound, so memory is checked
    and the simulator run only for candidates that could still enter the top
    k, and the search stops when the next bound cannot beat the k-th best.
+   Families and their members enter the same queue with bounds below their
+   candidates', so candidates are popped in the order a queue of all of them
+   would pop them (the same answer), while most are never built.
 
 Ranking is by step time per token, which is step time whenever every layout
 runs the same global batch (always, when --global-batch is given; by default

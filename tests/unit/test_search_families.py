@@ -15,12 +15,12 @@ import random
 import numpy as np
 import pytest
 
-from planner.engines import ENGINES, get_engine
+from planner.engines import get_engine
 from planner.layout import divisors, partial_recompute_options
 from planner.model.load import load_model
 from planner.plan import with_stage_layers
 from planner.search.bound import StepBound
-from planner.search.candidates import Pins, pipeline_allows, shape_groups, shapes
+from planner.search.candidates import Pins, pipeline_allows, shapes
 from planner.search.families import FamilyBounds, build_families
 from planner.search.search import USABLE_MEMORY_FRACTION, Scored, _Context, search
 from planner.simulate.calibration import load_calibration
@@ -172,22 +172,6 @@ def test_family_and_member_bounds_never_exceed_a_candidate_bound(name, gpus, eng
                     assert candidate * fam.training.tokens_per_step <= step * (1 + 1e-9)
                     simulated += 1
     assert simulated > 10
-
-
-@pytest.mark.parametrize("engine", sorted(ENGINES))
-@pytest.mark.parametrize("name", ["llama3-70b", "mixtral-8x7b", "deepseek-v3"])
-def test_engine_refusals_do_not_depend_on_the_pipeline(engine, name):
-    """The search asks an engine's refusal once per split, on its layout with one pipeline stage."""
-    model = load_model(name)
-    eng = get_engine(engine)
-    rng = random.Random(1)
-    training = TrainingSpec(4096, 1024)
-    for group in shape_groups(1024, model, 4096, Pins()):
-        for split in rng.sample(group.splits, min(3, len(group.splits))):
-            flat = group.layout(split, ("1f1b", 1), "none").replace(pp=1)
-            answers = {eng.refusal(model, group.layout(split, schedule, "none"), "bf16", True, training)
-                       for schedule in group.schedules}
-            assert answers == {eng.refusal(model, flat, "bf16", True, training)}, (group, split)
 
 
 @pytest.mark.parametrize("gpus_per_node", [4, 8, 72])
