@@ -238,9 +238,10 @@ class StepBound:
     # ---- cached pieces -------------------------------------------------------
 
     def _rank_kinds(self, layout: Layout) -> tuple:
-        """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
-        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep, layout.etp,
-               *((layout.expert_dp_shard,) if self.model.moe is not None else ()))
+        """`rank_kinds`, cached by what decides the counts (pipeline_params' inputs but the expert ZeRO group, which
+        StageParams only records: `_tail` takes it from the layout)."""
+        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep,
+               layout.etp)
         hit = self._kinds.get(key)
         if hit is None:
             hit = self._kinds[key] = rank_kinds(self.model, layout)
@@ -321,7 +322,7 @@ class StepBound:
             if experts is not None:
                 gather += experts.expert_time_s("all_gather", sp.experts * d, "edp")
         shard = shape.dp_shard if shape.zero_stage >= 1 else 1
-        local = sp.dense / shard + sp.experts / (sp.expert_shard if shape.zero_stage >= 1 else 1)
+        local = sp.dense / shard + sp.experts / (shape.expert_dp_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)
 
     def end_times(self, shape: Layout, training: TrainingSpec, micro_batch_size: int
