@@ -38,6 +38,9 @@ FP32_BYTES = DTYPE_BYTES["fp32"]
 DDP_BUCKET_BYTES = 25 << 20
 
 
+PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
+
+
 @dataclass(frozen=True)
 class TimeTraits:
     """How an engine runs a step, where that changes the time."""
@@ -45,6 +48,23 @@ class TimeTraits:
     fused_attention: bool  # FlashAttention-style kernel; else softmax over materialized scores
     overlap_dp: bool  # gradient reduction overlapped with the last micro-batch's backward
     overlap_tp_backward: bool = False  # backward TP all-reduces overlap the weight-gradient GEMMs
+    # How activations and their gradients cross a pipeline boundary (PIPE_P2P):
+    # "overlapped": one transfer per direction that only delays its consumer (Megatron's batched
+    #   isend/irecv, torch.distributed.pipelining);
+    # "exchange": DeepSpeed's PipelineEngine. Every step of its TrainSchedule opens with a blocking
+    #   exchange with one neighbour (send the activation then receive the gradient, or the
+    #   reverse), which holds both stages; with tp > 1 each tensor crosses split over the tp ranks
+    #   (PartitionedTensor, 1/t per rank) and is all-gathered over tp where it is used;
+    # "exchange-whole-grads": the same before DeepSpeed 0.5.4 (2021-09-29): gradients cross whole
+    #   (t times the bytes of a split one) and the sender all-gathers its split output back for the backward.
+    pipe_p2p: str = "overlapped"
+    # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
+    # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
+    recompute_pipe_ends: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipe_p2p not in PIPE_P2P:
+            raise PlanError(f"pipe_p2p must be one of {PIPE_P2P}, got {self.pipe_p2p!r}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,15 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
+    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
+    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
+    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
+    executor_experts: bool = False
+    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
+    # its backward, and a non-last stage receives one output gradient; the boundary tensor is the residual
+    # stream, fp32 under autocast (planner.memory.estimate; validate-memory, pp 2 1F1B)
+    pp_stage_outputs: bool = False
     # context parallel all-gathers the K/V of the whole sequence before attention (torch's
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
@@ -196,8 +225,9 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 # It reproduces published NeMo H100 runs within 1-4% MAPE
 # (bench/accuracy_published.py).
 #
-# deepspeed: eager attention, gradients reduced after the backward, otherwise
-# Megatron's layout with gradients in the compute dtype.
+# deepspeed: Megatron-DeepSpeed on DeepSpeed's PipelineEngine (DEEPSPEED_PIPE_2022:
+# eager attention, gradients reduced after the backward, blocking pipeline
+# exchanges), otherwise Megatron's layout with gradients in the compute dtype.
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
@@ -213,6 +243,22 @@ _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp
 # (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
 # all-reduce), and `--engine megatron --attention eager` runs on them.
 MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
+# Megatron-DeepSpeed on DeepSpeed's PipelineEngine (deepspeed/runtime/pipe), the
+# 2022 release: the same overlap, but the pipeline boundaries are DeepSpeed's
+# blocking exchanges of tp-split tensors (TimeTraits.pipe_p2p "exchange";
+# DeepSpeed >= 0.5.4 splits activations and gradients, PartitionedTensor). The
+# `deepspeed` engine runs on it.
+DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True,
+                                 pipe_p2p="exchange")
+# The same stack as MT-NLG 530B ran it in 2021 (Smith et al. 2022): DeepSpeed
+# before 0.5.4 sent gradients whole over 2-rank broadcast groups (the
+# activations already split), and its PipelineModule checkpointed every module
+# with parameters, so full recomputation also re-ran the embedding and the tied
+# output layer (from 0.5.4 only ParallelTransformerLayerPipe for GPTModelPipe);
+# the Megatron-DeepSpeed fork ran the backward TP all-reduce in line (Megatron-LM's
+# async all-reduce reached it in its 2021-12-10 sync).
+DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
+                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
@@ -233,7 +279,8 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True, cp_all_gather=True, cp_saves_gathered=True),
+                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
+                     pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
@@ -252,7 +299,7 @@ ENGINES: dict[str, Engine] = {
                      cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
-    "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
+    "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
 ENGINE_NAMES = tuple(ENGINES)
@@ -295,12 +342,29 @@ def _unbuilt_features(model: ModelSpec) -> list[str]:
     return out
 
 
+def _fp8_refusal(model: ModelSpec, layout: Layout, training: TrainingSpec, on_gpu: bool) -> str | None:
+    """What the executor's torchao float8 path (executor.components.float8) does not run."""
+    if training.precision != "fp8":
+        return (f"precision {training.precision}: the executor's 8-bit path is torchao's float8 (tensorwise "
+                "scaling); plan with --precision fp8 or bf16, or --engine megatron for mxfp8")
+    if not on_gpu:
+        return ("precision fp8 on CPU ranks: float8 GEMMs (torch._scaled_mm) need a GPU of compute capability "
+                "8.9 or newer (H100, L4, B200...); plan CPU ranks with --precision bf16")
+    if layout.tp > 1:
+        return (f"precision fp8 with tp ({layout.tp}) > 1: the executor does not apply torchao's float8 "
+                "tensor-parallel styles; plan with --tp 1 or --precision bf16")
+    if training.dtype != "bf16":
+        return f"precision fp8 runs on bf16 compute (torchtitan's recipe), not {training.dtype}; plan with --dtype bf16"
+    return None
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
     if training is not None and training.fp8:
-        return (f"precision {training.precision}: the executor does not run 8-bit GEMMs yet (torchao float8 is "
-                "not a dependency); plan with --precision bf16 or --engine torchtitan / megatron")
+        reason = _fp8_refusal(model, layout, training, on_gpu)
+        if reason:
+            return reason
     unbuilt = _unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)

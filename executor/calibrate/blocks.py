@@ -7,14 +7,19 @@ all-gather and reduce-scatter. Those are measured here, inside the
 collective benchmark's torchrun ranks (`executor.calibrate.comm --block`), on
 `executor.model.Block` at the plan's micro-batch and sequence length:
 
-  plain  forward + backward of a local block, every rank at once
-  tp     the same block split by `block_tp_plan` over all ranks (DTensor)
-  fsdp   the block under fully_shard (ZeRO-3) inside a parameterless root,
-         so it gathers in the forward and backward and reduce-scatters
+  plain       forward + backward of a local block, every rank at once
+  plain_solo  the same on rank 0 alone while the others wait in a gloo
+              barrier (as a pipeline stage waits for its peer): the ratio
+              is `solo_speedup`
+  tp          the same block split by `block_tp_plan` over all ranks (DTensor)
+  tp_ops      operators dispatched on DTensors per TP-split linear, forward
+              and backward, counted in one untimed pass (`DTensorOpCounter`)
+  fsdp        the block under fully_shard (ZeRO-3) inside a parameterless root,
+              so it gathers in the forward and backward and reduce-scatters
 
-`executor.calibrate.fit.fit_host_overheads` turns the three times into
-`layer_overhead_s` and `collective_overhead_s` by subtracting what the
-simulator already prices for the same block.
+`executor.calibrate.fit.fit_blocks` turns the times into the compute level,
+`dtensor_op_overhead_s`, `fsdp_call_overhead_s` and `solo_speedup` by
+subtracting what the simulator already prices for the same block.
 """
 
 from __future__ import annotations
@@ -24,20 +29,70 @@ import time
 from typing import Any
 
 
-def _timed(step, reps: int, barrier) -> float:  # noqa: ANN001
-    """Median seconds of step() after one warm-up, every repeat started together on all ranks."""
-    step()
-    times = []
-    for _ in range(reps):
+def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[str, float]:  # noqa: ANN001
+    """Median seconds of each step over `reps` rounds, after one warm-up of each.
+
+    A round runs every step once, in turn, each started together on all ranks
+    ("solo" steps on rank 0 alone while the others wait in `barrier`), so a
+    burst of load from other jobs falls on every kind of block alike and their
+    ratios stay meaningful. The median is the statistic `meshplan report`
+    takes of a run's steps. Only rank 0's figures are reported.
+    """
+    def once(name: str, step) -> float:  # noqa: ANN001
         barrier()
         start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if rank == 0 or not name.endswith("_solo"):
+            step()
+        elapsed = time.perf_counter() - start
+        barrier()  # the next step starts only when the solo rank is done
+        return elapsed
+
+    for name, step in steps.items():
+        once(name, step)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            times[name].append(once(name, step))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def dtensor_op_counter():  # noqa: ANN201
+    """A TorchDispatchMode counting the operators dispatched with a DTensor among their arguments (.count).
+
+    The mode sees every aten operator before the DTensor subclass handles it;
+    the operators DTensor then runs on its local shards happen inside the
+    mode's handler and are not counted twice.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DTensorOpCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.count += any(issubclass(t, DTensor) for t in types)
+            return func(*args, **(kwargs or {}))
+
+    return DTensorOpCounter()
+
+
+def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: ANN001
+    """(forward, backward) DTensor operators of one pass of `module` (`dtensor_op_counter`)."""
+    with dtensor_op_counter() as forward:
+        out = module(x, cos, sin)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    with dtensor_op_counter() as backward:
+        out.backward(grad)
+    for p in module.parameters():
+        p.grad = None
+    return forward.count, backward.count
 
 
 def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, world: int) -> dict[str, Any]:
-    """{"plain": s, "tp": s or None, "fsdp": s, ...} for one block on this rank (see the module docstring)."""
+    """{"plain": s, "plain_solo": s (rank 0), "tp": s or None, "tp_ops": [fwd, bwd] or None, "fsdp": s, ...}
+    for one block on this rank (see the module docstring)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -65,13 +120,17 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
         return step
 
     out: dict[str, Any] = {"micro_batch": micro_batch, "seq_len": seq_len, "model": spec.name, "world": world}
-    out["plain"] = _timed(run(Block(spec)), reps, dist.barrier)
+    plain = Block(spec)
+    steps = {"plain": run(plain), "plain_solo": run(plain)}
     mesh = init_device_mesh("cpu", (world,))
-    out["tp"] = None
+    out["tp"] = out["tp_ops"] = None
     if spec.n_heads % world == 0 and spec.n_kv_heads % world == 0:
         block = Block(spec)
-        parallelize_module(block, mesh, block_tp_plan(block, False))
-        out["tp"] = _timed(run(block), reps, dist.barrier)
+        tp_plan = block_tp_plan(block, False)
+        parallelize_module(block, mesh, tp_plan)
+        steps["tp"] = run(block)
+        ops = count_dtensor_ops(block, x, grad, cos, sin)
+        out["tp_ops"] = [ops[0] / len(tp_plan), ops[1] / len(tp_plan)]
 
     class Root(nn.Module):  # no parameters of its own: the block stays a non-root FSDP unit
         def __init__(self) -> None:
@@ -84,5 +143,6 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
     root = Root()
     fully_shard(root.block, mesh=mesh, reshard_after_forward=True)
     fully_shard(root, mesh=mesh, reshard_after_forward=True)
-    out["fsdp"] = _timed(run(root), reps, dist.barrier)
+    steps["fsdp"] = run(root)
+    out.update(_timed_rounds(steps, reps, dist.barrier, dist.get_rank()))
     return out

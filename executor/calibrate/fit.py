@@ -24,7 +24,9 @@ measured time), so a 100 us GEMM weighs as much as a 100 ms one.
   with --model (fit_blocks, from one executor block timed plain, under TP and FSDP):
   compute level                one factor on the three efficiencies so the plain
                                block's kernels + host time match its measurement
-  collective_overhead_s        the TP and FSDP blocks' surplus per collective issued
+  dtensor_op_overhead_s        the TP block's surplus per operator dispatched on DTensors
+  fsdp_call_overhead_s         the FSDP block's surplus per FSDP all-gather / reduce-scatter
+  solo_speedup                 the plain block on all ranks at once over on one rank alone
 
 `update_profile_from_run` folds a real training run into a profile (the rule
 is in its docstring).
@@ -253,29 +255,33 @@ def update_profile_from_run(plan_path: Path, measured: dict[str, Any], profile_p
 
 def fit_blocks(profile: CalibrationProfile, gpu: GPUSpec, dtype: str, model: Any, cluster: Cluster,
                blocks: dict[str, Any]) -> dict[str, Any]:
-    """Profile changes from one executor block timed plain, under TP and under FSDP (`blocks`).
+    """Profile changes from one executor block timed plain, alone, under TP and under FSDP (`blocks`).
 
     The simulator prices a layer's pass as combine(kernels + exposed comm,
-    host, p) with host = layer_overhead_s per pass (1 forward, 2 backward)
-    plus collective_overhead_s per collective issued (TP: 2 in the forward, 2
-    in the backward; ZeRO-3: 1 and 2).
+    host, p), host from `planner.simulate.host.layer_host_s`: layer_overhead_s
+    per pass (1 forward, 2 backward), collective_overhead_s per collective,
+    DTensor operators under TP, FSDP calls under ZeRO-3. Each block isolates
+    one of its terms:
 
     1. compute level: the plain block at the plan's shapes, with the ranks
        sharing the cores, is the most faithful measurement of a layer; the
        kernel fits set the shape dependence, and one factor on gemm_,
        attention_ and memory_efficiency makes kernels + host (the tiny-block
        layer_overhead_s) reproduce it (clamped to 5x either way).
-    2. collective_overhead_s: what the TP and FSDP blocks take beyond their
-       kernels, modelled collectives and host time, per collective issued
-       (the median of the two, at least 0): DTensor's redistributions,
-       FSDP2's hooks and copies.
+    2. dtensor_ops_forward / _backward: the operators counted on DTensors per
+       TP-split linear (`tp_ops`); dtensor_op_overhead_s: what the TP block
+       takes beyond its kernels at the TP shard's shapes, its all-reduces and
+       the eager host time, per DTensor operator (at least 0).
+    3. fsdp_call_overhead_s: what the FSDP block takes beyond its kernels,
+       gathers, reduce-scatter and eager host time, per FSDP collective.
+    4. solo_speedup: the plain block on all ranks at once over the same block
+       on one rank while the others wait (1 to 4).
     """
-    import statistics
-
     from planner.layout import Layout
     from planner.memory.params import layer_params_split
     from planner.simulate.comm import StepComm
     from planner.simulate.compute import fsdp_copy_times, layer_times
+    from planner.simulate.host import fsdp_calls, layer_host_s, tp_linears_per_layer
 
     peak, d = gpu.peak_flops(dtype), DTYPE_BYTES[dtype]
     mb, seq, world = int(blocks["micro_batch"]), int(blocks["seq_len"]), int(blocks["world"])
@@ -292,23 +298,36 @@ def fit_blocks(profile: CalibrationProfile, gpu: GPUSpec, dtype: str, model: Any
     def host_s(measured: float, busy: float) -> float:  # inverse of combine in its second argument
         return max(measured**p - busy**p, 0.0) ** (1.0 / p)
 
+    def eager_host_s(cal: CalibrationProfile, layout: Layout, calls: tuple[int, int]) -> float:
+        """The block's host time without the term being fitted (that term is 0 in `cal`)."""
+        return sum(layer_host_s(model, layout, cal, layer, calls))
+
     plain = Layout(micro_batch_size=mb)
     factor = _clamp(kernels_s(profile, plain) / busy_s(float(blocks["plain"]), 3.0 * layer), 0.2, 5.0)
     changes: dict[str, Any] = {k: _clamp(getattr(profile, k) * factor, EFF_BOUNDS[0], EFF_BOUNDS[1])
                                for k in ("gemm_efficiency", "attention_efficiency", "memory_efficiency")}
+    if blocks.get("plain_solo"):
+        changes["solo_speedup"] = _clamp(float(blocks["plain"]) / float(blocks["plain_solo"]), 1.0, 4.0)
     cal = profile.replace(**changes)
-    per_call = []
+    if blocks.get("tp_ops"):
+        changes["dtensor_ops_forward"], changes["dtensor_ops_backward"] = (float(x) for x in blocks["tp_ops"])
+        cal = cal.replace(dtensor_ops_forward=changes["dtensor_ops_forward"],
+                          dtensor_ops_backward=changes["dtensor_ops_backward"])
     if blocks.get("tp"):
         tp = Layout(tp=world, micro_batch_size=mb)
         comm = 4 * StepComm(cluster, tp, cal).tp_point_s(mb * seq * model.hidden * d, False)
-        per_call.append((host_s(float(blocks["tp"]), kernels_s(cal, tp) + comm) - 3.0 * layer) / 4.0)
+        surplus = host_s(float(blocks["tp"]), kernels_s(cal, tp) + comm) - \
+            eager_host_s(cal.replace(dtensor_op_overhead_s=0.0), tp, (2, 2))
+        ops = tp_linears_per_layer(model) * (cal.dtensor_ops_forward + cal.dtensor_ops_backward)
+        changes["dtensor_op_overhead_s"] = max(0.0, surplus / ops) if ops else 0.0
     if blocks.get("fsdp"):
         z3 = Layout(dp_shard=world, zero_stage=3, micro_batch_size=mb)
         step = StepComm(cluster, z3, cal)
         params = sum(layer_params_split(model, 1, 1))
         comm = 2 * step.time_s("all_gather", params * d, ("dp_shard",)) + \
             step.time_s("reduce_scatter", params * 4, ("dp_shard",))
-        per_call.append((host_s(float(blocks["fsdp"]), kernels_s(cal, z3) + comm) - 3.0 * layer) / 3.0)
-    if per_call:
-        changes["collective_overhead_s"] = max(0.0, statistics.median(per_call))
+        calls = fsdp_calls(z3)
+        surplus = host_s(float(blocks["fsdp"]), kernels_s(cal, z3) + comm) - \
+            eager_host_s(cal.replace(fsdp_call_overhead_s=0.0), z3, calls)
+        changes["fsdp_call_overhead_s"] = max(0.0, surplus / sum(calls))
     return changes

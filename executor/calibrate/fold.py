@@ -5,8 +5,11 @@ could be wrong. The parts ("levers"), each a multiplicative correction s:
 
   compute     time of local work: gemm_, attention_ and memory_efficiency / s
   host        layer_overhead_s and collective_overhead_s * s (Python, kernel
-              launches, DTensor and FSDP hooks: what a tiny-block benchmark
-              measures worst)
+              launches: what a tiny-block benchmark measures worst)
+  dtensor     dtensor_op_overhead_s * s (the host time of each operator on a
+              DTensor: only layouts with TP exercise it)
+  fsdp        fsdp_call_overhead_s * s (FSDP2's copies and hooks around each
+              all-gather and reduce-scatter: only ZeRO-2/3 layouts)
   optimizer   optimizer_bytes_per_param * s
   <op>        collective_scale[op] * s for each collective the layout issues
               (all_reduce, all_gather, reduce_scatter, send_recv, ...)
@@ -20,8 +23,12 @@ of the simulated step (finite differences); lam follows by bisection on the
 real simulator, so the folded profile reproduces the run exactly (unless
 every lever hits its bound: `reached` False). A part the run barely
 exercises (e_i ~ 0) keeps its value: a DDP run teaches compute, not the
-all-gathers of ZeRO-3, and a TP run splits its error between compute and its
-all-reduces by how much each weighs in its step and how uncertain each is.
+all-gathers of ZeRO-3 nor DTensor's host time, and a TP run splits its error
+between compute, DTensor's operators and its all-reduces by how much each
+weighs in its step and how uncertain each is. Since the TP-only mechanisms
+have their own levers (and calibrate's measurement of them is the least
+certain), a TP run's surplus lands there rather than in a compute factor
+that DDP would then inherit.
 """
 
 from __future__ import annotations
@@ -32,13 +39,20 @@ from typing import Any
 from planner.simulate.calibration import CalibrationProfile
 
 # How far calibrate's measurement of each part may be from a run (log-space standard deviation):
-# compute is measured at the plan's shapes with the ranks sharing the cores; the host overhead
-# on a tiny block without TP or FSDP hooks; collectives alone, not between the run's kernels.
-PRIOR_SIGMA = {"compute": 0.3, "host": 1.0, "optimizer": 0.3, "collective": 0.6}
+# compute is measured on the executor's own block at the plan's shapes with the ranks sharing
+# the cores, minutes before the run (what remains is the machine's drift); the eager host time on a
+# tiny block; collectives alone, not between the run's kernels; DTensor's and FSDP's host costs as
+# the surplus of a block over everything else, the least certain figures, which also carry the
+# waits of ranks that meet at every collective.
+PRIOR_SIGMA = {"compute": 0.15, "host": 0.5, "dtensor": 1.0, "fsdp": 1.0, "optimizer": 0.3, "collective": 0.6}
 COMPUTE_FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency")
 EFF_MAX = 1.5
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-LEVERS = ("compute", "host", "optimizer", *COLLECTIVES)
+LEVERS = ("compute", "host", "dtensor", "fsdp", "optimizer", *COLLECTIVES)
+# the profile fields each lever scales (compute divides the efficiencies; collectives scale collective_scale[op])
+LEVER_FIELDS = {"compute": COMPUTE_FIELDS, "host": ("layer_overhead_s", "collective_overhead_s"),
+                "dtensor": ("dtensor_op_overhead_s",), "fsdp": ("fsdp_call_overhead_s",),
+                "optimizer": ("optimizer_bytes_per_param",)}
 STEP = 0.05  # relative change of a lever for the elasticity (finite difference)
 
 
@@ -48,12 +62,9 @@ def apply_levers(profile: CalibrationProfile, scales: dict[str, float]) -> Calib
     c = scales.get("compute", 1.0)
     if c != 1.0:
         changes.update({k: min(EFF_MAX, getattr(profile, k) / c) for k in COMPUTE_FIELDS})
-    h = scales.get("host", 1.0)
-    if h != 1.0:
-        changes.update(layer_overhead_s=profile.layer_overhead_s * h,
-                       collective_overhead_s=profile.collective_overhead_s * h)
-    if scales.get("optimizer", 1.0) != 1.0:
-        changes["optimizer_bytes_per_param"] = profile.optimizer_bytes_per_param * scales["optimizer"]
+    for lever in ("host", "dtensor", "fsdp", "optimizer"):
+        if scales.get(lever, 1.0) != 1.0:
+            changes.update({k: getattr(profile, k) * scales[lever] for k in LEVER_FIELDS[lever]})
     ops = {op: s for op, s in scales.items() if op in COLLECTIVES and s != 1.0}
     if ops:
         current = dict(profile.collective_scale)
@@ -97,7 +108,10 @@ def fold_step(step_s, profile: CalibrationProfile, measured_s: float  # noqa: AN
     def simulated(lam: float) -> float:
         return step_s(apply_levers(profile, scales(lam)))
 
-    low, high = -20.0, 20.0  # lam: log s_i = lam * w_i; the step time grows with lam
+    # lam: log s_i = lam * w_i; the step time grows with lam; the range lets the most weighted lever
+    # move by up to 1e4 either way (a run 2x off in compute alone needs lam of log 2 / w_compute)
+    high = math.log(1e4) / max(weights.values())
+    low = -high
     reached = simulated(low) <= measured_s <= simulated(high)
     for _ in range(60):
         mid = (low + high) / 2
@@ -106,13 +120,35 @@ def fold_step(step_s, profile: CalibrationProfile, measured_s: float  # noqa: AN
     new = apply_levers(profile, scales(lam))
     levers = {lever: s for lever, s in scales(lam).items() if abs(math.log(s)) > 1e-4}
     return new, {"levers": levers, "elasticities": {k: v for k, v in e.items() if v > 0}, "reached": reached,
-                 "step_time_s_before": before, "step_time_s_after": step_s(new), "measured_step_time_s": measured_s}
+                 "step_time_s_before": before, "step_time_s_after": step_s(new), "measured_step_time_s": measured_s,
+                 "changed": changed_fields(profile, new)}
+
+
+def changed_fields(old: CalibrationProfile, new: CalibrationProfile) -> dict[str, list[float]]:
+    """{field: [before, after]} of every lever field that moved (collective_scale entries as collective_scale.op)."""
+    out: dict[str, list[float]] = {}
+    for fields in LEVER_FIELDS.values():
+        for k in fields:
+            a, b = getattr(old, k), getattr(new, k)
+            if a != b and abs(math.log(max(b, 1e-300) / max(a, 1e-300))) > 1e-4:
+                out[k] = [a, b]
+    for op in sorted(set(old.collective_scale) | set(new.collective_scale)):
+        a, b = old.collective_scale.get(op, 1.0), new.collective_scale.get(op, 1.0)
+        if abs(math.log(b / a)) > 1e-4:
+            out[f"collective_scale.{op}"] = [a, b]
+    return out
 
 
 def describe(info: dict[str, Any]) -> str:
     """One line: how much each part moved (x1.30 = that part takes 30% longer than the profile said)."""
     parts = ", ".join(f"{lever} x{s:.3f}" for lever, s in sorted(info["levers"].items(), key=lambda kv: -abs(
         math.log(kv[1])))) or "nothing"
+    fields = "; ".join(f"{k} {_fmt(k, a)} -> {_fmt(k, b)}" for k, (a, b) in info.get("changed", {}).items())
     return (f"{parts} (simulated step {info['step_time_s_before']:.4g} s -> {info['step_time_s_after']:.4g} s, "
             f"measured {info['measured_step_time_s']:.4g} s)"
-            + ("" if info["reached"] else "; the measurement is out of the model's reach"))
+            + ("" if info["reached"] else "; the measurement is out of the model's reach")
+            + (f"; fields: {fields}" if fields else ""))
+
+
+def _fmt(key: str, value: float) -> str:
+    return f"{value * 1e6:.0f} us" if key.endswith("_s") else f"{value:.3g}"

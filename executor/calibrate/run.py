@@ -7,7 +7,10 @@ Steps (each one a row of the progress bar on stderr):
   2. causal SDPA forward + backward (the executor's attention kernel);
   3. device-to-device copies (memory-bound work) and one AdamW step;
   4. one tiny transformer block forward (host overhead per layer);
-  5. collectives over 2..N local ranks under torchrun (gloo on CPU, NCCL on GPUs).
+  5. collectives over 2..N local ranks under torchrun (gloo on CPU, NCCL on GPUs)
+     and, with --model on CPU, one block of that model plain, alone, under TP
+     and under FSDP (`executor.calibrate.blocks`: DTensor's and FSDP's host
+     costs, the solo speed of a rank whose peers idle).
 Then `executor.calibrate.fit` fits the profile's parameters and the profile
 is written to --out, with every raw sample beside it (<out>.samples.json) so a
 fit can be audited or redone.
@@ -256,6 +259,12 @@ def render_summary(summary: dict[str, Any], out: str) -> None:
     table.add_row("", "", "optimizer_bytes_per_param", f"{p['optimizer_bytes_per_param']:.1f}")
     table.add_row("", "", "layer_overhead_s", f"{p['layer_overhead_s'] * 1e6:.0f} us")
     table.add_row("", "", "collective_overhead_s", f"{p['collective_overhead_s'] * 1e6:.0f} us")
+    if p.get("dtensor_op_overhead_s"):
+        table.add_row("", "", "dtensor_op_overhead_s (ops/linear)", f"{p['dtensor_op_overhead_s'] * 1e6:.0f} us "
+                      f"({p['dtensor_ops_forward']:.0f} fwd, {p['dtensor_ops_backward']:.0f} bwd)")
+    if p.get("fsdp_call_overhead_s"):
+        table.add_row("", "", "fsdp_call_overhead_s", f"{p['fsdp_call_overhead_s'] * 1e6:.0f} us")
+    table.add_row("", "", "solo_speedup", f"{p.get('solo_speedup', 1.0):.2f}")
     for key, bw in summary["comm_best_busbw_gbytes_per_s"].items():
         table.add_row(f"{key} busbw", f"{bw:.2f} GB/s", "", "")
     links = ", ".join(f"{k} {v:.2f}" for k, v in p["link_efficiency"].items())

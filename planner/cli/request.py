@@ -34,6 +34,9 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
     from topologies.errors import TopologyError, UsageError
 
     eng = get_engine(engine)
+    if options.precision in ("fp8", "mxfp8") and gpu.kind == "cpu":
+        raise UsageError(f"--precision {options.precision}: CPU ranks run in fp32 and have no 8-bit matrix units; "
+                         "plan fp8 on a GPU cluster that has it (e.g. --cluster dgx-h100), or drop --precision")
     if options.precision in ("fp8", "mxfp8") and gpu.kind != "cpu":
         try:
             gpu.peak_flops(options.precision)

@@ -74,6 +74,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
+from planner.simulate.host import layer_host_scale
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 
@@ -148,7 +149,7 @@ class StepBound:
         self._kinds: dict[tuple, tuple] = {}
         self._chains: dict[tuple, tuple] = {}  # per pipeline: rank kinds with their tails at 0 (relaxed)
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
-        self._times: dict[tuple, float] = {}
+        self._times: dict[tuple, float | tuple[float, float]] = {}
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
@@ -169,8 +170,9 @@ class StepBound:
                           kinds, self.expert(shape_key, shape.ep, shape.etp, training))
 
     def relaxed(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
-                training: TrainingSpec, micro_batch_size: int, recompute: tuple[str, int], pipeline: tuple[int, str, int],
-                tp: int, cp: int, per_replica: int, maximum: Callable = max) -> float:
+                host_scale: tuple[float, float], training: TrainingSpec, micro_batch_size: int,
+                recompute: tuple[str, int], pipeline: tuple[int, str, int], tp: int, cp: int, per_replica: int,
+                maximum: Callable = max) -> float:
         """`ShapeBound.seconds` with every rank's tail (gradient reduction, gathers, optimizer) at 0.
 
         Given terms at or below those of a set of shapes with this pipeline (pp, schedule, virtual
@@ -185,25 +187,39 @@ class StepBound:
         if kinds is None:
             kinds = self._chains[pipeline] = tuple((*kind[:5], 0.0, 0.0, 0.0) for kind in rank_structure(
                 self.model.n_layers, pp, v, schedule, ()))
-        f_layer, b_layer = self._layers(units, fsdp, expert_s, training, recompute, pp * v, maximum)
+        f_layer, b_layer = self._layers(units, fsdp, expert_s, host_scale, training, recompute, pp * v, maximum)
         ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
             self.end_times(Layout(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
-        return chain_seconds(f_layer, b_layer, ends,
-                             per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
+        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
                              schedule in CHAIN_BACK_SCHEDULES, maximum)
+        return self._solo(best, pp)
+
+    def _solo(self, seconds, pp: int):
+        """CPU ranks sharing cores: a stage whose peers idle runs up to solo_speedup faster (planner.simulate.host)."""
+        return seconds / self.cal.solo_speedup if pp > 1 else seconds
 
     def _layers(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
-                training: TrainingSpec, recompute: str | tuple[str, int], stages: int, maximum: Callable = max
-                ) -> tuple[float, float]:
+                host_scale: tuple[float, float], training: TrainingSpec, recompute: str | tuple[str, int],
+                stages: int, maximum: Callable = max) -> tuple[float, float]:
         """(F, B) of one layer and micro-batch (module docstring); numpy arrays of terms with maximum=np.maximum."""
         f, b, tp_f, tp_b = units
         ag, ag_rs = fsdp
         host = self.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-        f_layer = maximum(maximum(f, ag) + tp_f + expert_s, host)
+        f_layer = maximum(maximum(f, ag) + tp_f + expert_s, host * host_scale[0])
         kind, n = recompute_level(recompute)
         share = recomputed_share(kind, n, self.model.n_layers, stages)
-        b_layer = maximum(maximum(b, ag_rs) + tp_b + expert_s, host * (2.0 + share))
+        b_layer = maximum(maximum(b, ag_rs) + tp_b + expert_s, host * (host_scale[1] + share * host_scale[0]))
         return f_layer, b_layer
+
+    def host_scale(self, shape: Layout, training: TrainingSpec) -> tuple[float, float]:
+        """The simulator's eager host time per layer pass over layer_overhead_s
+        (planner.simulate.host.layer_host_scale), cached on what it reads."""
+        key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm)
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._times[key] = layer_host_scale(self.model, training, shape,
+                                                      training.fused_attention(self.traits.fused_attention))
+        return hit
 
     def expert(self, shape_key: tuple[int, ...], ep: int, etp: int, training: TrainingSpec) -> float:
         """Expert communication of one layer pass at micro-batch 1 (module docstring) on mesh `shape_key`."""
@@ -357,15 +373,17 @@ class ShapeBound:
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in CHAIN_BACK_SCHEDULES
+        self.host_scale = parent.host_scale(shape, training)
 
     def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f_layer, b_layer = p._layers(p.unit(self.shape, self.training, micro_batch_size, recompute), self.fsdp,
-                                     self.expert_s, self.training, recompute,
+                                     self.expert_s, self.host_scale, self.training, recompute,
                                      self.shape.pp * self.shape.virtual_stages)
-        return chain_seconds(f_layer, b_layer, p.end_times(self.shape, self.training, micro_batch_size),
+        best = chain_seconds(f_layer, b_layer, p.end_times(self.shape, self.training, micro_batch_size),
                              self.per_replica // micro_batch_size, self.kinds, p.traits.overlap_dp, self.chain_back)
+        return p._solo(best, self.shape.pp)
 
 
 def chain_seconds(f_layer: float, b_layer: float, ends: tuple[float, float, float, float], n: int,

@@ -125,8 +125,10 @@ class FamilyBounds:
         low = self._low_units.get(key)
         if low is None:
             units = [self._unit(fam, grid, micro_batch_size, recompute) for grid in grids]
-            low = self._low_units[key] = tuple(min(u[i] for u in units) for i in range(4))
-        return self._relaxed(fam, low, (0.0, 0.0), 0.0, micro_batch_size, recompute)
+            scales = [self.bound.host_scale(self._probe(fam, grid, recompute), fam.training) for grid in grids]
+            low = self._low_units[key] = (tuple(min(u[i] for u in units) for i in range(4)),
+                                          tuple(min(h[i] for h in scales) for i in range(2)))
+        return self._relaxed(fam, low[0], (0.0, 0.0), 0.0, low[1], micro_batch_size, recompute)
 
     def _grids(self, fam: Family) -> tuple[tuple[int, int], ...]:
         """The distinct expert grids (ep, etp) of the group's splits."""
@@ -140,8 +142,10 @@ class FamilyBounds:
         """Level 2, for every member of `fam` at once: never above the bound of its shape (per token)."""
         terms = self._terms(fam)
         units = np.array([self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids])[terms.grid]
-        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, micro_batch_size,
-                             recompute, np.maximum)
+        scales = np.array([self.bound.host_scale(self._probe(fam, grid, recompute), fam.training)
+                           for grid in terms.grids])[terms.grid]
+        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, tuple(scales.T),
+                             micro_batch_size, recompute, np.maximum)
 
     def _refused(self, fam: Family, position: tuple[int, int, int], refusal: str) -> None:
         """Count one shape of `fam` (and its candidates) as refused instead of searched; keep the reason of the
@@ -168,16 +172,22 @@ class FamilyBounds:
 
     # ---- pieces ----------------------------------------------------------
 
-    def _relaxed(self, fam: Family, units: tuple, fsdp: tuple, expert_s, micro_batch_size: int,
+    def _relaxed(self, fam: Family, units: tuple, fsdp: tuple, expert_s, host_scale: tuple, micro_batch_size: int,
                  recompute: tuple[str, int], maximum: Callable = max):
         g = fam.group
-        seconds = self.bound.relaxed(units, fsdp, expert_s, fam.training, micro_batch_size, recompute, fam.pipeline,
-                                     g.tp, g.cp, fam.per_replica, maximum)
+        seconds = self.bound.relaxed(units, fsdp, expert_s, host_scale, fam.training, micro_batch_size, recompute,
+                                     fam.pipeline, g.tp, g.cp, fam.per_replica, maximum)
         return seconds / fam.training.tokens_per_step
 
     def _unit(self, fam: Family, grid: tuple[int, int], micro_batch_size: int,
               recompute: tuple[str, int]) -> tuple[float, float, float, float]:
         """StepBound.unit of a member with expert grid (ep, etp), asked on a probe layout with the same unit key."""
+        return self.bound.unit(self._probe(fam, grid, recompute), fam.training, micro_batch_size, recompute)
+
+    def _probe(self, fam: Family, grid: tuple[int, int], recompute: tuple[str, int]) -> Layout:
+        """A layout with what StepBound.unit and host_scale read of a member with expert grid (ep, etp): tp, cp,
+        sequence parallelism, the expert grid, its recompute ("none", as every shape's), and the pipeline when
+        partial recomputation makes the unit depend on it."""
         g, (ep, etp) = fam.group, grid
         key = (g.tp, g.cp, g.sequence_parallel, ep, etp, *(fam.pipeline if recompute[1] else ()))
         probe = self._probes.get(key)
@@ -187,7 +197,7 @@ class FamilyBounds:
                                                zero_stage=1 if ep * etp > 1 else 0,
                                                sequence_parallel=g.sequence_parallel, pp_schedule=schedule,
                                                virtual_stages=v)
-        return self.bound.unit(probe, fam.training, micro_batch_size, recompute)
+        return probe
 
     def _terms(self, fam: Family) -> _Terms:
         """The members' layer terms that do not depend on the micro-batch, as arrays (shared by a group's schedules)."""

@@ -3,7 +3,8 @@
 Recipe (all times per micro-batch unless said otherwise):
 1. a layer's forward F and backward B (+ W in zero-bubble schedules) from
    `planner.simulate.compute` (FSDP's copies around its collectives included), host
-   overhead overlapped with GPU time (`combine`), plus
+   work (`planner.simulate.host`: eager dispatch, DTensor's operators under TP,
+   FSDP's hooks) overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
    FSDP gathers beyond what the compute hides, EP all-to-alls
    (`planner.simulate.comm`); compute hides at most the calibration's
@@ -14,7 +15,9 @@ Recipe (all times per micro-batch unless said otherwise):
    reduce-scatter, TP's embedding and output all-reduces and, for engines
    without a vocabulary-parallel loss, the logits all-gather;
 3. the pipeline schedule runs as events (`planner.simulate.pipeline`); each rank's
-   busy and idle time come out of it;
+   busy and idle time come out of it; where ranks share cores (calibration
+   `solo_speedup` > 1) each stage's operations are re-priced by how much of
+   their time the other stages idle, and the schedule runs again;
 4. after its last backward a rank reduces gradients over data parallel (the
    part the last micro-batch's backward cannot hide when the engine overlaps,
    all of it when it does not), steps the optimizer and, under ZeRO-1/2,
@@ -52,6 +55,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
+from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -90,7 +94,11 @@ class StepResult:
             time_breakdown_s=dict(self.time_breakdown_s),
             extra={"worst_rank": self.memory.worst_rank, "worst_stage": self.memory.worst_stage,
                    "critical_stage": self.critical_stage, "host_memory_bytes": self.memory.host_bytes,
-                   "memory_peak_phase": self.memory.peak_phase},
+                   "memory_peak_phase": self.memory.peak_phase,
+                   # planner.memory.reserved: tensors (max_memory_allocated) and the caching allocator's
+                   # high-water mark (max_memory_reserved); peak_memory_bytes adds the fixed overhead
+                   "allocated_peak_bytes": self.memory.allocated_bytes,
+                   "reserved_peak_bytes": self.memory.reserved_bytes},
         )
 
 
@@ -155,7 +163,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
                 cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
-    kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
+    kernels (layer_overhead_s per forward scaled by the operations the layer dispatches,
+    planner.simulate.launches; twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
@@ -167,11 +176,12 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes,
                                                    cal.comm_overlap)
-    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-    f = combine(lt.forward_s + sum(comm_f.values()), host + calls_f * cal.collective_overhead_s, p)
-    b = combine(lt.backward_s + sum(comm_b.values()), passes_b * host + calls_b * cal.collective_overhead_s, p)
+    scale_f, scale_b = layer_host_scale(model, training, layout, training.fused_attention(traits.fused_attention))
+    host_f, host_b = layer_host_s(model, layout, cal, host * scale_f, (calls_f, calls_b), host * scale_b)
+    f = combine(lt.forward_s + sum(comm_f.values()), host_f, p)
+    b = combine(lt.backward_s + sum(comm_b.values()), host_b, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0
     return _Unit(f, b, w, comm_f, comm_b)
 
@@ -183,8 +193,9 @@ def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float,
     emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
     out = output_times(model, s, layout, gpu, peak, cal)
     host, p = cal.layer_overhead_s, cal.overlap_exponent
-    return (combine(emb.forward_s, host, p), combine(emb.backward_s, host, p),
-            combine(out.forward_s, host, p), combine(out.backward_s, 2 * host, p))
+    tp_f, tp_b = end_host_s(layout, cal)
+    return (combine(emb.forward_s, host + tp_f, p), combine(emb.backward_s, host + tp_b, p),
+            combine(out.forward_s, host + tp_f, p), combine(out.backward_s, 2 * host + tp_b, p))
 
 
 def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
@@ -211,7 +222,10 @@ def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, co
         root = stage_params(model, layout, rank).root
         ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
         rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        out += [max(0.0, ag - cal.comm_overlap * ends[end]), max(0.0, rs - cal.comm_overlap * ends[end + 1])]
+        # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
+        hooks = cal.fsdp_call_overhead_s
+        out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
+                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + hooks]
     return out[0], out[1], out[2], out[3]
 
 
@@ -278,15 +292,29 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
 
 
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
-         comm_overhead_s: float) -> list[float]:
-    """Transfer time across each chunk boundary c -> c + 1 (activations forward, gradients back)."""
-    n_chunks = layout.pp * layout.virtual_stages
+         comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
+    """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
+
+    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): each 1F1B
+    micro-batch meets two blocking exchanges of activation and gradient (DeepSpeed's
+    TrainSchedule, tests/unit/test_megatron_papers.py) and the all-gathers over tp that
+    rebuild split tensors (activation at the receiver; output, and a split gradient,
+    before the backward): each direction lags one exchange plus half the gathers.
+    """
     size = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
     size /= layout.tp if layout.sequence_parallel else 1
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-    times = [comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1]) if c + 1 < n_chunks else 0.0
-             for c in range(n_chunks)]
-    return [t + comm_overhead_s if t > 0 else 0.0 for t in times]
+    split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
+    part, gathers = (size / layout.tp, comm.time_s("all_gather", size, ("tp",))) if split else (size, 0.0)
+    whole_grads = pipe_p2p == "exchange-whole-grads"
+    times = []
+    for c in range(layout.pp * layout.virtual_stages - 1):
+        t = comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1])
+        if pipe_p2p != "overlapped" and t > 0:
+            act = comm.pair_time_s(part, ("pp",), owner[c], owner[c + 1])
+            t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+        times.append(t)
+    return [t + comm_overhead_s if t > 0 else 0.0 for t in times + [0.0]]
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
@@ -361,14 +389,20 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
+    if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
+        ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
     ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
                  "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
                                           engine)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
-    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
+    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
+    if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
+        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
+                                                       comm_kinds)
+        pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
              for r in range(layout.pp)]
     finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
@@ -426,4 +460,5 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
     output_flops = 3.0 * 2.0 * m * model.vocab / layout.tp * model.hidden
     per_micro_batch = (model.n_layers * layer_flops + output_flops) / layout.pp
-    return layout.grad_accum_steps * per_micro_batch / peak
+    solo = cal.solo_speedup if layout.pp > 1 else 1.0  # a stage whose core-sharing peers idle runs faster
+    return layout.grad_accum_steps * per_micro_batch / (peak * solo)

@@ -43,7 +43,7 @@ def _cpu_plan():
 
 
 def test_calibrate_with_a_model_measures_its_shapes_and_blocks(cli, tmp_path):
-    """--model adds the plan's GEMMs and times one executor block plain, under TP and FSDP on 2 gloo ranks."""
+    """--model adds the plan's GEMMs and times one executor block plain, alone, under TP and FSDP on 2 gloo ranks."""
     out = tmp_path / "profile.json"
     r = cli("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--model", "debug",
             "--seq-len", "64", "--micro-batch", "2", "--out", str(out), timeout=600)
@@ -52,6 +52,10 @@ def test_calibrate_with_a_model_measures_its_shapes_and_blocks(cli, tmp_path):
     samples = json.loads(out.with_suffix(".samples.json").read_text())
     assert {(g["m"], g["n"], g["k"]) for g in samples["gemm"]} >= {(128, 64 + 2 * 32, 64), (128, 256, 64)}
     blocks = samples["blocks"]
-    assert blocks["world"] == 2 and all(blocks[k] > 0 for k in ("plain", "tp", "fsdp"))
+    assert blocks["world"] == 2 and all(blocks[k] > 0 for k in ("plain", "plain_solo", "tp", "fsdp"))
+    # the debug model's TP block: every split linear runs its forward and backward operators on DTensors
+    assert blocks["tp_ops"][1] > blocks["tp_ops"][0] > 0
+    assert (profile.dtensor_ops_forward, profile.dtensor_ops_backward) == tuple(blocks["tp_ops"])
+    assert profile.solo_speedup >= 1.0 and profile.dtensor_op_overhead_s >= 0.0
     assert samples["sharing_ranks"] == 2 and profile.comm_overlap in (0.0, 1.0)
     assert set(profile.collective_scale) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}

@@ -188,32 +188,39 @@ def test_tp_ends_gather_logits_only_without_a_vocab_parallel_loss(monkeypatch):
         assert one.time_breakdown_s["tp_comm"] > 0  # the embedding and output all-reduces in all
 
 
-def test_block_fit_recovers_compute_level_and_collective_overhead():
-    """Block times made by the simulator's own layer model with a known speed and per-call cost."""
+def test_block_fit_recovers_compute_level_dtensor_fsdp_and_solo_costs():
+    """Block times made by the simulator's own layer and host model with known figures: the fit returns them."""
     from executor.calibrate.fit import fit_blocks
     from planner.memory.params import layer_params_split
     from planner.simulate.comm import StepComm
     from planner.simulate.compute import fsdp_copy_times, layer_times
+    from planner.simulate.host import layer_host_s
 
     cluster, gpu = load_cluster("cpu", 2), get_gpu("cpu")
-    base = _cpu_profile().replace(layer_overhead_s=2e-4, collective_scale={"all_gather": 2.0})
+    base = _cpu_profile().replace(layer_overhead_s=2e-4, collective_overhead_s=1e-4,
+                                  collective_scale={"all_gather": 2.0})
     truth = base.replace(gemm_efficiency=base.gemm_efficiency / 1.5, attention_efficiency=base.attention_efficiency
-                         / 1.5, memory_efficiency=base.memory_efficiency / 1.5)
-    per_call = 3e-3
+                         / 1.5, memory_efficiency=base.memory_efficiency / 1.5, dtensor_op_overhead_s=9e-5,
+                         dtensor_ops_forward=5.0, dtensor_ops_backward=11.0, fsdp_call_overhead_s=3e-3)
 
-    def block_s(layout: Layout, comm: float, calls: int) -> float:
+    def block_s(layout: Layout, comm: float, calls: tuple[int, int]) -> float:
         lt = layer_times(SMALL, 256, 4, layout, gpu, gpu.peak_flops("fp32"), truth) + \
             fsdp_copy_times(SMALL, 4, 4, layout, gpu, truth)
-        return lt.forward_s + lt.backward_s + comm + 3 * truth.layer_overhead_s + calls * per_call  # p = 1
+        return lt.forward_s + lt.backward_s + comm + sum(layer_host_s(SMALL, layout, truth, 2e-4, calls))  # p = 1
 
     tp, z3 = Layout(tp=2, micro_batch_size=2), Layout(dp_shard=2, zero_stage=3, micro_batch_size=2)
     params = sum(layer_params_split(SMALL, 1, 1))
     z3_comm = StepComm(cluster, z3, truth)
-    blocks = {"micro_batch": 2, "seq_len": 256, "world": 2,
-              "plain": block_s(Layout(micro_batch_size=2), 0.0, 0),
-              "tp": block_s(tp, 4 * StepComm(cluster, tp, truth).tp_point_s(512 * 384 * 4, False), 4),
+    plain = block_s(Layout(micro_batch_size=2), 0.0, (0, 0))
+    blocks = {"micro_batch": 2, "seq_len": 256, "world": 2, "plain": plain, "plain_solo": plain / 1.3,
+              "tp": block_s(tp, 4 * StepComm(cluster, tp, truth).tp_point_s(512 * 384 * 4, False), (2, 2)),
+              "tp_ops": [5.0, 11.0],
               "fsdp": block_s(z3, 2 * z3_comm.time_s("all_gather", params * 4, ("dp_shard",))
-                              + z3_comm.time_s("reduce_scatter", params * 4, ("dp_shard",)), 3)}
+                              + z3_comm.time_s("reduce_scatter", params * 4, ("dp_shard",)), (1, 2))}
     changes = fit_blocks(base, gpu, "fp32", SMALL, cluster, blocks)
     assert changes["gemm_efficiency"] == pytest.approx(truth.gemm_efficiency, rel=1e-6)
-    assert changes["collective_overhead_s"] == pytest.approx(per_call, rel=1e-6)
+    assert changes["dtensor_op_overhead_s"] == pytest.approx(9e-5, rel=1e-6)
+    assert (changes["dtensor_ops_forward"], changes["dtensor_ops_backward"]) == (5.0, 11.0)
+    assert changes["fsdp_call_overhead_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert changes["solo_speedup"] == pytest.approx(1.3)
+    assert "collective_overhead_s" not in changes  # bare c10d calls are priced by the collective fit

@@ -153,6 +153,9 @@ def test_update_calibration_makes_the_simulator_reproduce_the_run(cli, tmp_path)
     update = r.json()["calibration_update"]
     assert update["reached"] and min(update["levers"].values()) > 1.0  # the run was slower than the defaults
     assert "host" in update["levers"]  # the debug model on H100 is host-bound: its host overhead grew most
+    # it says what it changed, field by field, before -> after
+    before, after = update["changed"]["layer_overhead_s"]
+    assert after > before and "layer_overhead_s" in r.stderr and "->" in r.stderr
     profile = load_calibration(profile_path, plan.cluster.gpu)
     again = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, profile)
     assert again.step_time_s == pytest.approx(measured_s, rel=1e-3)

@@ -201,8 +201,9 @@ def test_vectorized_member_bounds_match_one_by_one():
     units = np.array([[1e-3, 2e-3, 1e-4, 5e-5], [8e-4, 1.5e-3, 2e-4, 0.0]])
     fsdp, expert = (np.array([0.0, 2e-3]), np.array([0.0, 4e-3])), np.array([3e-4, 1e-4])
     for pipeline in ((4, "1f1b", 1), (4, "interleaved-1f1b", 2), (4, "zb-v", 2), (2, "gpipe", 1)):
-        arrays = bound.relaxed(tuple(units.T), fsdp, expert, training, 2, ("none", 0), pipeline, 2, 1, 64,
-                               np.maximum)
-        one_by_one = [bound.relaxed(tuple(units[i]), (fsdp[0][i], fsdp[1][i]), expert[i], training, 2, ("none", 0),
-                                    pipeline, 2, 1, 64) for i in range(2)]
+        scales = np.array([[1.0, 2.0], [1.5, 3.5]])
+        arrays = bound.relaxed(tuple(units.T), fsdp, expert, tuple(scales.T), training, 2, ("none", 0), pipeline, 2,
+                               1, 64, np.maximum)
+        one_by_one = [bound.relaxed(tuple(units[i]), (fsdp[0][i], fsdp[1][i]), expert[i], tuple(scales[i]), training,
+                                    2, ("none", 0), pipeline, 2, 1, 64) for i in range(2)]
         assert arrays.tolist() == one_by_one
