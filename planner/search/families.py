@@ -19,7 +19,8 @@ candidate would (and pops the candidates in the same order):
 The engine's refusals are asked of a shape when it is built; the bounds of
 levels 1 and 2 cover refused members too, which keeps them lower bounds. So
 the shapes a search never built are counted in `SearchStats.shapes` whether
-or not the engine would run them.
+or not the engine would run them, except when nothing was found: then every
+shape is asked, for the error that names the refusal.
 """
 
 from __future__ import annotations
@@ -146,6 +147,19 @@ class FamilyBounds:
                            for grid in terms.grids])[terms.grid]
         return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, tuple(scales.T),
                              micro_batch_size, recompute, np.maximum)
+
+    def ask_refusals(self, families: list[Family]) -> None:
+        """The engine's refusal of every shape not built yet, for the counts and the reason of an empty search."""
+        ctx = self.ctx
+        engine = get_engine(ctx.engine)
+        for fam in families:
+            for j in fam.members:
+                if j not in fam.shapes:
+                    layout = fam.group.layout(fam.group.splits[j], fam.schedule, self.offload)
+                    refusal = engine.refusal(ctx.model, layout, ctx.dtype, ctx.on_gpu, fam.training)
+                    if refusal:
+                        self._refused(fam, (fam.group_index, j, fam.schedule_index), refusal)
+                        fam.shapes[j] = None
 
     def _refused(self, fam: Family, position: tuple[int, int, int], refusal: str) -> None:
         """Count one shape of `fam` (and its candidates) as refused instead of searched; keep the reason of the

@@ -90,7 +90,7 @@ class NearMiss:
 @dataclass
 class SearchStats:
     # shapes whose dp can run the global batch, less those the engine refuses (asked of the shapes the
-    # search built: all of them whenever nothing is accepted)
+    # search built; of all of them when it found nothing)
     shapes: int = 0
     batch_rejected: int = 0  # data-parallel degrees that cannot run it
     state_pruned: int = 0  # shapes whose model state alone does not fit
@@ -197,7 +197,10 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    bound=StepBound(model, cluster, calibration, engine, attention), usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile)
     offload = offload_option(ctx.pins)
-    ranked = _branch_and_bound(ctx, build_families(ctx, offload), top_k, offload)
+    families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
+    ranked = _branch_and_bound(ctx, families, bounds, top_k)
+    if not ranked:  # the counts and the refusal the error names
+        bounds.ask_refusals(families)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
 
@@ -212,7 +215,7 @@ def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:
 _FAMILY, _MEMBER, _CANDIDATE = 0, 1, 2
 
 
-def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload: str) -> list[Scored]:
+def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBounds, top_k: int) -> list[Scored]:
     """Expand (shape, micro-batch) candidates in order of their bound until none can enter the top k.
 
     Families and their members (planner.search.families) enter the queue with
@@ -242,7 +245,6 @@ def _branch_and_bound(ctx: _Context, families: list[Family], top_k: int, offload
         return by_pipeline[key]
 
     ctx.stats.candidates += sum(len(fam.members) * len(fam.micro_batches) for fam in families)
-    bounds = FamilyBounds(ctx, offload)
     queue = [(bounds.family(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), (-1, k), _FAMILY, (fam, mb))
              for k, (fam, mb) in enumerate((fam, mb) for fam in families for mb in fam.micro_batches)]
     heapq.heapify(queue)
