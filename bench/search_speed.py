@@ -87,7 +87,7 @@ def time_search(label: str, runs: int) -> None:
     wall, cpu, sim = ([float(r[i]) for r in rows] for i in range(3))
     simulated, shapes, candidates, layout = rows[0][3:]
     print(f"{label} ({model_name}, engine {engine}) on 16,384 x H100, search alone, cold, over {runs} processes: "
-          f"wall {_stats(wall)}; CPU {_stats(cpu)}; of it simulate_step {_stats(sim)} ({simulated} calls); "
+          f"wall {_stats(wall)}; CPU {_stats(cpu)}; wall inside simulate_step {_stats(sim)} ({simulated} calls); "
           f"{shapes} shapes, {candidates} candidates")
     print(f"  best: {layout}")
 
