@@ -41,6 +41,8 @@ token drop, dispatch) dispatch ~9x a dense layer's forward operations; GB200's
 Grace host pays 2.75x a DGX H100's per operation (TransformerEngine issue
 #2053). Recipe options the host count reads: CUDA graphs for Grok-1 on GB200
 (a graphed layer replays as one launch), moe_grouped_gemm false in v25.02.
+TP communication overlap where the release's recipe ran it (Grok-1 v25.05:
+TP_COMM_OVERLAP), priced as async TP (planner.simulate.tp_overlap).
 
 Left out, with the reason printed: INCONSISTENT rows (the source contradicts
 itself) from fits and MAPE; DeepSeek-V3 on GB200 from fits only (HOST_BOUND):
@@ -55,7 +57,9 @@ at 0.38 from Grok-1's v25.02 rows; GB200 -12%), fit DeepSeek-V3 -> Grok-1
 GB200 was -46% (GPU work alone) and the splits 40.4%, 12.0%, 23.1%. The
 shipped fit (every fitted row): grouped 0.784, network all-to-all 0.569, FP8
 experts 0.737 on H100 and 1.0 on GB200; Grok-1 rows within -10..+15%,
-DeepSeek-V3 H100 -0.3 and +5.3%, DeepSeek-V3 GB200 -12%.
+DeepSeek-V3 H100 -0.3 and +5.3%, DeepSeek-V3 GB200 -12%. With Grok-1
+v25.05's TP overlap priced (2026-11-24; --no-tp-overlap gives the figures
+above) the splits are 19.7%, 11.5% and 13.3%; the shipped fit was not redone.
 
     python bench/accuracy_moe.py          # per-row errors, MAPE/bias/worst per source and split
     python bench/accuracy_moe.py --fit    # also write the fit on every fitted row into the H100 and GB200 profiles
@@ -119,6 +123,13 @@ RECIPES = {
 # moe_grouped_gemm false (one MLP per local expert).
 CUDA_GRAPHS = {("grok1", "gb200")}
 NO_GROUPED_GEMM = {"v25.02.01"}
+# TP communication overlap (TrainingSpec.async_tp, Megatron's --tp-comm-overlap), as each release's
+# recipe sets it: Grok-1 v25.05's script (NeMo 6f2c6fd pretrain_grok1_314b.py) adds
+# MegatronCommOverlapCallback(tp_comm_overlap=True); the v25.02 Grok-1 yaml has ub_tp_comm_overlap
+# false and DeepSeek-V3's script (NeMo 7a8f1cc pretrain_deepseek_v3.py) tp_comm_overlap=False.
+# TP_OVERLAP[0] False (--no-tp-overlap) prices every row without it.
+TP_COMM_OVERLAP = {("grok1", "v25.05")}
+TP_OVERLAP = [True]
 _TOKENS_HALVED = ("the README's tokens/s (572,679 bf16, 807,684 fp8) is half of seq * GBS / step time at "
                   "GBS 1024 = 2 x GPUs (launch.sh) while its MFU agrees with the step time")
 INCONSISTENT = {  # row id -> why the source contradicts itself
@@ -203,7 +214,8 @@ def _row(rec: dict[str, Any]) -> MoERow:
                         recompute=recipe["recompute"], layers_per_stage=_stage_layers(family, model.n_layers, pp * vp))
         training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
                                 attention=recipe["attention"], grad_dtype="bf16",
-                                cuda_graphs=(family, gpu) in CUDA_GRAPHS, moe_grouped_gemm=release not in NO_GROUPED_GEMM)
+                                cuda_graphs=(family, gpu) in CUDA_GRAPHS, moe_grouped_gemm=release not in NO_GROUPED_GEMM,
+                                async_tp=TP_OVERLAP[0] and (family, release) in TP_COMM_OVERLAP and tp > 1)
         validate(model, MoERow.cluster_of(gpu, rec["gpus"]), training, layout)
     except MeshplanError as exc:
         return MoERow(training=None, layout=None, why_not=str(exc), **common)
@@ -336,8 +348,11 @@ def main() -> None:
                         help="write the fit on every consistent row into the shipped H100 and GB200 profiles")
     parser.add_argument("--gb200-domain", type=int, choices=(4, 72), default=72,
                         help="GPUs per NVLink domain on GB200 (module docstring)")
+    parser.add_argument("--no-tp-overlap", action="store_true",
+                        help="price every row without the TP communication overlap its recipe ran (TP_COMM_OVERLAP)")
     args = parser.parse_args()
     GB200_DOMAIN[0] = args.gb200_domain
+    TP_OVERLAP[0] = not args.no_tp_overlap
     rows = load_rows()
     bases = base_profiles()
     usable = [r for r in rows if not r.why_not]

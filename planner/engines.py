@@ -152,6 +152,10 @@ class Engine:
     # AttnFuncWithCP*, torch's ring attention over the SDPA flash/efficient/cuDNN ops; Megatron's
     # own DotProductAttention asserts cp == 1): eager attention with cp > 1 is refused
     cp_needs_fused: bool = False
+    # the engine's option that pipelines SP's all-gathers / reduce-scatters with their GEMMs
+    # (TrainingSpec.async_tp; planner.simulate.tp_overlap); "" where it has none
+    async_tp_option: str = ""
+    async_tp_needs_compile: bool = False  # torchtitan applies it as an Inductor pass: torch.compile required
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -167,6 +171,11 @@ class Engine:
         if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
             return (f"engine {self.name} runs context parallelism (cp {layout.cp}) only inside a fused attention "
                     "kernel; use --attention fused or --cp 1")
+        if training is not None and training.async_tp and (layout.tp == 1 or not layout.sequence_parallel):
+            return (f"async TP pipelines the all-gathers and reduce-scatters of sequence parallelism: it needs "
+                    f"tp > 1 with sequence parallel, got tp {layout.tp}"
+                    f"{'' if layout.sequence_parallel else ' without sequence parallel'}; "
+                    "allow --tp > 1 and --sequence-parallel, or drop --async-tp")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -285,7 +294,7 @@ ENGINES: dict[str, Engine] = {
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
-                       cp_needs_fused=True),
+                       cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -298,7 +307,8 @@ ENGINES: dict[str, Engine] = {
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
                      cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
-        zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
+        zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
+        async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),
     "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }

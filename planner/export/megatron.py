@@ -93,6 +93,8 @@ def _parallel_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> li
         args.append(("--expert-tensor-parallel-size", str(lay.etp)))
     if lay.sequence_parallel:
         args.append(("--sequence-parallel",))
+        if plan.training.async_tp:  # Transformer Engine userbuffers: SP's collectives pipelined with the GEMMs
+            args.append(("--tp-comm-overlap",))
     if lay.cp > 1 and plan.training.seq_len % (2 * lay.cp):
         notes.append(f"cp {lay.cp}: Megatron needs seq_len ({plan.training.seq_len}) divisible by 2 * cp")
     return args + _pipeline_args(plan, notes, version) + _zero_args(plan, notes, version)

@@ -203,6 +203,8 @@ class StepBound:
                 stages: int, maximum: Callable = max) -> tuple[float, float]:
         """(F, B) of one layer and micro-batch (module docstring); numpy arrays of terms with maximum=np.maximum."""
         f, b, tp_f, tp_b = units
+        if training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
+            tp_f = tp_b = 0.0
         ag, ag_rs = fsdp
         host = self.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
         f_layer = maximum(maximum(f, ag) + tp_f + expert_s, host * host_scale[0])

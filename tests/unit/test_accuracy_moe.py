@@ -46,6 +46,8 @@ def test_rows_run_their_recipe(rows):
     # host-side options: CUDA graphs only for Grok-1 on GB200; v25.02's yaml turned grouped GEMM off
     assert all(r.training.cuda_graphs == ((r.family, r.gpu) == ("grok1", "gb200")) for r in rows)
     assert all(r.training.moe_grouped_gemm == (r.release != "v25.02.01") for r in rows)
+    # TP comm overlap only where the release's recipe ran it: Grok-1 v25.05 (tp 4)
+    assert all(r.training.async_tp == ((r.family, r.release) == ("grok1", "v25.05")) for r in rows)
 
 
 def test_gb200_is_the_nvl72_rack(rows):
