@@ -113,6 +113,7 @@ class FamilyBounds:
     def __init__(self, ctx, offload: str) -> None:
         self.ctx, self.bound, self.offload = ctx, ctx.bound, offload
         self._probes: dict[tuple, Layout] = {}
+        self.candidates_counted = False  # SearchStats.candidates holds every member's (set by the search)
         self._first_refusal: tuple[int, int, int] | None = None  # enumeration position of the first refused split
         self._group_terms: dict[int, _Terms] = {}  # by group index
         self._grid_sets: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -166,7 +167,8 @@ class FamilyBounds:
         first refused shape in enumeration order (every shape's, when nothing was accepted)."""
         stats = self.ctx.stats
         stats.shapes -= 1
-        stats.candidates -= len(fam.micro_batches)
+        if self.candidates_counted:
+            stats.candidates -= len(fam.micro_batches)
         stats.unsupported += 1
         if self._first_refusal is None or position < self._first_refusal:
             self._first_refusal, stats.unsupported_reason = position, refusal

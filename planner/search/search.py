@@ -246,6 +246,7 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
         return by_pipeline[key]
 
     ctx.stats.candidates += sum(len(fam.members) * len(fam.micro_batches) for fam in families)
+    bounds.candidates_counted = True
     queue = [(bounds.family(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), (-1, k), _FAMILY, (fam, mb))
              for k, (fam, mb) in enumerate((fam, mb) for fam in families for mb in fam.micro_batches)]
     heapq.heapify(queue)
