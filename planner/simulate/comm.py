@@ -56,6 +56,12 @@ def _collective_model(cluster: Cluster, efficiency: tuple[tuple[str, float], ...
     return CollectiveModel(cluster, efficiency=dict(efficiency), latency_scale=latency_scale)
 
 
+@lru_cache(maxsize=32)
+def _expert_prices(model: CollectiveModel) -> dict[tuple, float]:
+    """Expert-group collective times on `model`, by (op, size, `expert_groups_key`), shared by every StepComm."""
+    return {}
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Rank stride of each mesh axis: the product of the sizes after it (row-major, tp fastest)."""
     strides, step = [], 1
@@ -126,11 +132,17 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     there are up to the node size (more add no residue); a 16,384-GPU search
     asks it for a few hundred distinct keys instead of every mesh.
     """
+    return _expert_groups(*expert_groups_key(shape, ep, etp, kind, gpus_per_node))
+
+
+def expert_groups_key(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
+                      ) -> tuple[int, int, int, int, int, str, int]:
+    """The arguments of `_expert_groups` for a mesh: meshes with equal keys have the same representative groups."""
     pp, replicate, shard, cp, tp = shape
     g = gpus_per_node
     if kind == "edp":
-        return _expert_groups(shard * cp * tp, replicate, min(pp, g), ep, etp, kind, g)
-    return _expert_groups(shard * cp * tp, 1, min(pp * replicate, g), ep, etp, kind, g)
+        return shard * cp * tp, replicate, min(pp, g), ep, etp, kind, g
+    return shard * cp * tp, 1, min(pp * replicate, g), ep, etp, kind, g
 
 
 def expert_grid_key(shape: tuple[int, ...], ep: int, etp: int, gpus_per_node: int) -> tuple[int, int, int, int]:
@@ -236,9 +248,14 @@ class StepComm:
             return 0.0
         key = (op, size_bytes, kind)
         hit = self._expert_times.get(key)
-        if hit is None:
-            groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
-            hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+        if hit is None:  # priced once per collective model for every mesh with the same groups
+            shared = _expert_prices(self.model)
+            groups_key = expert_groups_key(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
+            hit = shared.get((op, size_bytes, groups_key))
+            if hit is None:
+                groups = _expert_groups(*groups_key)
+                hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+                shared[op, size_bytes, groups_key] = hit
             self._expert_times[key] = hit
         return hit
 
