@@ -170,7 +170,8 @@ def _expert_groups(inner: int, replicate: int, outer: int, ep: int, etp: int, ki
         return out
 
     if kind == "edp":
-        offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
+        offsets = np.add.outer(np.arange(replicate, dtype=np.int64) * inner,
+                               np.arange(inner // block, dtype=np.int64) * block).ravel()
         parts = [terms(replicate * inner, outer), terms(1, block)]
     else:
         offsets = expert_group_offsets(ep, etp, kind)
