@@ -20,6 +20,15 @@ from topologies.errors import TopologyError, nearest
 GIB = 1 << 30
 GB = 10**9
 TFLOPS = 1e12
+# Blackwell's SM issues 16 MUFU.EX2 exponentials per clock against 8,192 dense BF16 tensor-core
+# FLOPs (FlashAttention-4, Zadouri et al. 2026: at head dim 128 the exponentials of a score tile
+# take as long as its two MMAs on B200), so its exponential rate is its BF16 peak / 512.
+# Blackwell Ultra (B300, GB300) doubles the SFU throughput for MUFU.EX2 at the same tensor-core
+# rate (NVIDIA technical blogs "Inside NVIDIA Blackwell Ultra: The Chip Powering the AI Factory
+# Era", 2025, "2x attention-layer acceleration"; "Making Softmax More Efficient with NVIDIA
+# Blackwell Ultra", 2026, ~2x measured MUFU.EX2 throughput of GB300 over GB200).
+BLACKWELL_BF16_FLOPS_PER_EXP = 512.0
+BLACKWELL_ULTRA_SFU_SPEEDUP = 2.0
 
 # PCIe x16 raw rate per direction by generation (PCI-SIG: 8, 16, 32 GT/s per
 # lane with 128b/130b coding -> 15.75, 31.5, 63 GB/s for 16 lanes).
@@ -46,10 +55,18 @@ class GPUSpec:
     nvlink_links: int = 0  # NVLink links per GPU (nvidia-smi prints a pair as NV<links>)
     nvlink_gen: int = 0  # NVLink generation; 4+ with NVSwitch allows in-switch reduction (NVLS)
     pcie_p2p: bool = True  # False where the driver disables GPU peer-to-peer over PCIe (GeForce 40xx)
+    # Exponentials per second of the special-function units (MUFU.EX2), the rate attention's softmax
+    # runs at beside the tensor cores; 0 where not catalogued: that GPU's fitted attention efficiency
+    # then covers the softmax as well (planner.simulate.compute.attention_core_times).
+    exp_per_s: float = 0.0
+    # FP8 GEMMs accept any operand layout (sm_100 and later: Transformer Engine's
+    # is_non_tn_fp8_gemm_supported); False: TN only (Hopper, Ada), so every 8-bit operand
+    # also needs a transposed copy.
+    fp8_any_layout: bool = False
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
-                    "fp8_flops", "nvlink_gbytes_per_s"):
+                    "fp8_flops", "nvlink_gbytes_per_s", "exp_per_s"):
             value = getattr(self, key)
             # NaN passes every comparison below and would price a link or a GEMM as free
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
@@ -136,7 +153,8 @@ GPUS: dict[str, GPUSpec] = {
         # Blackwell's fifth-generation tensor cores run MXFP8 (OCP microscaling, 32-element blocks)
         # at the FP8 rate (NVIDIA Blackwell architecture technical brief).
         _gpu("b200", 180 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=5),
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=5,
+             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True),
         # NVIDIA H800 SXM (the H100 die for export markets): compute and HBM3 as H100 SXM (989
         # BF16, 1979 FP8 TFLOP/s dense; 80 GB at 3.35 TB/s); NVLink cut to 400 GB/s bidirectional
         # (8 links of NVLink4; DeepSeek-V3 report, section 3.2.2: 160 GB/s achieved of 200 per
@@ -149,19 +167,22 @@ GPUS: dict[str, GPUSpec] = {
         # (1.8 TB/s bidirectional per GPU, 18 links). Its Grace host link is NVLink-C2C; PCIe Gen6
         # to the ConnectX-7/8 NICs.
         _gpu("gb200", 186 * GB, 8000, 80, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
+             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True),
         # NVIDIA GB300 NVL72 datasheet, divided by 72: 360 PF FP8*, 180 PF BF16/FP16* (sparse,
         # halved: 2.5 PF bf16, 5 PF fp8 per GPU; Blackwell Ultra raises FP4, not FP8); 20 TB
         # HBM3e at 576 TB/s (288 GB at 8 TB/s per GPU); FP32 6 PF (83 per GPU); NVLink5 1.8 TB/s
         # bidirectional per GPU; ConnectX-8 800 Gbit/s per GPU (PCIe Gen6).
         _gpu("gb300", 288 * GB, 8000, 83, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
+             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True),
         # NVIDIA DGX B300 datasheet, divided by its 8 GPUs: 72 PF FP8 training* (sparse, halved:
         # 4.5 PF fp8, 2.25 PF bf16 per GPU, as B200), 2.3 TB HBM3e (288 GB per GPU) at 8 TB/s
         # per GPU; NVLink5 14.4 TB/s in total (1.8 TB/s bidirectional per GPU); 8 ConnectX-8
         # 800 Gbit/s ports; PCIe Gen6.
         _gpu("b300", 288 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6),
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
+             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True),
         # NVIDIA L40S datasheet: 91.6 FP32, 366 TF32*, 733 BF16/FP16*, 1466 FP8* TFLOP/s (sparse,
         # halved); 48 GB GDDR6 at 864 GB/s; no NVLink; PCIe Gen4 x16.
         _gpu("l40s", 48 * GB, 864, 91.6, 183, 362.05, 362.05, fp8=733, pcie_gen=4),

@@ -68,6 +68,7 @@ from planner.simulate.comm import StepComm, expert_comm_s, expert_grid_key, grou
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
+    fp8_cast_bytes,
     fp8_peak_flops,
     layer_times,
     optimizer_time_s,
@@ -296,7 +297,8 @@ class StepBound:
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
                              training.fused_attention(self.traits.fused_attention),
-                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile)
+                             fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
+                             cast_bytes=fp8_cast_bytes(training.precision, gpu))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes

@@ -46,6 +46,7 @@ from planner.simulate.compute import (
     PassTimes,
     combine,
     embedding_times,
+    fp8_cast_bytes,
     fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
@@ -178,7 +179,8 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
-                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
+                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile,
+                     cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu))
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     async_gemms = None
