@@ -34,7 +34,12 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   whose layers do not divide evenly get the balanced split;
 * recipe details the planner has no term for, listed per row and not
   modelled: activation offloading to the host (the FSDP Llama rows, the
-  recipes' cpu_offloading_num_layers), CUDA graphs.
+  recipes' cpu_offloading_num_layers), CUDA graphs of the dense rows;
+* MoE rows run their Megatron-Bridge preset's MoE options
+  (bench/bridge_moe_recipes.py): router fusion, the CUDA graph scope
+  (attention + router, or router + dispatch preprocessing only), the expert
+  all-to-all overlap, DeepSeek-V3's own pipeline split; the flex dispatcher
+  (HybridEP/DeepEP) and recompute_modules are listed per row, not modelled.
 
 A row is INCONSISTENT, and left out of the MAPE, when its Model TFLOP/s per
 token differs by more than 3% from the median of the same model and
@@ -50,8 +55,9 @@ Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
 expressible; MAPE (bias) H100 8.1% (-3.6%), H200 8.2% (+8.2%), B200 9.4%
 (+9.4%), GB300 20.7% (+20.7%), A100 (torchtitan) 17.9% (-17.9%), GB200 3.8%
 (+0.3%, fitted on); 12.0% (+1.8%) over the 44 rows not fitted, 10.1% over
-all; MoE 36.0% (+19.4%) over 34 rows (2 left out: their GA disagrees with the
-batch). Before the SFU term, the cast bytes and the joint GB200 refit (the
+all; MoE 16.1% (-9.1%) over 34 rows (2 left out: their GA disagrees with the
+batch; 36.0%, +19.4%, without the presets' MoE options; worst H100
+Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -20..-36% on all but one GPU). Before the SFU term, the cast bytes and the joint GB200 refit (the
 profile's attention tied to its GEMMs): GB200 14.4%, B200 22.7%, GB300 37.6%,
 all dense 16.8%. What the Blackwell rows say:
 
@@ -81,6 +87,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
+from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
+from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
 from dgxc_rows import _stage_layers  # noqa: E402
 
 from planner.engines import get_engine  # noqa: E402
@@ -123,6 +132,7 @@ class PerfRow:
     unmodelled: str = ""  # recipe features the planner has no term for
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
+    moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
 
     @property
     def expressible(self) -> bool:
@@ -171,11 +181,18 @@ def _row(rec: dict, models: dict) -> PerfRow:
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bridge else "fp32",
                             compile=bool(rec.get("compile")))
+    if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
+        preset = moe_recipe(rec["release"], rec["system"], rec["model"])
+        training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
+                                    moe_router_graphs=preset.router_only_graphs, moe_a2a_overlap=preset.a2a_overlap)
+        common["moe_recipe"] = ", ".join(moe_unmodelled(preset))
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,
                        reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
                        **common)
     lps = _stage_layers(model.n_layers, pp * vp)
+    if bridge and rec["model"] == "deepseek-v3" and deepseek_v3_chunk_layers(pp * vp):
+        lps = deepseek_v3_chunk_layers(pp * vp)  # the recipe's own split (bench/bridge_moe_recipes.py)
     if lps is None and moe and model.n_layers >= pp * vp:
         lps = balanced_layers(model.n_layers, pp * vp)
     if lps is None:
@@ -295,6 +312,7 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
             else:
                 shown = f"  -     ({r.reason})"
             note = f"  [not modelled: {r.unmodelled}]" if r.unmodelled else ""
+            note += f"  [MoE recipe not modelled: {r.moe_recipe}]" if r.moe_recipe else ""
             if r.memory_gib and r.id in errs:
                 note += f"  memory {simulate(r, overrides).memory.peak_bytes / 2**30:.1f} GiB predicted, " \
                         f"{r.memory_gib} GiB measured"

@@ -6,7 +6,8 @@ Recipe (all times per micro-batch unless said otherwise):
    work (`planner.simulate.host`: eager dispatch, DTensor's operators under TP,
    FSDP's hooks) overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
-   FSDP gathers beyond what the compute hides, EP all-to-alls
+   FSDP gathers beyond what the compute hides, EP all-to-alls (under another
+   micro-batch's compute with the recipe's moe_a2a_overlap)
    (`planner.simulate.comm`); compute hides at most the calibration's
    `comm_overlap` share of its own time (0 on CPU ranks sharing their cores);
 2. a chunk (virtual stage) is its layers, plus the embedding on chunk 0 and
@@ -155,6 +156,9 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if model.moe is not None and layout.ep * layout.etp > 1:
         ep_s, calls = expert_comm_s(model, layout, comm, act)
         comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        if training.moe_a2a_overlap:  # one micro-batch's forward runs beside another's backward: each
+            # pass's all-to-alls hide under the other pass's compute (warm-up and cool-down passes ignored)
+            comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_s - fwd_s)
         calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
