@@ -36,7 +36,12 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
 * activation offloading to the host as the recipe sets it (the FSDP Llama
   rows' cpu_offloading_num_layers: Layout.activation_offload_layers);
   recipe details the planner has no term for are listed per row (CUDA
-  graphs are not modelled).
+  graphs of the dense rows are not modelled);
+* MoE rows run their Megatron-Bridge preset's MoE options
+  (bench/bridge_moe_recipes.py): router fusion, the CUDA graph scope
+  (attention + router, or router + dispatch preprocessing only), the expert
+  all-to-all overlap, DeepSeek-V3's own pipeline split; the flex dispatcher
+  (HybridEP/DeepEP) and recompute_modules are listed per row, not modelled.
 
 Every expressible row prints its predicted peak memory per GPU against the
 GPU's memory (and the measured peak where the source gives one); the last
@@ -53,20 +58,22 @@ GBS / (dp * MBS).
     python bench/accuracy_holdout.py --fit-attention-on gb200   # diagnostic: attention alone, writes nothing
 
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
-expressible; MAPE (bias) H100 8.6% (-5.2%; 8.1% before NeMo 24.07's bf16
-gradient reduction), H200 8.2% (+8.2%), B200 9.4% (+9.4%), GB300 20.7%
-(+20.7%), A100 (torchtitan) 17.9% (-17.9%), GB200 3.8% (+0.3%, fitted on);
-12.2% (+1.1%) over the 44 rows not fitted, 10.3% over all; MoE 36.0%
-(+19.4%) over 34 rows (2 left out: their GA disagrees with the batch).
-Memory: 22 of the 93 expressible rows are predicted above the GPU's memory,
+expressible; MAPE (bias) H100 7.7% (-3.4%), H200 9.6% (+9.6%), B200 9.7%
+(+9.7%), GB300 21.5% (+21.5%), A100 (torchtitan) 17.9% (-17.9%), GB200 3.9%
+(+0.6%, fitted on); 12.0% (+2.1%) over the 44 rows not fitted, 10.2% over
+all; MoE 16.1% (-9.3%) over 34 rows (2 left out: their GA disagrees with the
+batch; 36.0%, +19.4%, without the presets' MoE options; worst H100
+Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -20..-36% on all but one GPU).
+Memory: 24 of the 93 expressible rows are predicted above the GPU's memory,
 6 dense (Llama 3 70B Megatron FSDP on GB200 by 4%: the recipes' fused TE
 cross entropy, which keeps only the bf16 logits, is not modelled; Llama 3.1
-405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 16 MoE;
-29 before activation offload, the unsharded fp8 weight copies under FSDP,
-Megatron's in-place loss backward, torchtitan's float8 SAC save list and
-the bf16 gradients of NeMo 24.07. torchtitan's Llama 3.1 8B FP8 on H200:
-predicted -10% and -12% of the measured peak (+38% before). Before the SFU term, the cast bytes and the joint GB200 refit (the
-profile's attention tied to its GEMMs): GB200 14.4%, B200 22.7%, GB300 37.6%,
+405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 18 MoE;
+29 (11 dense) before activation offload, the unsharded fp8 weight copies
+under FSDP, Megatron's in-place loss backward, torchtitan's float8 SAC save
+list and the bf16 gradients of NeMo 24.07. torchtitan's Llama 3.1 8B FP8 on
+H200: predicted -10% and -12% of the measured peak (+38% before). Before
+the SFU term, the cast bytes and the joint GB200 refit (the profile's
+attention tied to its GEMMs): GB200 14.4%, B200 22.7%, GB300 37.6%,
 all dense 16.8%. What the Blackwell rows say:
 
 * Llama 3 8B at 8K is attention-heavy, 405B is not, so the GB200 rows
@@ -95,6 +102,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
+from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
+from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
 from dgxc_rows import _stage_layers  # noqa: E402
 
 from planner.engines import get_engine  # noqa: E402
@@ -137,6 +147,7 @@ class PerfRow:
     unmodelled: str = ""  # recipe features the planner has no term for
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
+    moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
 
     @property
     def expressible(self) -> bool:
@@ -183,14 +194,22 @@ def _row(rec: dict, models: dict) -> PerfRow:
     # off; NeMo 24.07's launcher examples (NeMo-Framework-Launcher examples/training/*/h100/*_fp8*.sh) pass
     # optim.grad_sync_dtype=bf16; torchtitan reduces in fp32 (its mixed_precision_reduce default)
     bf16_grads = rec.get("engine", "megatron") == "megatron"
+    bridge = rec["source"] == "megatron-bridge"
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
                             compile=bool(rec.get("compile")))
+    if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
+        preset = moe_recipe(rec["release"], rec["system"], rec["model"])
+        training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
+                                    moe_router_graphs=preset.router_only_graphs, moe_a2a_overlap=preset.a2a_overlap)
+        common["moe_recipe"] = ", ".join(moe_unmodelled(preset))
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,
                        reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
                        **common)
     lps = _stage_layers(model.n_layers, pp * vp)
+    if bridge and rec["model"] == "deepseek-v3" and deepseek_v3_chunk_layers(pp * vp):
+        lps = deepseek_v3_chunk_layers(pp * vp)  # the recipe's own split (bench/bridge_moe_recipes.py)
     if lps is None and moe and model.n_layers >= pp * vp:
         lps = balanced_layers(model.n_layers, pp * vp)
     if lps is None:
@@ -333,6 +352,7 @@ def summary(rows: list[PerfRow], show_rows: bool = True, overrides: Overrides | 
                     note += f" ({r.layout.activation_offload_layers} layers' activations offloaded)"
             if r.id in mem_errs:
                 note += f", {r.memory_gib} GiB measured ({100 * mem_errs[r.id]:+.1f}%)"
+            note += f"  [MoE recipe not modelled: {r.moe_recipe}]" if r.moe_recipe else ""
             print(f"{r.id:<46} {r.measured_s:8.2f} s {shown}{note}")
     out = {}
     for kind, moe in (("dense", False), ("moe", True)):
