@@ -38,6 +38,9 @@ FP32_BYTES = DTYPE_BYTES["fp32"]
 DDP_BUCKET_BYTES = 25 << 20
 
 
+PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
+
+
 @dataclass(frozen=True)
 class TimeTraits:
     """How an engine runs a step, where that changes the time."""
@@ -45,6 +48,23 @@ class TimeTraits:
     fused_attention: bool  # FlashAttention-style kernel; else softmax over materialized scores
     overlap_dp: bool  # gradient reduction overlapped with the last micro-batch's backward
     overlap_tp_backward: bool = False  # backward TP all-reduces overlap the weight-gradient GEMMs
+    # How activations and their gradients cross a pipeline boundary (PIPE_P2P):
+    # "overlapped": one transfer per direction that only delays its consumer (Megatron's batched
+    #   isend/irecv, torch.distributed.pipelining);
+    # "exchange": DeepSpeed's PipelineEngine. Every step of its TrainSchedule opens with a blocking
+    #   exchange with one neighbour (send the activation then receive the gradient, or the
+    #   reverse), which holds both stages; with tp > 1 each tensor crosses split over the tp ranks
+    #   (PartitionedTensor, 1/t per rank) and is all-gathered over tp where it is used;
+    # "exchange-whole-grads": the same before DeepSpeed 0.5.4 (2021-09-29): gradients cross whole
+    #   (t times the bytes of a split one) and the sender all-gathers its split output back for the backward.
+    pipe_p2p: str = "overlapped"
+    # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
+    # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
+    recompute_pipe_ends: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipe_p2p not in PIPE_P2P:
+            raise PlanError(f"pipe_p2p must be one of {PIPE_P2P}, got {self.pipe_p2p!r}")
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,14 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # context parallel all-gathers the K/V of the whole sequence before attention (torch's
+    # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
+    # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
+    cp_all_gather: bool = False
+    # autograd saves the all-gathered K/V for the attention's backward (meshplan's executor:
+    # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
+    # local shards and gathers again in the backward
+    cp_saves_gathered: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +136,13 @@ class Engine:
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
+    # what a step with eager attention runs on, where that is an older release of the engine
+    # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
+    eager_time: TimeTraits | None = None
+    # context parallelism runs only inside a fused attention kernel (Transformer Engine's
+    # AttnFuncWithCP*, torch's ring attention over the SDPA flash/efficient/cuDNN ops; Megatron's
+    # own DotProductAttention asserts cp == 1): eager attention with cp > 1 is refused
+    cp_needs_fused: bool = False
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -120,6 +155,9 @@ class Engine:
         if layout.recompute not in self.recompute_kinds:
             return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
                     f"{', '.join(self.recompute_kinds)}")
+        if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
+            return (f"engine {self.name} runs context parallelism (cp {layout.cp}) only inside a fused attention "
+                    "kernel; use --attention fused or --cp 1")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -130,6 +168,12 @@ class Engine:
     def fused_attention(self, training: TrainingSpec) -> bool:
         """The attention kernel a step runs: the training's `attention`, else this engine's default."""
         return training.fused_attention(self.time.fused_attention)
+
+    def time_for(self, attention: str) -> TimeTraits:
+        """The time traits of a step whose training asks for `attention` ("" = this engine's kernel)."""
+        if attention == "eager" and self.eager_time is not None:
+            return self.eager_time
+        return self.time
 
     def fp8_weight_bytes(self, training: TrainingSpec) -> float:
         """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
@@ -172,11 +216,40 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 # It reproduces published NeMo H100 runs within 1-4% MAPE
 # (bench/accuracy_published.py).
 #
-# deepspeed: eager attention, gradients reduced after the backward, otherwise
-# Megatron's layout with gradients in the compute dtype.
+# deepspeed: Megatron-DeepSpeed on DeepSpeed's PipelineEngine (DEEPSPEED_PIPE_2022:
+# eager attention, gradients reduced after the backward, blocking pipeline
+# exchanges), otherwise Megatron's layout with gradients in the compute dtype.
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
+# The 2021-22 Megatron-LM (the Narayanan 2021 and Korthikanti 2022 papers, and
+# the Megatron-DeepSpeed behind MT-NLG and vTrain's A100 measurements): eager
+# softmax attention with dropout; the data-parallel all-reduce runs after the
+# whole forward-backward (Megatron-LM's default --DDP-impl local calls
+# allreduce_gradients() after forward_backward_func, releases of May 2021 and
+# May 2022 alike; DeepSpeed's pipeline engine reduces after its last backward),
+# and the backward TP all-reduce runs under the weight-gradient GEMM
+# (--async-tensor-model-parallel-allreduce, on by default in 2022; the 2021
+# release ran it in line). The A100 profile is fitted with these traits
+# (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
+# all-reduce), and `--engine megatron --attention eager` runs on them.
+MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
+# Megatron-DeepSpeed on DeepSpeed's PipelineEngine (deepspeed/runtime/pipe), the
+# 2022 release: the same overlap, but the pipeline boundaries are DeepSpeed's
+# blocking exchanges of tp-split tensors (TimeTraits.pipe_p2p "exchange";
+# DeepSpeed >= 0.5.4 splits activations and gradients, PartitionedTensor). The
+# `deepspeed` engine runs on it.
+DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True,
+                                 pipe_p2p="exchange")
+# The same stack as MT-NLG 530B ran it in 2021 (Smith et al. 2022): DeepSpeed
+# before 0.5.4 sent gradients whole over 2-rank broadcast groups (the
+# activations already split), and its PipelineModule checkpointed every module
+# with parameters, so full recomputation also re-ran the embedding and the tied
+# output layer (from 0.5.4 only ParallelTransformerLayerPipe for GPTModelPipe);
+# the Megatron-DeepSpeed fork ran the backward TP all-reduce in line (Megatron-LM's
+# async all-reduce reached it in its 2021-12-10 sync).
+DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
+                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
@@ -197,11 +270,12 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True),
+                     shard_over_cp=True, cp_all_gather=True, cp_saves_gathered=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
-                       executes=False, fp8=TE_FP8, partial_recompute=True),
+                       executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
+                       cp_needs_fused=True),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -211,19 +285,15 @@ ENGINES: dict[str, Engine] = {
         "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True),
-        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True,
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
+                     cp_all_gather=True),
+        executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
-    "deepspeed": Engine("deepspeed", TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True),
+    "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
 ENGINE_NAMES = tuple(ENGINES)
 
-# The 2022 Megatron-DeepSpeed behind the vTrain A100 measurements: eager softmax
-# attention, gradients all-reduced after the backward ("no DDP gradient
-# bucketing"), asynchronous TP all-reduce under the weight-gradient GEMM (the fit
-# prefers it: 7.6% vs 7.7% multi-node MAPE). bench/accuracy_vtrain.py uses it.
-MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
 
 
 def get_engine(name: str) -> Engine:

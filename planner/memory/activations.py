@@ -48,9 +48,21 @@ saves the gathered tensor, so the q/k/v, w1/w3 and output-layer inputs stay
 D*h per token (not /t as in Megatron, which saves its shard and gathers again
 in the backward): `sp_saves_gathered`.
 
-Context parallel divides the tokens of every term by cp; eager attention with
-cp keeps its local queries against all s keys (an upper bound: PyTorch's
-context parallel needs a fused kernel anyway).
+Context parallel divides the tokens of every term by cp, the fused attention
+core's included: every implementation keeps only this rank's Q, K, V, output
+and fp32 softmax statistics and brings the other ranks' K/V back in the
+backward. Transformer Engine (Megatron-Core) saves the local q, kv, out and
+softmax_lse under p2p (AttnFuncWithCPAndKVP2P), the local k and v (not the
+gathered ones, gathered again in the backward) under all_gather, and the
+post-all-to-all q/k/v of s tokens and a/cp heads (the same bytes) under a2a;
+torch's context_parallel (torchtitan) dispatches the SDPA op on local shards,
+so autograd saves those, and its backward rotates K/V again. The K/V in
+flight are communication buffers (planner.memory.estimate, CP row), and
+meshplan's executor, which saves the all-gathered K/V, adds the other ranks'
+share in planner.memory.estimate. Eager attention with cp keeps its local
+queries against all s keys (DeepSpeed-Ulysses: a/cp heads over s tokens, the
+same bytes); Megatron-Core and torch run cp only inside fused kernels
+(Engine.cp_needs_fused refuses the rest).
 
 MoE layers replace the MLP terms: the router input (D*h, sp), fp32 router
 probabilities (4*E per token), and for each of top_k routed copies of a token

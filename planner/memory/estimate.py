@@ -91,7 +91,12 @@ parameters; when each exists: planner.memory.phases):
                  (megatron, deepspeed; PyTorch's SP saves the gathered tensors,
                  counted as activations: MemoryTraits.sp_saves_gathered)
   PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
-  CP             ring attention K/V in flight: 2 * 2*s*b*k*d*D / (cp*t)
+  CP             ring (Transformer Engine's p2p): the K/V chunk sent and the one
+                 received, 2 * 2*s*b*k*d*D / (cp*t); all-gather (torch's
+                 context_parallel by default, meshplan's executor:
+                 MemoryTraits.cp_all_gather): the whole sequence's K/V, or in
+                 the backward its gradient before the reduce-scatter,
+                 2*s*b*k*d*D / t
   EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp
 other: CUDA context, NCCL communicator buffers and allocator fragmentation:
 DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
@@ -206,7 +211,8 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     if layout.pp > 1:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
-        total += 2 * 2 * tokens * model.kv_dim * d / layout.tp
+        local_kv = 2 * tokens * model.kv_dim * d / layout.tp
+        total += local_kv * layout.cp if get_engine(engine).memory.cp_all_gather else 2 * local_kv
     if layout.ep > 1 and model.moe is not None:
         total += 2 * model.moe.top_k * act
     return int(total)
@@ -231,7 +237,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
-    if traits.step_phases and cp > 1 and layout.recompute in ("none", "selective"):
+    if traits.cp_saves_gathered and cp > 1 and layout.recompute in ("none", "selective"):
         # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
         per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
     # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward

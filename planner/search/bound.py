@@ -121,11 +121,12 @@ class StepBound:
     dictionary look-ups per candidate.
     """
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str) -> None:
+    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str,
+                 attention: str = "") -> None:
         # Price the bound at the engine's speed, as simulate_step does; a faster
         # base profile would stay a valid bound but prune far less.
         self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
-        self.traits = get_engine(engine).time
+        self.traits = get_engine(engine).time_for(attention)
         self.collectives = StepComm(cluster, Layout(), self.cal).model
         self._units: dict[tuple, tuple[float, float, float, float]] = {}
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}

@@ -191,7 +191,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine), usable_fraction=usable_memory_fraction,
+                   bound=StepBound(model, cluster, calibration, engine, attention), usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile)
     ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started

@@ -286,15 +286,29 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
 
 
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
-         comm_overhead_s: float) -> list[float]:
-    """Transfer time across each chunk boundary c -> c + 1 (activations forward, gradients back)."""
-    n_chunks = layout.pp * layout.virtual_stages
+         comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
+    """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
+
+    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): each 1F1B
+    micro-batch meets two blocking exchanges of activation and gradient (DeepSpeed's
+    TrainSchedule, tests/unit/test_megatron_papers.py) and the all-gathers over tp that
+    rebuild split tensors (activation at the receiver; output, and a split gradient,
+    before the backward): each direction lags one exchange plus half the gathers.
+    """
     size = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
     size /= layout.tp if layout.sequence_parallel else 1
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-    times = [comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1]) if c + 1 < n_chunks else 0.0
-             for c in range(n_chunks)]
-    return [t + comm_overhead_s if t > 0 else 0.0 for t in times]
+    split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
+    part, gathers = (size / layout.tp, comm.time_s("all_gather", size, ("tp",))) if split else (size, 0.0)
+    whole_grads = pipe_p2p == "exchange-whole-grads"
+    times = []
+    for c in range(layout.pp * layout.virtual_stages - 1):
+        t = comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1])
+        if pipe_p2p != "overlapped" and t > 0:
+            act = comm.pair_time_s(part, ("pp",), owner[c], owner[c + 1])
+            t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+        times.append(t)
+    return [t + comm_overhead_s if t > 0 else 0.0 for t in times + [0.0]]
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
@@ -360,7 +374,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     engines run such steps, with a larger bubble.
     """
     cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    traits = traits or get_engine(engine).time
+    traits = traits or get_engine(engine).time_for(training.attention)
     layout = with_stage_layers(model, layout)
     if layout.world_size != cluster.world_size:
         raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
@@ -369,12 +383,14 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     split_w = layout.pp_schedule == "zb-v"
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, get_engine(engine).fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
+    if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
+        ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
     ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
                  "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
                                           engine)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
-    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s)
+    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster

@@ -1,15 +1,11 @@
 """`--engine megatron --attention eager` against the 2021-22 Megatron-LM papers.
 
-Step time: Narayanan et al. 2021 ("Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", SC'21), table 1: GPT models of
-1.7B-1T parameters on 32-3,072 A100 80GB GPUs (DGX A100, 8 x 200 Gbit/s HDR
-InfiniBand), sequence 2048, vocabulary 51,200, full activation recomputation,
-achieved TFLOP/s per GPU. The step time follows from the paper's FLOP count
-(eq. 3, which includes the recomputed forward): 96 B s l h^2 (1 + s/6h +
-V/16lh) / (TFLOP/s x GPUs). The table gives tp, pp and the batch; the
-micro-batch is not published, so the planner picks it (the search with the
-table's degrees pinned). The calibration is the shipped A100 profile, fitted
-on vTrain's Megatron-DeepSpeed measurements, not on these rows.
+Step time: the rows of bench/accuracy_megatron_papers.py (Narayanan et al.
+2021 table 1, Korthikanti et al. 2022 table 5, MT-NLG), simulated with the
+shipped A100 profile (fitted on vTrain's Megatron-DeepSpeed measurements, not
+on these rows) and the 2021-22 Megatron-LM's overlap
+(planner.engines.MEGATRON_DEEPSPEED_2022: gradient all-reduce after the
+backward).
 
 Memory: Korthikanti et al. 2022's accounting (section 4, table 2) through the
 whole estimate: per layer sbh(34/t) with tensor and sequence parallelism and
@@ -23,51 +19,58 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import load_bench
 
+from planner.engines import (
+    DEEPSPEED_PIPE_2021,
+    DEEPSPEED_PIPE_2022,
+    MEGATRON_DEEPSPEED_2022,
+    TimeTraits,
+    get_engine,
+)
 from planner.layout import Layout
 from planner.memory.estimate import estimate_memory
 from planner.memory.params import stage_params
 from planner.model.load import load_model
-from planner.model.spec import ModelSpec
 from planner.search.candidates import Pins
 from planner.search.search import search
+from planner.simulate.pipeline import simulate_pipeline
+from planner.simulate.step import simulate_step
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
 from topologies.hardware import get_gpu
 
-SEQ, VOCAB = 2048, 51200
-# Narayanan et al. 2021, table 1: billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU
-TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+SEQ = 2048
 
 
-def _gpt(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
-    return ModelSpec(name=f"gpt-{billions}b", n_layers=layers, hidden=hidden, n_heads=heads, n_kv_heads=heads,
-                     head_dim=hidden // heads, ffn_hidden=4 * hidden, vocab=VOCAB, max_seq_len=SEQ, mlp="gelu",
-                     norm="layernorm", position="learned", tie_embeddings=True, bias=True, dropout=0.1)
+@pytest.fixture(scope="module")
+def papers():
+    return load_bench("accuracy_megatron_papers")
 
 
-def _errors() -> list[float]:
-    out = []
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in TABLE_1:
-        model = _gpt(billions, heads, hidden, layers)
-        flops = 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
-        measured_s = flops / (tflops * 1e12 * gpus)
-        pins = Pins(tp=tp, pp=pp, dp=gpus // (tp * pp), zero_stage=0, recompute="full", sequence_parallel=False,
-                    pp_schedule="1f1b" if pp > 1 else None)
-        result = search(model, load_cluster("dgx-a100-80g", gpus), SEQ, batch, pins, "megatron", top_k=1,
-                        attention="eager")
-        out.append(result.best.result.step_time_s / measured_s - 1.0)
-    return out
+def test_eager_megatron_runs_on_the_2021_22_release_traits():
+    megatron = get_engine("megatron")
+    assert megatron.time_for("eager") == MEGATRON_DEEPSPEED_2022
+    assert not megatron.time_for("eager").overlap_dp  # --DDP-impl local: all-reduce after the backward
+    assert megatron.time_for("") == megatron.time_for("fused") == megatron.time  # Megatron-Core today
+    assert get_engine("torchtitan").time_for("eager") == get_engine("torchtitan").time
 
 
-def test_narayanan_table_1_step_times():
-    errors = _errors()
-    assert sum(map(abs, errors)) / len(errors) <= 0.05  # 3.3% on 2026-11-24
-    assert max(map(abs, errors)) <= 0.12  # all within 10% but the 18.4B row (-11%, micro-batch chosen)
+def test_narayanan_table_1_step_times_all_within_10_percent(papers):
+    errors = papers.errors(papers.narayanan_rows())
+    assert sum(map(abs, errors)) / len(errors) <= 0.06  # 4.5% on 2026-11-24
+    assert max(map(abs, errors)) <= papers.TARGET  # worst +8.1% (7.5B)
+
+
+def test_korthikanti_table_5_step_times_all_within_10_percent(papers):
+    """Micro-batch 1 with tp 8: the TP collectives are small (25-84 MB), so this also holds the A100
+    profile's collective latency to what NCCL measures (bench/accuracy_vtrain.py FIT_PARAMETERS)."""
+    errors = papers.errors(papers.korthikanti_rows())
+    assert max(map(abs, errors)) <= papers.TARGET  # -3.4% .. +5.1%
+    # the paper's speed-up of SP + selective over full recomputation (1.29-1.32x), predicted within 10%
+    # (4.6-6.9% more on 2026-11-24)
+    for full, present in zip(errors[0::2], errors[1::2], strict=True):
+        assert (1 + full) / (1 + present) == pytest.approx(1.0, abs=0.10)
 
 
 GPT175 = dataclasses.replace(load_model("gpt3-175b"), dropout=0.1)
@@ -102,3 +105,94 @@ def test_llama3_405b_published_layout_fits_and_lands_within_10_percent(gpus, dp,
     best = result.best
     assert best.layout.recompute == "full" and best.layout.recompute_layers > 0
     assert best.result.model_tflops_per_gpu == pytest.approx(published_tflops, rel=0.10)
+
+
+def _deepspeed_train_schedule_s(forward: list[float], backward: list[float], n: int, exchange_s: float) -> float:
+    """DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) run with blocking exchanges.
+
+    2 (n + p - 1) steps; stage s runs forward i at step 2i + s and backward i at step
+    2i + 2p - 1 - s. A forward step opens with an exchange with stage s - 1 (receive the
+    activation, send the last gradient), a backward step with stage s + 1 (send the last
+    activation, receive the gradient), whenever there is something to pass; an exchange holds
+    both stages until both reach it and lasts `exchange_s`.
+    """
+    p = len(forward)
+
+    def step(s: int, t: int) -> tuple[bool, int]:
+        is_forward = (t - s) % 2 == 0
+        return is_forward, (t - s) // 2 if is_forward else (t - 2 * p + 1 + s) // 2
+
+    ready = [0.0] * p
+    for t in range(2 * (n + p - 1)):
+        after = list(ready)
+        for s in range(p):
+            is_forward, i = step(s, t)
+            passes = 0 <= i < n or (t > 0 and 0 <= step(s, t - 1)[1] < n)
+            peer = s - 1 if is_forward else s + 1
+            start = max(ready[s], ready[peer]) + exchange_s if passes and 0 <= peer < p else ready[s]
+            after[s] = start + ((forward[s] if is_forward else backward[s]) if 0 <= i < n else 0.0)
+        ready = after
+    return max(ready)
+
+
+@pytest.mark.parametrize("p,n", [(2, 8), (4, 16), (8, 40), (35, 60)])
+def test_deepspeed_train_schedule_is_1f1b_with_one_exchange_per_boundary_crossing(p, n):
+    """Why pipe_p2p "exchange" is priced as a lag on each 1F1B edge: DeepSpeed's step clock, with its
+    stages alternating forward and backward steps against each neighbour, runs exactly as long as
+    Megatron's 1F1B when transfers are free (no lock-step loss), and each exchange then costs about
+    one lag per edge (its ramp-up passes a few more: within 1% when an exchange costs 1.3% of a
+    micro-batch's forward and backward, within 4% at 5%)."""
+    forward, backward = [1.0] * p, [2.8] * p
+    forward[0] += 0.1
+    forward[-1], backward[-1] = forward[-1] + 0.3, backward[-1] + 0.6  # the output layer
+    w = [0.0] * p
+    assert _deepspeed_train_schedule_s(forward, backward, n, 0.0) == pytest.approx(
+        simulate_pipeline("1f1b", p, 1, n, [forward, backward, w], [0.0] * p).makespan_s, rel=1e-12)
+    for x, tol in ((0.05, 0.01), (0.2, 0.04)):
+        one_f1b = simulate_pipeline("1f1b", p, 1, n, [forward, backward, w], [x] * p).makespan_s
+        assert one_f1b <= _deepspeed_train_schedule_s(forward, backward, n, x) <= one_f1b * (1 + tol)
+
+
+def test_deepspeed_pipeline_traits():
+    assert get_engine("deepspeed").time == DEEPSPEED_PIPE_2022 and DEEPSPEED_PIPE_2022.pipe_p2p == "exchange"
+    assert DEEPSPEED_PIPE_2021.pipe_p2p == "exchange-whole-grads" and DEEPSPEED_PIPE_2021.recompute_pipe_ends
+    assert not DEEPSPEED_PIPE_2021.overlap_tp_backward  # Megatron-DeepSpeed before its 2021-12 sync
+    assert MEGATRON_DEEPSPEED_2022.pipe_p2p == "overlapped"  # Megatron-LM's batched isend/irecv
+    with pytest.raises(Exception, match="pipe_p2p"):
+        TimeTraits(fused_attention=False, overlap_dp=False, pipe_p2p="broadcast")
+
+
+def test_deepspeed_2021_boundaries_and_recomputed_ends_cost_what_they_carry():
+    """tp 8 across nodes: split activations and gradients (0.5.4+) cross in less time than Megatron's
+    whole tensors, whole gradients (2021) in more; the 2021 PipelineModule re-runs the output layer."""
+    model = dataclasses.replace(load_model("gpt3-175b"), dropout=0.1)
+    layout = Layout(tp=8, pp=8, dp_replicate=1, grad_accum_steps=16, recompute="full", pp_schedule="1f1b")
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=16, attention="eager")
+    cluster = load_cluster("dgx-a100-80g", 64)
+
+    def run(traits: TimeTraits):
+        return simulate_step(model, training, layout, cluster, engine="deepspeed", traits=traits, events=True)
+
+    lag = {name: run(dataclasses.replace(MEGATRON_DEEPSPEED_2022, pipe_p2p=name)).events.p2p_s[0]
+           for name in ("overlapped", "exchange", "exchange-whole-grads")}
+    assert lag["exchange"] < lag["overlapped"] < lag["exchange-whole-grads"]
+    plain = run(dataclasses.replace(DEEPSPEED_PIPE_2021, recompute_pipe_ends=False))
+    ends = run(DEEPSPEED_PIPE_2021)
+    last = layout.pp - 1
+    assert ends.events.ops and plain.step_time_s < ends.step_time_s
+    b_plain = max(o.end_s - o.start_s for o in plain.events.ops if o.rank == last and o.kind == 1)
+    b_ends = max(o.end_s - o.start_s for o in ends.events.ops if o.rank == last and o.kind == 1)
+    f_first = max(o.end_s - o.start_s for o in ends.events.ops if o.rank == 0 and o.kind == 0)
+    assert 0 < b_ends - b_plain < f_first  # one more output-layer forward, less than a stage's forward
+
+
+def test_mt_nlg_on_deepspeed_2021(papers):
+    """MT-NLG 530B (Smith et al. 2022, section 2.4: 60.1 / 50.2 / 44.4 s on 280 / 350 / 420 DGX A100)
+    on the 2021 DeepSpeed pipeline traits. Still 20-23% fast on 2026-11-24, short of the 10% target:
+    the public DeepSpeed 0.5 code accounts for 2-3 points of the 25% (bench docstring)."""
+    rows = papers.mt_nlg_rows()
+    assert [r.engine for r in rows] == ["deepspeed"] * 3 and all(r.traits == DEEPSPEED_PIPE_2021 for r in rows)
+    errors = papers.errors(rows)
+    assert all(-0.24 < e < -0.18 for e in errors)
+    newer = [papers.predict(dataclasses.replace(r, traits=None))[0] / r.measured_s - 1 for r in rows]
+    assert all(e > n for e, n in zip(errors, newer, strict=True))  # the 2021 release is the slower one

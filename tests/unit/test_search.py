@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from planner.engines import executor_refusal
+from planner.engines import executor_refusal, get_engine
 from planner.layout import Layout, axis_groups, divisors
 from planner.memory.estimate import estimate_memory
 from planner.model.load import load_model
@@ -88,6 +88,21 @@ def test_bound_never_exceeds_the_simulated_step(name):
     assert max(ratios) <= 1 + 1e-9
     ratios.sort()
     assert ratios[len(ratios) // 2] > 0.8  # tight enough to prune: half the layouts within 20%
+
+
+def test_bound_follows_eager_megatrons_traits():
+    """`--attention eager` runs megatron on the 2021-22 traits (no gradient-reduce overlap): the bound
+    is built from the same traits as the simulated step, so it stays below it and as tight."""
+    model, cluster = load_model("7B"), load_cluster("dgx-a100-80g", 16)
+    training = TrainingSpec(2048, 32, attention="eager")
+    bound = StepBound(model, cluster, load_calibration(None, cluster.gpu), "megatron", "eager")
+    assert bound.traits == get_engine("megatron").time_for("eager")
+    leaves = list(_leaves(model, cluster, 2048, 32))
+    random.Random(0).shuffle(leaves)
+    ratios = sorted(bound.seconds(layout, training) / simulate_step(model, training, layout, cluster,
+                                                                     engine="megatron").step_time_s
+                    for layout in leaves[:100])
+    assert ratios[-1] <= 1 + 1e-9 and ratios[len(ratios) // 2] > 0.8
 
 
 @pytest.mark.parametrize("engine", ["meshplan", "megatron"])

@@ -1,0 +1,74 @@
+"""Context parallelism in the memory model: what each engine's attention keeps per rank, and its buffers.
+
+Transformer Engine (Megatron-Core) and torch's context_parallel (torchtitan)
+save only the local Q, K, V, output and softmax statistics for the backward
+(planner.memory.activations docstring), so without recomputation a rank's
+activations are the cp = 1 ones divided by cp. What differs is the K/V in
+flight: TE's ring holds the chunk sent and the one received; torch's default
+all-gather rotater (and meshplan's executor) holds the whole sequence's K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.engines import get_engine
+from planner.layout import Layout
+from planner.memory.estimate import _activation_comm, estimate_memory
+from planner.model.load import load_model
+from planner.training import TrainingSpec
+from topologies.hardware import get_gpu
+
+MODEL = load_model("70B")
+SEQ = 32768
+
+
+def _layout(cp: int, **kw) -> Layout:
+    return Layout(cp=cp, dp_shard=2, zero_stage=kw.pop("zero_stage", 3 if "tp" not in kw else 1),
+                  micro_batch_size=1, grad_accum_steps=4, **kw)
+
+
+@pytest.mark.parametrize("engine,extra", [("megatron", dict(tp=8, sequence_parallel=True)),
+                                          ("torchtitan", dict(tp=8, sequence_parallel=True)),
+                                          ("torchtitan", {})])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fused_attention_keeps_the_local_share_under_cp(engine, extra, recompute):
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
+    gpu = get_gpu("h100-sxm")
+    base = estimate_memory(MODEL, training, _layout(1, recompute=recompute, **extra), gpu, engine).activations
+    for cp in (2, 4, 8):
+        acts = estimate_memory(MODEL, training, _layout(cp, recompute=recompute, **extra), gpu, engine).activations
+        assert acts.per_layer == pytest.approx(base.per_layer / cp, rel=1e-9)
+        assert acts.recomputed == pytest.approx(base.recomputed / cp, rel=1e-9)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_kv_in_flight_ring_against_all_gather(cp):
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
+    layout = _layout(cp)  # no tp, pp or ep: the CP buffer is the only activation buffer
+    local_kv = 2 * SEQ / cp * MODEL.kv_dim * training.dtype_bytes
+    assert _activation_comm(MODEL, training, layout, "megatron") == int(2 * local_kv)  # TE p2p: send + receive
+    assert _activation_comm(MODEL, training, layout, "torchtitan") == int(cp * local_kv)  # the whole sequence
+
+
+def test_eager_attention_with_cp_is_refused_where_the_engine_has_no_such_kernel():
+    eager = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="eager")
+    layout = _layout(2)
+    for engine in ("megatron", "torchtitan"):
+        reason = get_engine(engine).refusal(MODEL, layout, "bf16", True, eager)
+        assert reason is not None and "--attention fused" in reason and "cp 2" in reason
+        assert get_engine(engine).refusal(MODEL, _layout(1), "bf16", True, eager) is None
+    # DeepSpeed-Ulysses runs any attention after its all-to-all
+    assert get_engine("deepspeed").refusal(MODEL, Layout(cp=2, dp_replicate=2, grad_accum_steps=4), "bf16", True,
+                                           eager) is None
+
+
+def test_meshplans_executor_saves_the_gathered_kv():
+    """executor.parallel.context all-gathers K/V outside the attention kernel, so autograd keeps the other
+    ranks' share too (s*b*(1 - 1/cp) tokens of K and V per layer), unless the block is recomputed."""
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
+    gpu, cp = get_gpu("h100-sxm"), 4
+    for recompute, extra in (("none", 2 * SEQ * (1 - 1 / cp) * MODEL.kv_dim * training.dtype_bytes), ("full", 0.0)):
+        mine = estimate_memory(MODEL, training, _layout(cp, recompute=recompute), gpu, "meshplan").activations
+        titan = estimate_memory(MODEL, training, _layout(cp, recompute=recompute), gpu, "torchtitan").activations
+        assert mine.per_layer - titan.per_layer == pytest.approx(extra)
