@@ -17,6 +17,17 @@ what the source states:
   turn off fp32 gradient reduction (grad_reduce_in_fp32 False: bf16
   gradient buffers); v24.11.1 ran NeMo 1.0's launcher with Megatron's fp32
   main gradients;
+* TP communication overlap (DgxcRow.tp_comm_overlap, what the recipe ran;
+  priced as TrainingSpec.async_tp only with tp_overlap=True, see
+  bench/accuracy_dgxc.py --tp-overlap): every NeMo row with tp > 1 ran
+  Transformer Engine's userbuffers (Megatron's --tp-comm-overlap):
+  NeMo 1 yamls of v24.11.1/v25.02 (dgxc-benchmarking@35a9aec, @8f5cbb3:
+  gpt3_175b_hydra.yaml and llama3.1_{70b,405b}.yaml ub_tp_comm_overlap: true,
+  nemotron/configure.sh model.ub_tp_comm_overlap=True; llama3.1_8b.yaml has
+  false, with tp 1), and NeMo 2's performance recipes of v25.04/v25.05 (NeMo
+  v2.2.1/v2.3.0 recipes gpt3_175b, llama3_70b, llama31_405b, nemotron4_15b,
+  nemotron4_340b: MegatronCommOverlapCallback(tp_comm_overlap=True); the
+  dgxc pretrain_llama31.py asserts the callback and sets its ub config);
 * fp8: per-tensor FP8 on H100; on GB200 the v25.05 recipes run MXFP8 (same
   peak: the choice only matters for what is kept in memory);
 * models: Llama as SwiGLU/RMSNorm/RoPE; GPT-3 with GELU, LayerNorm,
@@ -68,6 +79,7 @@ class DgxcRow:
     gpus: int
     measured_s: float
     reason: str = ""
+    tp_comm_overlap: bool = False  # the recipe overlapped TP communication with its GEMMs (module docstring)
 
     @property
     def expressible(self) -> bool:
@@ -108,7 +120,7 @@ def _stage_layers(n_layers: int, chunks: int) -> tuple[int, ...] | None:
     return None
 
 
-def _row(rec: dict) -> DgxcRow:
+def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
     gpu = rec["gpu"].split()[0]
     source = _source(rec["model"])
     model = _model(rec)
@@ -117,11 +129,13 @@ def _row(rec: dict) -> DgxcRow:
     precision = rec["precision"] if gpu != "gb200" or rec["precision"] != "fp8" else "mxfp8"
     jax = source != "nemo"
     nemo2 = not jax and not rec["id"].startswith("dgxc-v24")
+    overlapped = not jax and tp > 1  # the NeMo recipes' tp_comm_overlap (module docstring)
     training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
-                            attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32")
+                            attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32",
+                            async_tp=tp_overlap and overlapped)
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
                   training=training, engine="torchtitan" if jax else "megatron", gpus=rec["gpus"],
-                  measured_s=rec["step_time_s"])
+                  measured_s=rec["step_time_s"], tp_comm_overlap=overlapped)
     lps = _stage_layers(model.n_layers, pp * vp)
     if lps is None:
         return DgxcRow(layout=None, reason=f"{model.n_layers} layers over pp*vp = {pp * vp} chunks leaves "
@@ -140,7 +154,8 @@ def _row(rec: dict) -> DgxcRow:
     return DgxcRow(layout=layout, **common)
 
 
-def load_dense_rows(path: Path = DATA) -> list[DgxcRow]:
-    """Every dense row of dgxc.json, expressible or not."""
+def load_dense_rows(path: Path = DATA, tp_overlap: bool = False) -> list[DgxcRow]:
+    """Every dense row of dgxc.json, expressible or not; tp_overlap prices the TP communication overlap
+    the NeMo recipes ran (row.tp_comm_overlap) as async TP, else as plain TP collectives."""
     doc = json.loads(path.read_text())
-    return [_row(rec) for rec in doc["rows"] if rec["category"].startswith("dense")]
+    return [_row(rec, tp_overlap) for rec in doc["rows"] if rec["category"].startswith("dense")]

@@ -4,7 +4,8 @@ Llama 3.2 1B (16 layers, hidden 2048, 32/8 heads, 128k vocabulary, tied
 embeddings) on 8 DGX H100 nodes, bf16, sequence 2048, micro-batch 1, one rank
 of the full 64-rank world per layout, built by the executor under a fake
 process group and FakeTensorMode (`meshplan validate-memory`). Target:
-|predicted - tracked| / tracked <= 10% for FSDP, HSDP, TP x FSDP and ZeRO-1.
+|predicted - tracked| / tracked <= 10% for FSDP, HSDP, TP x FSDP, ZeRO-1 and CP x FSDP.
+(Pipeline and expert-parallel cases, on smaller models: tests/unit/test_memory_phases.py.)
 
     .venv/bin/python bench/validate_memory_1b.py [--json out.json] [--seq-len 2048]
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from executor.validate.memory import TOLERANCE, validate_plan  # noqa: E402
 from planner.layout import Layout  # noqa: E402
-from planner.model.spec import load_model  # noqa: E402
+from planner.model.load import load_model  # noqa: E402
 from planner.plan import Plan, with_stage_layers  # noqa: E402
 from planner.training import TrainingSpec  # noqa: E402
 from topologies.cluster_load import load_cluster  # noqa: E402
@@ -35,6 +36,7 @@ LAYOUTS = {
     "HSDP 8 x 8": dict(dp_replicate=8, dp_shard=8, zero_stage=3),
     "TP 4 x FSDP 16": dict(tp=4, dp_shard=16, zero_stage=3),
     "ZeRO-1 64 (DDP + ZeroRedundancyOptimizer)": dict(dp_shard=64, zero_stage=1),
+    "CP 2 x FSDP 32 (K/V all-gathered over cp)": dict(cp=2, dp_shard=32, zero_stage=3),
 }
 
 

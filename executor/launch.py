@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from executor.interrupt import INTERRUPTED_EXIT_CODE
+from executor.worker import allocator_env
 from topologies.errors import ExecutionError, InterruptedRun
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,12 +50,15 @@ def run_id(plan_text: str) -> str:
 
 
 def _worker_env(nproc: int, on_cpu: bool) -> None:
-    """Make the repository importable by workers; share the cores among CPU ranks."""
+    """Make the repository importable by workers; share the cores among CPU ranks; GPU ranks get
+    expandable segments (executor.worker.allocator_env)."""
     paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // nproc) if on_cpu else 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if not on_cpu:
+        allocator_env()
 
 
 def launch(argv: list[str], nproc: int, on_cpu: bool) -> None:

@@ -52,6 +52,15 @@ class MoE(nn.Module):
             return (F.silu(x @ w1) * (x @ self.w3[e].to(x.dtype))) @ w2
         return F.gelu(x @ w1, approximate="tanh") @ w2
 
+    def expert_counts(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows routed to each expert: data-dependent shapes (validate-memory balances them, like
+        `routed_sizes` and `ExpertGroup.split_sizes`)."""
+        return torch.bincount(flat, minlength=self.n_experts)
+
+    def routed_sizes(self, counts: torch.Tensor) -> list[int]:
+        """The counts as split sizes (a host sync)."""
+        return counts.tolist()
+
     def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (counts[e] rows each, in order) -> their outputs."""
         outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(x, counts)) if rows.shape[0]]
@@ -67,13 +76,16 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
         rows = tokens[token_of]
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = self.expert_counts(flat)
         if self.ep is None:
-            out_rows = self.run_experts(rows, counts.tolist())
+            out_rows = self.run_experts(rows, self.routed_sizes(counts))
         else:
             out_rows = self.ep.dispatch_run_combine(rows, counts, self.run_experts)
         out_rows = out_rows * weights.flatten()[order, None].to(out_rows.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token_of, out_rows.to(tokens.dtype))
+        # scatter_add (torchtitan's combine) keeps only the index for its backward; index_add would keep
+        # the weighted rows too (top_k x hidden per token)
+        index = token_of[:, None].expand(-1, tokens.shape[-1])
+        out = torch.zeros_like(tokens).scatter_add(0, index, out_rows.to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.reshape(shape)

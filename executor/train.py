@@ -39,11 +39,13 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from executor.components.data import local_batch, open_source
+from executor.components.float8 import check_device, precompute_scales
 from executor.components.metrics import (
     MetricsLog,
     ProgressLine,
     mfu,
     peak_memory_bytes,
+    peak_reserved_bytes,
     read_metrics,
     summarize,
     write_summary,
@@ -201,6 +203,8 @@ class Trainer:
     def __init__(self, plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:
         layout = plan.layout
         self.plan, self.opts, self.device = plan, opts, device
+        if plan.training.fp8:
+            check_device(device)
         self.pm = parallelize(build_model(plan.model), plan, mesh, device, seed=opts.seed,
                               compile=opts.compile or getattr(plan.training, "compile", False))
         lr = opts.lr if opts.lr is not None else default_lr(plan.model.hidden)
@@ -253,13 +257,18 @@ class Trainer:
             scheduler.step()
         if self.scaler is not None:
             self.scaler.update()
+        if self.pm.float8_all_gather:  # torchtitan's post-optimizer hook: scales for the next all-gathers
+            precompute_scales(self.pm.parts)
         state.step, state.data_position = state.step + 1, state.data_position + batch
-        mean_loss, peak = _reduce_step(loss, plan.layout.pp, self.device)
+        mean_loss, peak, reserved = _reduce_step(loss, plan.layout.pp, self.device)
         step_time = time.perf_counter() - start
         tokens_per_s = plan.training.tokens_per_step / step_time
-        return {"step": state.step, "loss": mean_loss, "lr": lr, "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s, "mfu": mfu(plan, tokens_per_s, self.peak_flops),
-                "peak_memory_bytes": peak, "grad_norm": grad_norm}
+        record = {"step": state.step, "loss": mean_loss, "lr": lr, "step_time_s": step_time,
+                  "tokens_per_s": tokens_per_s, "mfu": mfu(plan, tokens_per_s, self.peak_flops),
+                  "peak_memory_bytes": peak, "grad_norm": grad_norm}
+        if reserved is not None:  # GPUs: the caching allocator's high-water mark (planner.memory.reserved)
+            record["peak_reserved_bytes"] = reserved
+        return record
 
     def run(self) -> None:
         """Steps until opts.steps (or an agreed stop on SIGINT); rank 0 logs each and writes summary.json."""
@@ -314,13 +323,15 @@ def _flops_dtype(plan: Plan, device: torch.device) -> str:
     return "fp32" if device.type == "cpu" else plan.training.dtype
 
 
-def _reduce_step(loss: torch.Tensor | None, pp: int, device: torch.device) -> tuple[float, int]:
-    """(global-batch mean loss, worst rank's peak memory): two all-reduces, which also sync the step."""
+def _reduce_step(loss: torch.Tensor | None, pp: int, device: torch.device) -> tuple[float, int, int | None]:
+    """(global-batch mean loss, worst rank's peak memory, worst rank's reserved peak or None on CPU): two
+    all-reduces, which also sync the step."""
     world = dist.get_world_size()
     total = torch.zeros((), dtype=torch.float64, device=device)
     if loss is not None:
         total += loss.detach().double() / (world // pp)
     dist.all_reduce(total)
-    peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
+    reserved = peak_reserved_bytes(device)
+    peak = torch.tensor([peak_memory_bytes(device), reserved or 0], dtype=torch.int64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(total), int(peak)
+    return float(total), int(peak[0]), (int(peak[1]) if reserved is not None else None)

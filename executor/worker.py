@@ -25,6 +25,14 @@ from planner.run_flags import RunFlags
 from topologies.errors import UsageError
 
 TIMEOUT_ENV = "MESHPLAN_COLLECTIVE_TIMEOUT_S"
+# torchtitan's launcher runs with expandable segments; planner.memory.reserved models the caching
+# allocator that way (freed space merges within one growing segment per stream). A user's own setting wins.
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def allocator_env() -> None:
+    """Set the CUDA caching allocator's configuration before torch initializes CUDA (no-op if the user set one)."""
+    os.environ.setdefault(*ALLOC_CONF)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, RunFlags]:
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     from executor import interrupt
 
     interrupt.install()  # first: torch's imports take seconds, and Ctrl-C may come during them
+    allocator_env()  # before any CUDA allocation (exported torchrun commands start workers directly)
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from topologies.errors import MeshplanError

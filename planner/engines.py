@@ -87,6 +87,15 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
+    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
+    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
+    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
+    executor_experts: bool = False
+    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
+    # its backward, and a non-last stage receives one output gradient; the boundary tensor is the residual
+    # stream, fp32 under autocast (planner.memory.estimate; validate-memory, pp 2 1F1B)
+    pp_stage_outputs: bool = False
     # context parallel all-gathers the K/V of the whole sequence before attention (torch's
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
@@ -143,6 +152,10 @@ class Engine:
     # AttnFuncWithCP*, torch's ring attention over the SDPA flash/efficient/cuDNN ops; Megatron's
     # own DotProductAttention asserts cp == 1): eager attention with cp > 1 is refused
     cp_needs_fused: bool = False
+    # the engine's option that pipelines SP's all-gathers / reduce-scatters with their GEMMs
+    # (TrainingSpec.async_tp; planner.simulate.tp_overlap); "" where it has none
+    async_tp_option: str = ""
+    async_tp_needs_compile: bool = False  # torchtitan applies it as an Inductor pass: torch.compile required
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
@@ -158,6 +171,11 @@ class Engine:
         if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
             return (f"engine {self.name} runs context parallelism (cp {layout.cp}) only inside a fused attention "
                     "kernel; use --attention fused or --cp 1")
+        if training is not None and training.async_tp and (layout.tp == 1 or not layout.sequence_parallel):
+            return (f"async TP pipelines the all-gathers and reduce-scatters of sequence parallelism: it needs "
+                    f"tp > 1 with sequence parallel, got tp {layout.tp}"
+                    f"{'' if layout.sequence_parallel else ' without sequence parallel'}; "
+                    "allow --tp > 1 and --sequence-parallel, or drop --async-tp")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -270,12 +288,13 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True, cp_all_gather=True, cp_saves_gathered=True),
+                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
+                     pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
-                       cp_needs_fused=True),
+                       cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
@@ -288,7 +307,8 @@ ENGINES: dict[str, Engine] = {
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
                      cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
-        zero_stages=(0, 2, 3)),  # DDP / replicate, FSDP2 without or with resharding after forward
+        zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
+        async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),
     "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
@@ -332,12 +352,29 @@ def _unbuilt_features(model: ModelSpec) -> list[str]:
     return out
 
 
+def _fp8_refusal(model: ModelSpec, layout: Layout, training: TrainingSpec, on_gpu: bool) -> str | None:
+    """What the executor's torchao float8 path (executor.components.float8) does not run."""
+    if training.precision != "fp8":
+        return (f"precision {training.precision}: the executor's 8-bit path is torchao's float8 (tensorwise "
+                "scaling); plan with --precision fp8 or bf16, or --engine megatron for mxfp8")
+    if not on_gpu:
+        return ("precision fp8 on CPU ranks: float8 GEMMs (torch._scaled_mm) need a GPU of compute capability "
+                "8.9 or newer (H100, L4, B200...); plan CPU ranks with --precision bf16")
+    if layout.tp > 1:
+        return (f"precision fp8 with tp ({layout.tp}) > 1: the executor does not apply torchao's float8 "
+                "tensor-parallel styles; plan with --tp 1 or --precision bf16")
+    if training.dtype != "bf16":
+        return f"precision fp8 runs on bf16 compute (torchtitan's recipe), not {training.dtype}; plan with --dtype bf16"
+    return None
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
     if training is not None and training.fp8:
-        return (f"precision {training.precision}: the executor does not run 8-bit GEMMs yet (torchao float8 is "
-                "not a dependency); plan with --precision bf16 or --engine torchtitan / megatron")
+        reason = _fp8_refusal(model, layout, training, on_gpu)
+        if reason:
+            return reason
     unbuilt = _unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)

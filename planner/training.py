@@ -13,7 +13,14 @@ engine keeps in higher precision is its recipe (planner.engines).
 
 `attention` ("fused" | "eager") names the attention kernel; "" means the
 engine's default and is resolved when a plan is built. `compile` is
-torch.compile per block (torchtitan's and meshplan's engines).
+torch.compile per block (torchtitan's and meshplan's engines). `cuda_graphs`
+and `moe_grouped_gemm` are recipe options of Megatron-Core / Transformer
+Engine stacks that change how many operations the host dispatches
+(planner.simulate.launches). `async_tp` pipelines the tensor-parallel
+all-gathers and reduce-scatters of sequence parallelism with the GEMMs that
+consume or produce them (torchtitan's enable_async_tensor_parallel under
+torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
+userbuffers; planner.simulate.tp_overlap).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ MAX_SIZE = 1 << 24
 # Tokens per optimizer step: 256x the largest published batch (16M tokens, Llama 3
 # 405B); beyond it the search would enumerate millions of data-parallel shapes.
 MAX_TOKENS_PER_STEP = 1 << 32
+# Execution options of the training stack that change only the host time (planner.simulate.launches).
+_OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False}
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -54,6 +63,9 @@ class TrainingSpec:
     precision: str = ""  # how block GEMMs run: bf16 | fp16 | fp32 | fp8 | mxfp8 ("" = dtype)
     attention: str = ""  # fused | eager ("" = the engine's default, resolved in a plan)
     compile: bool = False  # torch.compile per transformer block
+    cuda_graphs: bool = False  # layers replayed as CUDA graphs (Megatron-Core/TE --enable-cuda-graph)
+    moe_grouped_gemm: bool = True  # routed experts as one grouped GEMM per matrix (else one MLP per local expert)
+    async_tp: bool = False  # TP collectives pipelined with their GEMMs (needs tp > 1 with sequence parallel)
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -83,8 +95,9 @@ class TrainingSpec:
             raise PlanError(f"training: precision {self.precision} runs around a bf16 or fp16 model, got dtype fp32")
         if self.attention not in ("", *ATTENTION_KINDS):
             raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        if not isinstance(self.compile, bool):
-            raise PlanError(f"training: compile must be true or false, got {self.compile!r}")
+        for key in ("compile", "cuda_graphs", "moe_grouped_gemm", "async_tp"):
+            if not isinstance(getattr(self, key), bool):
+                raise PlanError(f"training: {key} must be true or false, got {getattr(self, key)!r}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -107,7 +120,13 @@ class TrainingSpec:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """plan.json's training; cuda_graphs, moe_grouped_gemm and async_tp are optional keys written only
+        when they differ from their defaults (plans without them load as before)."""
+        data = dataclasses.asdict(self)
+        for key, default in _OPTIONAL_KEYS.items():
+            if data[key] == default:
+                del data[key]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainingSpec:

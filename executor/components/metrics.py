@@ -12,6 +12,8 @@ the planned device for the compute dtype). Model FLOPs per token are
 recomputation); the peak is the spec-sheet number in topologies/hardware.py.
 peak_memory_bytes is the worst rank's: torch.cuda.max_memory_allocated on
 GPUs, the process's peak resident set (getrusage ru_maxrss) on CPU ranks.
+GPU records also carry peak_reserved_bytes (torch.cuda.max_memory_reserved),
+the figure planner.memory.reserved predicts and torchtitan reports.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """Peak bytes the CUDA caching allocator has reserved (torch.cuda.max_memory_reserved; what torchtitan
+    logs as its memory); None on CPU ranks, which have no caching allocator."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
 
 
 def mfu(plan: Plan, tokens_per_s: float, peak_flops: float) -> float:

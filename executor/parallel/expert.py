@@ -33,19 +33,26 @@ class ExpertGroup:
     size: int
     local_experts: int
 
+    @torch.no_grad()
+    def split_sizes(self, counts: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
+        """Rows this rank sends to each ep rank, rows it receives from each, and per source its local experts'.
+
+        The per-expert counts are exchanged first (a plain all_to_all, no gradient).
+        """
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        send = counts.view(self.size, self.local_experts)
+        recv = received.view(self.size, self.local_experts)
+        return send.sum(1).tolist(), recv.sum(1).tolist(), recv.tolist()
+
     def dispatch_run_combine(self, rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
         """rows sorted by global expert, counts per global expert -> the experts' outputs, same order."""
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        with torch.no_grad():
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(self.size, self.local_experts)
-        recv = received.view(self.size, self.local_experts)
-        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        input_splits, output_splits, per_source = self.split_sizes(counts)
         got = all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
         # rows arrive grouped [source rank][local expert]: run each source's groups, keep the order
-        outs = [run(chunk, recv[src].tolist()) for src, chunk in enumerate(torch.split(got, output_splits))]
+        outs = [run(chunk, per_source[src]) for src, chunk in enumerate(torch.split(got, output_splits))]
         out = torch.cat(outs)
         return all_to_all_single_autograd(out, input_splits, output_splits, self.group)
 

@@ -1,6 +1,8 @@
 """The parallelize recipe: one straight line of small `apply_*` steps per model part.
 
 Order, and why (torchtitan's recipe):
+  0. fp8 plans: float8 linear layers (executor.components.float8), before any
+     parallelism so TP and FSDP see Float8Linear;
   1. split into pipeline stages (on meta: copying is free);
   2. tensor parallel per block (`apply_tp`): DTensor params on the tp mesh;
   3. activation checkpointing per block (`apply_ac`): after TP so the
@@ -71,6 +73,7 @@ class ParallelModel:
     cp: ContextShard | None = None  # context parallel: inputs and targets are cut to this rank's chunks
     experts: ExpertParallel | None = None  # MoE: reduces the expert weights' gradients itself
     expert_params: list = field(default_factory=list)
+    float8_all_gather: bool = False  # fp8 under FSDP2: float8 weight scales precomputed after each step
 
 
 def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
@@ -96,6 +99,10 @@ def check_supported(plan: Plan) -> None:
                               plan.training)
     if reason:
         raise PlanError(reason)
+    if plan.training.fp8:  # torchao is no dependency: say what to install before any rank starts
+        from executor.components.float8 import require_torchao
+
+        require_torchao()
     if plan.training.seq_len > plan.model.max_seq_len:
         raise PlanError(
             f"seq_len ({plan.training.seq_len}) exceeds the model's context ({plan.model.max_seq_len}); "
@@ -121,7 +128,8 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
     autocast = dtype if dtype != torch.float32 and dp_kind in ("none", "ddp") else None
     return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast,
                          loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None),
-                         experts=experts, expert_params=expert_params)
+                         experts=experts, expert_params=expert_params,
+                         float8_all_gather=plan.training.fp8 and dp_kind == "fsdp")
 
 
 def uses_loss_parallel(plan: Plan) -> bool:
@@ -144,6 +152,10 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
     dp_kind = dp_path(layout)
     experts = ExpertParallel(mesh, layout) if plan.model.moe is not None else None
     for part in parts:
+        if plan.training.fp8:  # torchtitan converts before any parallelism (executor.components.float8)
+            from executor.components.float8 import convert
+
+            convert(part, fsdp_float8_all_gather=dp_kind == "fsdp")
         if layout.tp > 1:
             apply_tp(part, mesh["tp"], layout.sequence_parallel, plan.model)
         if layout.cp > 1:

@@ -9,7 +9,10 @@ full: the whole block, only its input kept.
 
 The CPU attention kernel (_scaled_dot_product_flash_attention_for_cpu) is in
 neither of torchtitan's lists (it runs on GPUs); it is saved here too so a
-CPU run recomputes what a GPU run does.
+CPU run recomputes what a GPU run does. float8 linears (executor.components.float8)
+run torch._scaled_mm instead of mm: counted and saved like mm, every second one
+recomputed, so fp8 keeps what the memory model's op save list says
+(planner.memory.activations.op_saved_terms).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 
 def _save_ops() -> set:
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.max.default,
+    ops = {aten.mm.default, aten._scaled_mm.default, aten.max.default,
            aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_flash_attention.default,
            aten._scaled_dot_product_cudnn_attention.default,
@@ -36,14 +39,14 @@ def op_sac_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     save = _save_ops()
-    mm = torch.ops.aten.mm.default
+    mms = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}  # float8 linears run _scaled_mm
     counts: defaultdict[str, int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs):
         key = "recompute" if ctx.is_recompute else "forward"
-        if func == mm:
+        if func in mms:
             counts[key] += 1
-        if func in save and not (func == mm and counts[key] % 2 == 0):
+        if func in save and not (func in mms and counts[key] % 2 == 0):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

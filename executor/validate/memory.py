@@ -8,9 +8,12 @@ stage the memory model calls worst), in ONE process and without a GPU:
      collectives return at once and move nothing, but every shape, shard and
      buffer is what rank r would hold;
   2. under FakeTensorMode, the executor's own `build_model` + `parallelize`
-     (the plan's TP, FSDP/HSDP, DDP + ZeroRedundancyOptimizer), on the CPU in
-     the plan's dtype (a bf16 GPU plan keeps bf16: tensors are fake, so no
-     CPU kernel ever runs);
+     (the plan's TP, CP, EP, FSDP/HSDP, DDP + ZeroRedundancyOptimizer, float8
+     when torchao is installed, the rank's pipeline stage), on the CPU in the
+     plan's dtype (a bf16 GPU plan keeps bf16: tensors are fake, so no CPU
+     kernel ever runs); MoE routing is balanced (fake tensors have no values)
+     and a pipeline stage runs in torch's 1F1B order
+     (executor.validate.memory_pipeline: 1F1B, dp 1);
   3. the optimizer's state is created first (a step on zero gradients), so the
      tracked step is a steady-state one: then forward, backward and optimizer
      step of min(grad_accum_steps, 2) micro-batches (the second one carries the

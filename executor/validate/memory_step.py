@@ -30,8 +30,9 @@ faithful to a real run:
   DDP models with fake CPU tensors rather than on meta (`_fake_model`).
 * RMSNorm saves what CUDA's fused kernel saves, not what the CPU composite
   saves (`_CudaFusedRMSNorm`): the fake world is CPU, the plan is for GPUs.
-* Pipeline plans are refused: torch.distributed.pipelining exchanges real
-  tensor shapes between stages before its first step.
+* Pipeline plans run their rank's stage in torch's 1F1B order without
+  torch.distributed.pipelining, which exchanges real shapes and votes between
+  stages before its first step (executor.validate.memory_pipeline).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from planner.plan import Plan
-from topologies.errors import PlanError
 
 MAX_MICRO_BATCHES = 2  # the 2nd carries the 1st's accumulated gradients, as every later one does
 
@@ -101,8 +101,11 @@ def _prime_optimizers(optimizers: list, parts: list) -> None:  # noqa: ANN001
         optimizer.zero_grad(set_to_none=True)
 
 
-def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tracker) -> None:  # noqa: ANN001
+def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tracker,  # noqa: ANN001
+                dtype: torch.dtype = torch.float32) -> None:
     """The executor's own step (executor.train / executor.components.optim): micro-steps, clipping, AdamW.
+
+    Pipeline plans run their rank's stage in 1F1B order (executor.validate.memory_pipeline).
 
     Clipping ends in `float(norm)`, a value fake tensors do not have; every
     allocation of the clip happens before it and the scaling after it is in
@@ -121,12 +124,21 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
         if i:
             tracker.reset_mod_stats()
 
-    AccumulationStep(pm, n, torch.device("cpu"), before_micro_batch=next_micro_batch)(tokens, tokens)
+    if plan.layout.pp > 1:
+        from executor.validate.memory_pipeline import pipeline_micro_steps
+
+        pipeline_micro_steps(plan, pm, tokens, dtype, next_micro_batch)
+    else:
+        AccumulationStep(pm, n, torch.device("cpu"), before_micro_batch=next_micro_batch)(tokens, tokens)
     with contextlib.suppress(DataDependentOutputException):
         clip_grad_norm(unique_params(pm.parts), plan.layout.pp)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if pm.float8_all_gather:  # fp8 under FSDP2: executor.train's post-optimizer hook
+        from executor.components.float8 import precompute_scales
+
+        precompute_scales(pm.parts)
 
 
 class _CudaFusedRMSNorm(torch.autograd.Function):
@@ -192,7 +204,11 @@ def _real_device_meshes():
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    with mock.patch.object(DeviceMesh, "__init__", _outside_fake_mode(DeviceMesh.__init__)):
+    from executor.parallel.expert import ExpertParallel
+
+    # expert parallelism carves its groups from the mesh's rank table the same way
+    with mock.patch.object(DeviceMesh, "__init__", _outside_fake_mode(DeviceMesh.__init__)), \
+            mock.patch.object(ExpertParallel, "__init__", _outside_fake_mode(ExpertParallel.__init__)):
         yield
 
 
@@ -202,6 +218,86 @@ def _quiet_known_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")  # stand-in retirement hook
         warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 on the fake root output
+        yield
+
+
+@contextlib.contextmanager
+def _balanced_routing():
+    """MoE routing with every expert given an equal share of the rows, as the memory model assumes.
+
+    The router's counts decide shapes (`MoE.expert_counts`, `MoE.routed_sizes`,
+    `ExpertGroup.split_sizes`), and fake tensors have no values: each expert
+    gets an equal share of the routed rows, and every ep rank is taken to
+    send this rank what it receives from it.
+    """
+    import executor.parallel.parallelize as parallelize_module
+    from executor.moe import MoE
+    from executor.parallel.expert import ExpertGroup, ExpertParallel
+
+    def balanced(rows: int, experts: int) -> list[int]:
+        return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+    def counts(self, flat: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return flat  # stands for the counts: its length is the number of routed rows
+
+    def routed_sizes(self, flat: torch.Tensor) -> list[int]:  # noqa: ANN001
+        return balanced(flat.numel(), self.n_experts)
+
+    def split_sizes(self, flat: torch.Tensor):  # noqa: ANN001, ANN202
+        # every ep rank routes alike, so this rank receives from each what it sends to each
+        per_expert = balanced(flat.numel(), self.size * self.local_experts)
+        per_rank = [per_expert[r * self.local_experts:(r + 1) * self.local_experts] for r in range(self.size)]
+        mine = per_rank[0]
+        return [sum(p) for p in per_rank], [sum(mine)] * self.size, [mine] * self.size
+
+    shard = ExpertParallel.shard
+
+    def shard_on_cpu(self, part):  # noqa: ANN001, ANN202
+        # the experts FSDP2 leaves alone are plain parameters; Module.to_empty would swap meta ones for CPU
+        # ones, which FakeTensorMode's weak references forbid, so they start as (fake) CPU tensors
+        params = {id(p) for p in shard(self, part)}
+        out = []
+        for module in part.modules():
+            if isinstance(module, MoE):
+                for name in ("w1", "w2", "w3"):
+                    p = getattr(module, name)
+                    if p is not None and id(p) in params:
+                        setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)))
+                        out.append(getattr(module, name))
+        return out
+
+    init = parallelize_module.init_weights
+
+    def init_without_experts(model, *args):  # noqa: ANN001, ANN202
+        # Module.to_empty swaps every fake parameter, which FakeTensorMode's weak references forbid for
+        # plain ones (FSDP2's DTensors swap); the experts are already materialized: keep them out of it
+        held = [(m, name, m._parameters[name]) for m in model.modules() if isinstance(m, MoE)
+                for name in ("w1", "w2", "w3") if m._parameters.get(name) is not None]
+        for m, name, _ in held:
+            m._parameters[name] = None
+        try:
+            init(model, *args)
+        finally:
+            for m, name, p in held:
+                m._parameters[name] = p
+
+    with mock.patch.object(MoE, "expert_counts", counts), mock.patch.object(MoE, "routed_sizes", routed_sizes), \
+            mock.patch.object(ExpertGroup, "split_sizes", split_sizes), \
+            mock.patch.object(ExpertParallel, "shard", shard_on_cpu), \
+            mock.patch.object(parallelize_module, "init_weights", init_without_experts):
+        yield
+
+
+@contextlib.contextmanager
+def _stages_built_afresh(plan: Plan):
+    """executor.parallel.pipeline.split_stage deep-copies the model per stage; a deep copy of fake tensors
+    lands in another fake mode, so each stage starts from a freshly built model instead (same modules)."""
+    import types
+
+    import executor.parallel.pipeline as pipeline_module
+
+    fresh = types.SimpleNamespace(deepcopy=lambda model: _fake_model(plan))
+    with mock.patch.object(pipeline_module, "copy", fresh):
         yield
 
 
@@ -218,7 +314,7 @@ def _peak_snapshot(tracker) -> dict[str, int]:  # noqa: ANN001
 def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
     """PyTorch's tracker's peak for `rank` over one steady-state step of the plan (see module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -228,21 +324,21 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
     from executor.parallel.parallelize import parallelize
 
     if plan.layout.pp > 1:
-        raise PlanError(
-            f"validate-memory does not run pipeline plans (pp = {plan.layout.pp}): torch.distributed.pipelining "
-            "exchanges real tensor shapes between stages before the first step, which a fake process group "
-            "cannot deliver; check the same layout with pp 1, or measure with `meshplan execute`"
-        )
+        from executor.validate.memory_pipeline import check_emulated
+
+        check_emulated(plan)
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
     try:
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode: meshes hold real rank tensors
         skip_check = mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes")
         gpu_rms_norm = mock.patch("torch.nn.functional.rms_norm", _cuda_rms_norm)
-        with FakeTensorMode(), plan_dtype_on_cpu(plan), skip_check, _real_device_meshes(), gpu_rms_norm:
+        with FakeTensorMode(), plan_dtype_on_cpu(plan) as dtype, skip_check, _real_device_meshes(), gpu_rms_norm, \
+                _balanced_routing(), _stages_built_afresh(plan):
             pm = parallelize(_fake_model(plan), plan, mesh, torch.device("cpu"))
             optimizers = build_optimizers(pm.parts, plan, mesh, lr=1e-4)
             _prime_optimizers(optimizers, pm.parts)
-            n_micro = min(plan.layout.grad_accum_steps, MAX_MICRO_BATCHES)
+            n_micro = plan.layout.grad_accum_steps if plan.layout.pp > 1 else \
+                min(plan.layout.grad_accum_steps, MAX_MICRO_BATCHES)
             shape = (plan.layout.micro_batch_size * n_micro, plan.training.seq_len)
             tokens = torch.randint(0, plan.model.vocab, shape)
             if pm.cp is not None:  # this rank's load-balanced chunks, as executor.train does
@@ -250,13 +346,17 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
             if pm.dp_kind == "fsdp":
                 tracker = FSDPMemTracker(pm.parts[0], optimizers[0])
                 tracker.track_inputs((tokens,))
+                # the experts are left out of FSDP2 (executor.parallel.expert): plain parameters its
+                # tracker would not see (its track_external is a no-op), registered as this rank's params
+                for p in pm.expert_params:
+                    tracker._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
             else:
                 tracker = MemTracker()
                 # ZeroRedundancyOptimizer keeps its shard's state in the wrapped local optimizer
                 tracker.track_external(*pm.parts, *(getattr(o, "optim", o) for o in optimizers))
             stand_ins = _instrument_ddp(pm.runners[0], grad_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
             with tracker, _quiet_known_warnings():
-                _train_step(plan, pm, optimizers, mesh, tokens, tracker)
+                _train_step(plan, pm, optimizers, mesh, tokens, tracker, dtype)
             del stand_ins  # the bucket stand-ins were alive until the backward started
             return _peak_snapshot(tracker)
     finally:

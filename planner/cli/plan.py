@@ -74,6 +74,9 @@ def _common(f):
               help="Attention kernel: fused (flash/cuDNN) or eager (softmax over materialized scores). "
                    "Default: the engine's.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile per block (torchtitan, meshplan).")
+@click.option("--async-tp", "async_tp", is_flag=True,
+              help="Pipeline TP's sequence-parallel all-gathers/reduce-scatters with their GEMMs: torchtitan "
+                   "enable_async_tensor_parallel (needs --compile), megatron --tp-comm-overlap.")
 # ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
@@ -88,7 +91,7 @@ def _common(f):
               help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
          dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
-         recompute, attention, compile_, top, output, png, headroom_pct, tokens, price):
+         recompute, attention, compile_, async_tp, top, output, png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -109,7 +112,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
                 virtual_stages=virtual_stages, ep=ep, etp=etp)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct),
-                          TrainingOptions(precision, attention or "", compile_))
+                          TrainingOptions(precision, attention or "", compile_, async_tp))
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep
@@ -198,7 +201,8 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     out.print(f"[bold]{m.name}[/] ({si(m.total_params)} params) on {c.world_size} x {c.gpu.name} "
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
               f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
-              f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}")
+              f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}"
+              f"{', async TP' if t.async_tp else ''}")
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)

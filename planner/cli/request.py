@@ -21,11 +21,12 @@ NEEDED_SEARCH_BUDGET_S = 5.0
 
 
 class TrainingOptions(NamedTuple):
-    """--precision, --attention, --compile: how the model trains, given by the user, never searched."""
+    """--precision, --attention, --compile, --async-tp: how the model trains, given by the user, never searched."""
 
     precision: str = "bf16"
     attention: str = ""  # "" = the engine's kernel
     compile: bool = False
+    async_tp: bool = False
 
 
 def check_training_options(options: TrainingOptions, engine: str, gpu, recompute: str | None) -> None:
@@ -34,6 +35,9 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
     from topologies.errors import TopologyError, UsageError
 
     eng = get_engine(engine)
+    if options.precision in ("fp8", "mxfp8") and gpu.kind == "cpu":
+        raise UsageError(f"--precision {options.precision}: CPU ranks run in fp32 and have no 8-bit matrix units; "
+                         "plan fp8 on a GPU cluster that has it (e.g. --cluster dgx-h100), or drop --precision")
     if options.precision in ("fp8", "mxfp8") and gpu.kind != "cpu":
         try:
             gpu.peak_flops(options.precision)
@@ -44,8 +48,38 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
     if options.compile and not eng.compiles:
         raise UsageError(f"--compile: engine {engine} does not compile blocks with torch.compile; use "
                          "--engine torchtitan or meshplan, or drop --compile")
+    if options.async_tp:
+        _check_async_tp(options, engine, gpu)
     if recompute is not None and recompute not in eng.recompute_kinds:
         raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
+
+
+def _check_async_tp(options: TrainingOptions, engine: str, gpu) -> None:
+    """--async-tp exists in torchtitan (an Inductor pass, so --compile) and Megatron-Core (TE userbuffers)."""
+    from planner.engines import ENGINES, get_engine
+    from topologies.errors import UsageError
+
+    eng = get_engine(engine)
+    have = ", ".join(f"{name} ({e.async_tp_option})" for name, e in ENGINES.items() if e.async_tp_option)
+    if not eng.async_tp_option:
+        raise UsageError(f"--async-tp: engine {engine} has no option that overlaps TP communication with its GEMMs; "
+                         f"engines that have one: {have}. Use one of them or drop --async-tp")
+    if gpu.kind == "cpu":
+        raise UsageError("--async-tp: CPU ranks have no symmetric memory or userbuffers to pipeline TP collectives "
+                         "with; plan it on a GPU cluster (e.g. --cluster dgx-h100) or drop --async-tp")
+    if eng.async_tp_needs_compile and not options.compile:
+        raise UsageError(f"--async-tp: engine {engine} runs async TP as a torch.compile (Inductor) pass; "
+                         "add --compile")
+
+
+def check_async_tp_pins(options: TrainingOptions, pins: Pins) -> None:
+    """--async-tp with --tp 1 or --no-sequence-parallel pinned can never hold: say so before searching."""
+    from topologies.errors import UsageError
+
+    if options.async_tp and (pins.tp == 1 or pins.sequence_parallel is False):
+        pinned = "--tp 1" if pins.tp == 1 else "--no-sequence-parallel"
+        raise UsageError(f"--async-tp with {pinned}: async TP pipelines sequence parallelism's all-gathers and "
+                         "reduce-scatters, so it needs tp > 1 with sequence parallel; drop one of the two")
 
 
 @dataclass(frozen=True)
@@ -80,9 +114,10 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
     options = request.options
     check_training_options(options, request.engine, cluster.gpu, request.pins.recompute)
+    check_async_tp_pins(options, request.pins)
     result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
                     top or request.top, request.usable_fraction, precision=options.precision,
-                    attention=options.attention, compile=options.compile)
+                    attention=options.attention, compile=options.compile, async_tp=options.async_tp)
     return model, cluster, result
 
 

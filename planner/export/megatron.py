@@ -64,8 +64,22 @@ def build_args(plan: Plan, version: tuple[int, ...] = (0, 16)) -> tuple[list[Arg
     """Megatron's options for the plan (each with its values) and the notes on what they cannot express."""
     notes: list[str] = []
     args = _parallel_args(plan, notes, version) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
-    args += _precision_args(plan, notes) + _model_args(plan, notes)
+    args += _precision_args(plan, notes) + _model_args(plan, notes) + _host_args(plan, version)
     return args, notes
+
+
+CUDA_GRAPH_IMPL_ADDED = (0, 15)  # --cuda-graph-impl local; before it --enable-cuda-graph
+
+
+def _host_args(plan: Plan, version: tuple[int, ...]) -> list[Arg]:
+    """Recipe options the prediction's host time assumed (planner.simulate.launches): grouped GEMMs
+    for the routed experts and CUDA graphs."""
+    args: list[Arg] = []
+    if plan.model.moe is not None and plan.training.moe_grouped_gemm:
+        args.append(("--moe-grouped-gemm",))
+    if plan.training.cuda_graphs:
+        args.append(("--cuda-graph-impl", "local") if version >= CUDA_GRAPH_IMPL_ADDED else ("--enable-cuda-graph",))
+    return args
 
 
 def _parallel_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> list[Arg]:
@@ -79,6 +93,8 @@ def _parallel_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> li
         args.append(("--expert-tensor-parallel-size", str(lay.etp)))
     if lay.sequence_parallel:
         args.append(("--sequence-parallel",))
+        if plan.training.async_tp:  # Transformer Engine userbuffers: SP's collectives pipelined with the GEMMs
+            args.append(("--tp-comm-overlap",))
     if lay.cp > 1 and plan.training.seq_len % (2 * lay.cp):
         notes.append(f"cp {lay.cp}: Megatron needs seq_len ({plan.training.seq_len}) divisible by 2 * cp")
     return args + _pipeline_args(plan, notes, version) + _zero_args(plan, notes, version)

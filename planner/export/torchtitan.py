@@ -80,18 +80,38 @@ def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
                      "by its own policy; meshplan modelled recomputing the attention core only")
     notes += _engine_notes(plan)
     header = summary_lines(plan) + notes_lines(notes)
+    compile_cfg = _async_tp(plan, version, parallelism)
     if version >= PYTHON_CONFIGS:
-        return _python_module(plan, config_fn, training, parallelism, ac, header, notes)
+        return _python_module(plan, config_fn, training, parallelism, ac, header, notes, compile_cfg)
     tables: dict[str, dict[str, Any]] = {
         "job": {"description": f"meshplan export: {plan.model.name} on {plan.world_size} ranks"},
         "model": {"name": "llama3", "flavor": flavor},
         "training": training,
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": ac, **({"selective_ac_option": "op"} if ac == "selective" else {})},
+        **({"compile": compile_cfg} if compile_cfg else {}),
     }
     text = dumps(tables, ["torchtitan job config (TOML JobConfig, torchtitan 0.2) written by `meshplan export`"]
                  + header)
     return ExportResult("torchtitan", text, f"{plan.model.name}.toml", tuple(notes))
+
+
+def _async_tp(plan: Plan, version: tuple[int, ...], parallelism: dict[str, Any]) -> dict[str, Any]:
+    """The [compile] entries async TP needs ({} without it).
+
+    torchtitan runs async TP as an Inductor pass over the compiled model, and
+    refuses it unless the model is compiled. 0.2 reads
+    `[parallelism] enable_async_tensor_parallel`; 0.3 moved the switch to
+    `compile.enable_async_tensor_parallel` (CompileConfig).
+    """
+    if not (plan.training.async_tp and plan.layout.tp > 1):
+        return {}
+    entries: dict[str, Any] = {"enable": True, "components": ["model", "loss"]}
+    if version >= PYTHON_CONFIGS:
+        entries["enable_async_tensor_parallel"] = True
+    else:
+        parallelism["enable_async_tensor_parallel"] = True
+    return entries
 
 
 def model_flavor(plan: Plan, version: tuple[int, ...]) -> tuple[str, str | None]:
@@ -145,7 +165,7 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     if tr.fp8:  # torchao float8 / MX converters: their TOML keys differ between torchtitan releases
         notes.append(f"precision {tr.precision}: enable torchtitan's {'float8' if tr.precision == 'fp8' else 'mx'} "
                      "model converter with FSDP float8 all-gathers (what the plan assumed); not written here")
-    if tr.compile:
+    if tr.compile and not (tr.async_tp and plan.layout.tp > 1):  # async TP writes [compile] itself
         notes.append("compile: enable torchtitan's torch.compile of the model (per block); not written here")
     if lay.offload != "none":
         entries["enable_cpu_offload"] = True
@@ -232,7 +252,7 @@ def module_name(plan: Plan) -> str:
 
 
 def _python_module(plan: Plan, config_fn: str | None, training: dict[str, Any], parallelism: dict[str, Any],
-                   ac: str, header: list[str], notes: list[str]) -> ExportResult:
+                   ac: str, header: list[str], notes: list[str], compile_cfg: dict[str, Any]) -> ExportResult:
     """torchtitan 0.3's config: a module whose meshplan_plan() returns the registered config, re-parallelized."""
     name = module_name(plan)
     ac_expr = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}[ac]
@@ -254,7 +274,7 @@ def _python_module(plan: Plan, config_fn: str | None, training: dict[str, Any], 
              "def meshplan_plan():\n"
              f'    """torchtitan\'s registered {config_fn}() with the plan\'s batch, degrees and recompute."""\n'
              f"    cfg = {config_fn}()\n"
-             + assign("training", training) + assign("parallelism", parallelism) +
+             + assign("training", training) + assign("parallelism", parallelism) + assign("compile", compile_cfg) +
              f"    cfg.activation_checkpoint = {ac_expr}\n"
              "    return cfg\n")
     return ExportResult("torchtitan", text, f"{name}.py", tuple(notes))

@@ -90,17 +90,29 @@ parameters; when each exists: planner.memory.phases):
   TP + SP        all-gather output and reduce-scatter input: 2*s*b*h*D / cp
                  (megatron, deepspeed; PyTorch's SP saves the gathered tensors,
                  counted as activations: MemoryTraits.sp_saves_gathered)
-  PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP)
+  PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP); for
+                 meshplan (torch.distributed.pipelining), activations instead: each
+                 in-flight micro-batch's stage output kept for its backward and the
+                 received output gradient, (in-flight + 1) * s*b*h*B / cp on a
+                 non-last stage, B = 4 under autocast (the fp32 residual stream)
   CP             ring (Transformer Engine's p2p): the K/V chunk sent and the one
                  received, 2 * 2*s*b*k*d*D / (cp*t); all-gather (torch's
                  context_parallel by default, meshplan's executor:
                  MemoryTraits.cp_all_gather): the whole sequence's K/V, or in
                  the backward its gradient before the reduce-scatter,
                  2*s*b*k*d*D / t
-  EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp
-other: CUDA context, NCCL communicator buffers and allocator fragmentation:
+  EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp; none for
+                 meshplan, whose functional all-to-all outputs are the experts'
+                 saved inputs and outputs (MemoryTraits.executor_experts)
+other: CUDA context, NCCL communicator buffers and allocator slack:
 DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
-passes other_bytes; the same in every phase.
+passes other_bytes; plus, for the PyTorch engines (meshplan, torchtitan), the
+caching allocator's reserve beyond the tensors (planner.memory.reserved: one
+pool per CUDA stream, the loss's hole), the same in every phase. So
+`allocated_bytes` (tensors: torch.cuda.max_memory_allocated) <=
+`reserved_bytes` (torch.cuda.max_memory_reserved, what torchtitan reports)
+<= `peak_bytes` (what must fit the GPU); megatron and deepspeed keep the
+papers' accounting, their allocator slack inside the fixed `other`.
 
 Activations: see planner.memory.activations (Korthikanti et al. 2022).
 """
@@ -108,7 +120,7 @@ Activations: see planner.memory.activations (Korthikanti et al. 2022).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 from planner.engines import dp_path, get_engine
@@ -134,6 +146,7 @@ from planner.memory.phases import (
     published_stage_bytes,
     step_phases,
 )
+from planner.memory.reserved import reserve_bytes
 from planner.memory.states import stage_states
 from planner.model.spec import ModelSpec
 from planner.plan import MEMORY_CATEGORIES
@@ -166,16 +179,30 @@ class MemoryEstimate:
     stages: tuple[tuple[StageBytes, StageParams, float], ...]  # every stage: its bytes, parameters, in-flight
     activations: Activations
     published: bool  # megatron / deepspeed: one phase with everything at once
+    reserve_bytes: int = 0  # the worst stage's reserved - allocated (planner.memory.reserved), in `other`
+    stage_reserve_bytes: tuple[int, ...] = ()  # the same for every stage
 
-    def _breakdown(self, phase: Phase) -> dict[str, int]:
-        return dict(zip(MEMORY_CATEGORIES, (*phase, self.other_bytes), strict=True))
+    def _breakdown(self, phase: Phase, reserve: int | None = None) -> dict[str, int]:
+        reserve = self.reserve_bytes if reserve is None else reserve
+        return dict(zip(MEMORY_CATEGORIES, (*phase, self.other_bytes + reserve), strict=True))
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The worst rank's tensor peak: what torch.cuda.max_memory_allocated would report."""
+        return self.peak_bytes - self.other_bytes - self.reserve_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The worst rank's caching-allocator peak: what torch.cuda.max_memory_reserved would report."""
+        return self.peak_bytes - self.other_bytes
 
     @cached_property
     def per_stage(self) -> tuple[dict[str, int], ...]:
         """Breakdown (MEMORY_CATEGORIES) of every pipeline stage, each at its own peak phase."""
         phases_of = published_phase if self.published else step_phases
-        return tuple(self._breakdown(peak_phase(phases_of(sb, sp, self.activations, in_flight))[1])
-                     for sb, sp, in_flight in self.stages)
+        reserves = self.stage_reserve_bytes or (0,) * len(self.stages)
+        return tuple(self._breakdown(peak_phase(phases_of(sb, sp, self.activations, in_flight))[1], reserve)
+                     for (sb, sp, in_flight), reserve in zip(self.stages, reserves, strict=True))
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -190,6 +217,8 @@ class MemoryEstimate:
     def to_json(self) -> dict[str, Any]:
         return {
             "peak_memory_bytes": self.peak_bytes,
+            "allocated_peak_bytes": self.allocated_bytes,
+            "reserved_peak_bytes": self.reserved_bytes,
             "memory_breakdown_bytes": self.breakdown_bytes,
             "peak_phase": self.peak_phase,
             "phase_peak_bytes": {name: sum(b.values()) for name, b in self.phases.items()},
@@ -208,12 +237,12 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     total = 0.0
     if layout.tp > 1 and layout.sequence_parallel and not get_engine(engine).memory.sp_saves_gathered:
         total += 2 * act
-    if layout.pp > 1:
+    if layout.pp > 1 and not get_engine(engine).memory.pp_stage_outputs:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
         local_kv = 2 * tokens * model.kv_dim * d / layout.tp
         total += local_kv * layout.cp if get_engine(engine).memory.cp_all_gather else 2 * local_kv
-    if layout.ep > 1 and model.moe is not None:
+    if layout.ep > 1 and model.moe is not None and not get_engine(engine).memory.executor_experts:
         total += 2 * model.moe.top_k * act
     return int(total)
 
@@ -237,6 +266,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
+    if traits.executor_experts and model.moe is not None and layout.recompute in ("none", "selective"):
+        per_layer += _executor_moe_extra(model, s * b / cp, d)
     if traits.cp_saves_gathered and cp > 1 and layout.recompute in ("none", "selective"):
         # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
         per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
@@ -247,9 +278,26 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, autocast=autocast,
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel)
+    logits_grad = logits_saved / FP32_BYTES * d
+    stage_output = 0.0
+    if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
+        stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_saved / FP32_BYTES * d)
+                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output)
+
+
+def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
+    """What executor.moe keeps per layer beyond the common MoE terms (planner.memory.activations), averaged
+    over the layers: every routed expert's weights cast to the compute dtype (each call casts again, so E
+    copies whatever ep: ep sources x E/ep local experts), and per token the int64 top-k indices, sort order
+    and token map with the fp32 and compute-dtype gate weights and their sum (measured with saved-tensor hooks)."""
+    moe = model.moe
+    share = model.n_moe_layers / model.n_layers
+    casts = moe.n_experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * moe.expert_ffn_hidden * d \
+        if d < FP32_BYTES else 0
+    routing = tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
+    return share * (casts + routing)
 
 
 def default_other_bytes(gpu: GPUSpec) -> int:
@@ -273,6 +321,9 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     comm = _activation_comm(model, training, layout, engine)
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
+    if phased:
+        build = partial(meshplan_stage_bytes, experts_outside_fsdp=eng.memory.executor_experts,
+                        fp8_all_gather=eng.fp8.fp8_all_gather)
     params = pipeline_params(model, layout, engine)
     in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
                                         layout.virtual_stages) for rank in range(layout.pp)]
@@ -284,6 +335,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         if in_flight[rank] > in_flight[first]:
             busiest[id(sp)] = rank
     built: dict[int, StageBytes] = {}
+    reserve: dict[int, int] = {}  # planner.memory.reserved, per stage: reserved - allocated
     worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
     for key, rank in busiest.items():
         sp = params[rank]
@@ -292,9 +344,12 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         host_bytes = max(host_bytes, states.host)
         phases = phases_of(sb, sp, acts, in_flight[rank])
         name, phase = peak_phase(phases)
-        peak = sum(phase)
+        reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
+        peak = sum(phase) + reserve[key]
         if peak > worst_peak or (peak == worst_peak and rank < worst):
             worst, worst_peak, worst_name, worst_phases = rank, peak, name, phases
+    stage_reserve = tuple(reserve[id(sp)] for sp in params)
     return MemoryEstimate(
         worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
-        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased)
+        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased,
+        stage_reserve[worst], stage_reserve)

@@ -110,6 +110,8 @@ class Activations(NamedTuple):
     logits_saved: float  # saved fp32 log-probabilities (last stage)
     loss_transient: float  # the loss backward's extra fp32 gradients, once (last stage)
     logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
+    loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
+    stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
 
 
 class StageBytes(NamedTuple):
@@ -139,11 +141,18 @@ class StageBytes(NamedTuple):
     head_kept: int = 0  # FSDP2 head unit (final norm + output) gathered from its forward to its backward
     head_reduce: int = 0  # the head unit's reduction: its all-gather buffer and reduce-scatter input
     head_shard: int = 0  # the head unit's reduced gradient shard, there from its reduction on
+    # planner.memory.reserved: the caching allocator's pools (PyTorch engines)
+    reserve_model: bool = False
+    ag_pool: int = 0  # FSDP2 all-gather stream: two consecutive units' all-gather outputs
+    reduce_out: int = 0  # reduce-scatter stream: one unit's fresh output while micro-batches accumulate
+    accumulated_default: bool = False  # Ga lives on the default stream (replicate's unsharded no-sync sums)
 
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
     """Bytes by category (no `other`) at each phase of the step this stage goes through (module docstring)."""
     kept = in_flight * sp.layers * acts.per_layer + (in_flight * acts.embedding if sp.has_embedding else 0.0)
+    if not sp.has_output:  # each in-flight micro-batch's output, and the output gradient received for one
+        kept += (in_flight + 1) * acts.stage_output
     out = in_flight * (acts.output + acts.logits_saved) if sp.has_output else 0.0
     fwd = sb.params + sb.copy
     base = sb.buckets + sb.comm
@@ -214,8 +223,15 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
 
 
 def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                         states: ModelStates, comm: int) -> StageBytes:
-    """The executor's buffers and temporaries (module docstring formulas)."""
+                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False,
+                         fp8_all_gather: bool = False) -> StageBytes:
+    """The executor's buffers and temporaries (module docstring formulas).
+
+    experts_outside_fsdp: meshplan's executor leaves the routed experts out of FSDP2's units
+    (executor.parallel.expert reduces them), so a block unit gathers and reduces without them.
+    fp8_all_gather: FSDP2 gathers the blocks' float8 linear weights in one byte each (torchao's
+    enable_fsdp_float8_all_gather, executor.components.float8); norms stay in the compute dtype.
+    """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
     path = dp_path(layout)
     fsdp2 = path in ("fsdp", "replicate")
@@ -226,6 +242,10 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     shards = layout.dp_shard * layout.cp  # the executor folds cp into FSDP's group
     grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
+    unit = sp.block - (sp.experts // sp.layers if experts_outside_fsdp and sp.layers else 0)  # a block's FSDP unit
+    # bytes of one block unit gathered, expressed in compute-dtype elements (float8 weights: 1 byte of d)
+    norms = model.norms_per_layer * model.hidden
+    gunit = (norms + (unit - norms) / d) if fp8_all_gather and training.fp8 and unit > norms else unit
     # FSDP2 reduce-scatters every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and
     # replicate skip the sync and keep every gradient unsharded
     accumulated = (states.grads if path == "fsdp" else FP32_BYTES * sp.total) if layout.grad_accum_steps > 1 else 0
@@ -247,32 +267,43 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     if not zero3:
         gathered = 0
     elif split:
-        gathered = d * (sp.block + max(sp.block, root))
+        gathered = int(d * (gunit + max(gunit, root)))
     else:
-        gathered = d * (root + 2 * sp.block)
+        gathered = int(d * (root + 2 * gunit))
     end_transient = root_grads = 0
     if fsdp2:
         root_grads = min(states.grads, grad_share(root))
         root_copy = d * root if path == "fsdp" or d < FP32_BYTES else 0
         tied = 2 * d * sp.head if model.tie_embeddings and sp.has_embedding and sp.has_output else 0
-        last = root or sp.block  # the unit reduced last: the root, or the first block of a middle stage
+        last = root or unit  # the unit reduced last: the root, or the first block of a middle stage
         copy_in = (g + (max(d, g) if path == "replicate" else d)) * last
-        previous_rs = g * sp.block if root and sp.layers else 0
+        previous_rs = g * unit if root and sp.layers else 0
         end_transient = max(copy_in, root_copy + d * root + tied + previous_rs)
     largest_grad = ceil_div(sp.largest, shards) if sharded else sp.largest  # largest local tensor
+    # planner.memory.reserved: FSDP2 all-gathers each unit in the forward (ZeRO-2 and 3) when its shard group
+    # has more than one rank; the previous unit's output is kept until the next one's is waited on
+    ag_pool = 0
+    if path == "fsdp" and shards > 1:
+        units = ([root] if root else []) + ([gunit] if sp.layers else []) + ([head_unit] if head_unit else [])
+        pairs = [a + b for a, b in zip(units, units[1:], strict=False)] + ([2 * gunit] if sp.layers > 1 else [])
+        ag_pool = int(d * max(pairs or units or [0]))
+    biggest_unit = max(root, unit, head_unit)
+    # FSDP2 reduces every micro-batch and adds the fresh output in; replicate reduces once, after the last
+    reduce_out = grad_share(biggest_unit) if path == "fsdp" and layout.grad_accum_steps > 1 else 0
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
         head_grad=grad_bytes * sp.head,
         partial_grad=grad_bytes * ceil_div(model.hidden * model.ffn_hidden, layout.tp),
-        gathered_start=gathered, gathered_output=(d * sp.block if split else gathered - d * sp.block) if zero3 else 0,
-        block_rs=g * sp.block if fsdp2 else 0, block_grad=d * sp.block if fsdp2 else 0, last_grads=last_grads,
+        gathered_start=gathered, gathered_output=int(d * gunit if split else gathered - d * gunit) if zero3 else 0,
+        block_rs=g * unit if fsdp2 else 0, block_grad=d * unit if fsdp2 else 0, last_grads=last_grads,
         recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
         block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
-        head_kept=d * (head_unit + (sp.block if sp.layers else 0)) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
-        head_shard=grad_share(head_unit) if split else 0)
+        head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
+        head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
+        reduce_out=reduce_out if states.grads else 0, accumulated_default=path == "replicate")
 
 
 def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:

@@ -72,6 +72,7 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
+from planner.simulate.host import layer_host_scale
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 
@@ -132,7 +133,7 @@ class StepBound:
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
         self._kinds: dict[tuple, tuple] = {}
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
-        self._times: dict[tuple, float] = {}
+        self._times: dict[tuple, float | tuple[float, float]] = {}
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
@@ -150,6 +151,16 @@ class StepBound:
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
         return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds,
                           self._expert(shape, shape_key, training))
+
+    def host_scale(self, shape: Layout, training: TrainingSpec) -> tuple[float, float]:
+        """The simulator's eager host time per layer pass over layer_overhead_s
+        (planner.simulate.host.layer_host_scale), cached on what it reads."""
+        key = ("host", shape.ep, shape.recompute, training.attention, training.cuda_graphs, training.moe_grouped_gemm)
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._times[key] = layer_host_scale(self.model, training, shape,
+                                                      training.fused_attention(self.traits.fused_attention))
+        return hit
 
     def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
         """Expert communication of one layer pass at micro-batch 1 (module docstring)."""
@@ -289,17 +300,20 @@ class ShapeBound:
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
         self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+        self.host_scale = parent.host_scale(shape, training)
 
     def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
         f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
+        if self.training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
+            tp_f = tp_b = 0.0
         ag, ag_rs = self.fsdp
         host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
-        f_layer = max(max(f, ag) + tp_f + self.expert_s, host)
+        f_layer = max(max(f, ag) + tp_f + self.expert_s, host * self.host_scale[0])
         kind, n = recompute_level(recompute)
         share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
-        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (2.0 + share))
+        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (self.host_scale[1] + share * self.host_scale[0]))
         ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
         n = self.per_replica // micro_batch_size
         overlap = p.traits.overlap_dp

@@ -131,6 +131,7 @@ class _Context:
     precision: str = "bf16"  # how block GEMMs run (TrainingSpec.precision); given, never searched
     attention: str = ""  # fused | eager | "" (the engine's)
     compile: bool = False
+    async_tp: bool = False  # TrainingSpec.async_tp: given, never searched
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
@@ -162,7 +163,7 @@ class _Context:
             precision = self.precision if self.on_gpu else "fp32"
             self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype,
                                                   precision=precision, attention=self.attention,
-                                                  compile=self.compile)
+                                                  compile=self.compile, async_tp=self.async_tp)
         return self._trainings[batch]
 
     def recompute_kinds(self) -> tuple[str, ...]:
@@ -178,7 +179,7 @@ class _Context:
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
            pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
            top_k: int = 5, usable_memory_fraction: float = USABLE_MEMORY_FRACTION, precision: str = "bf16",
-           attention: str = "", compile: bool = False) -> SearchResult:
+           attention: str = "", compile: bool = False, async_tp: bool = False) -> SearchResult:
     """The top_k layouts for training `model` on `cluster`, best first.
 
     Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
@@ -192,7 +193,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
                    bound=StepBound(model, cluster, calibration, engine, attention), usable_fraction=usable_memory_fraction,
-                   precision=precision, attention=attention, compile=compile)
+                   precision=precision, attention=attention, compile=compile, async_tp=async_tp)
     ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)

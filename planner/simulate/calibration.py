@@ -17,8 +17,11 @@ How each field enters the time model (see `planner.simulate.compute`):
       plus the operand casts as memory-bound work (planner.simulate.compute)
   fused attention:   t = executed FLOPs / (peak * attention_efficiency)
   memory-bound work: t = bytes / (HBM bandwidth * memory_efficiency)
-  host overhead:     every layer costs `layer_overhead_s` of host time per forward
-      pass (twice per backward pass, three times with full recomputation) plus
+  host overhead:     a dense layer with fused attention costs `layer_overhead_s` of
+      host time per forward pass; other layers scale it by the operations they
+      dispatch (`planner.simulate.launches`: MLA, routers, token dispatch,
+      per-expert GEMMs, CUDA graph replays), so layer_overhead_s / 16 is the
+      host's cost per operation (twice per backward pass, three times with full recomputation) plus
       `collective_overhead_s` per collective it issues; GPU work (compute and
       the exposed communication) and host work of one pass overlap, combined as
       a p-norm: t = (t_gpu^p + t_host^p)^(1/p) with p = `overlap_exponent`
@@ -101,9 +104,10 @@ class CalibrationProfile:
     fp8_gemm_efficiency: float = 0.60
     attention_efficiency: float = 0.55  # fused (flash) attention, fraction of peak on executed FLOPs
     memory_efficiency: float = 0.80  # fraction of HBM bandwidth memory-bound kernels reach
-    # Host overhead describes the software stack, not the silicon: ~50-100 eager PyTorch kernels per
-    # block at 5-10 us each (the vTrain fit of Megatron-DeepSpeed found 0.8 ms and p = 4).
-    layer_overhead_s: float = 5e-4  # host time per layer per forward pass (kernel launches, Python)
+    # Host overhead describes the software stack and its host CPU: 16 operations of a reference dense
+    # layer at ~30 us each on x86 (TE module calls, torch operators; the vTrain fit of Megatron-DeepSpeed
+    # found 0.58 ms and p = 4.3); Grace hosts pay ~2.75x per operation (gb200.json)
+    layer_overhead_s: float = 5e-4  # host time of a reference dense layer per forward pass (kernel launches, Python)
     overlap_exponent: float = 4.0  # p of the p-norm combining GPU and host time of a pass
     link_efficiency: dict[str, float] = field(default_factory=dict)  # overrides topologies.links.EFFICIENCY
     latency_scale: float = 1.0  # scales the topology model's hop latencies (nccl-tests based)
@@ -119,13 +123,18 @@ class CalibrationProfile:
     collective_scale: dict[str, float] = field(default_factory=dict)  # op -> factor on the model's time
     optimizer_bytes_per_param: float = 36.0  # HBM traffic of one AdamW update per local parameter
     other_bytes: int | None = None  # fixed memory overhead per GPU (None: the memory model's default)
-    # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.step): grouped GEMMs of the
-    # routed experts as a fraction of the dense GEMM rate, the busiest expert rank's tokens over the
-    # balanced share (dropless routing), and the all-to-all's achieved share of the collective model's
-    # time at MoE message sizes (many small per-peer messages).
+    # Mixture of experts (planner.simulate.compute.moe_times, planner.simulate.comm): grouped GEMMs of
+    # several routed experts on a rank as a fraction of the dense GEMM rate (one expert is a plain GEMM),
+    # the busiest expert rank's tokens over the balanced share (dropless routing; a capacity factor caps
+    # it), and the all-to-all's achieved share of the collective model's time at MoE message sizes (many
+    # small per-peer messages), inside the NVLink domain and for groups that cross the network.
     grouped_gemm_efficiency: float = 1.0
     moe_imbalance: float = 1.0
     all_to_all_efficiency: float = 1.0
+    all_to_all_net_efficiency: float = 1.0
+    # routed-expert GEMMs under an 8-bit precision as a fraction of the block GEMMs' 8-bit rate: each
+    # expert's operands are scaled and cast on their own (per-tensor FP8 on Hopper, MXFP8 on Blackwell)
+    fp8_expert_efficiency: float = 1.0
     # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
     engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
@@ -152,7 +161,8 @@ class CalibrationProfile:
             if not isinstance(value, (int, float)) or value < 0:
                 raise UsageError(f"calibration: {key} must be a non-negative number, got {value!r}")
         for key, low, high in (("grouped_gemm_efficiency", 0.01, 1.0), ("moe_imbalance", 1.0, 16.0),
-                               ("all_to_all_efficiency", 0.01, 1.0), ("solo_speedup", 1.0, 16.0)):
+                               ("all_to_all_efficiency", 0.01, 1.0), ("all_to_all_net_efficiency", 0.01, 1.0),
+                               ("fp8_expert_efficiency", 0.01, 1.0), ("solo_speedup", 1.0, 16.0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise UsageError(f"calibration: {key} must be a number in [{low}, {high}], got {value!r}")

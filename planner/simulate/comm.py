@@ -21,7 +21,8 @@ gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
        rank, forward and backward, on the expert-parallel groups of the
        expert grid (planner.layout: ranks etp apart); with etp > 1 the
        expert's tokens are all-gathered and its output reduce-scattered over
-       the etp group; times over `all_to_all_efficiency`
+       the etp group; times over `all_to_all_efficiency`, or
+       `all_to_all_net_efficiency` when an ep group leaves the node (NVLink domain)
   EDP  expert gradients reduce over the expert data-parallel groups, dense
        ones over dp
   PP   send/recv of m*h*D (/t with SP) per boundary, micro-batch and direction
@@ -165,6 +166,8 @@ class StepComm:
         self.gpus_per_node = cluster.gpus_per_node
         self.ep, self.etp = layout.ep, layout.etp
         self.all_to_all_efficiency = cal.all_to_all_efficiency
+        self.all_to_all_net_efficiency = cal.all_to_all_net_efficiency
+        self._ep_crosses_nodes: bool | None = None  # whether an ep group leaves its node (first all-to-all)
         self.cal = cal
         self._expert_times: dict[tuple[str, float, str], float] = {}
         self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
@@ -216,8 +219,13 @@ class StepComm:
         return hit
 
     def ep_all_to_all_s(self, size_bytes: float) -> float:
-        """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group."""
-        return self.expert_time_s("all_to_all", size_bytes, "ep") / self.all_to_all_efficiency
+        """One dispatch or combine: all-to-all of each rank's routed tokens over its ep group, at the
+        network's all-to-all efficiency when any ep group spans nodes (NVLink domains)."""
+        if self._ep_crosses_nodes is None:
+            groups = representative_expert_groups(self.shape, self.ep, self.etp, "ep", self.gpus_per_node)
+            self._ep_crosses_nodes = any(len({r // self.gpus_per_node for r in group}) > 1 for group in groups)
+        efficiency = self.all_to_all_net_efficiency if self._ep_crosses_nodes else self.all_to_all_efficiency
+        return self.expert_time_s("all_to_all", size_bytes, "ep") / efficiency
 
 
 def expert_comm_s(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:

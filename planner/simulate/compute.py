@@ -228,29 +228,36 @@ def _block_gemms_s(gemms, peak: float, fp8_peak: float, cal: CalibrationProfile)
 
 
 def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak: float, gpu: GPUSpec,
-              cal: CalibrationProfile) -> tuple[float, float]:
-    """(routed-expert GEMMs, MoE memory-bound work) of an average layer, forward, on the busiest rank.
+              cal: CalibrationProfile, fp8_peak: float = 0.0) -> tuple[float, float, float, float]:
+    """(routed-expert GEMMs, MoE memory-bound work, FP8 cast bytes forward, backward) of an average
+    layer, forward, on the busiest rank.
 
     Expert GEMMs run as grouped GEMMs at `grouped_gemm_efficiency` of the
-    dense GEMM rate; the busiest expert rank gets `moe_imbalance` times the
+    dense GEMM rate when a rank holds several experts (one launch per expert
+    in Transformer Engine's grouped linear; one expert is a plain GEMM); the busiest expert rank gets `moe_imbalance` times the
     balanced share of tokens (a capacity factor caps it: tokens beyond it are
-    dropped). Memory-bound work per token and layer: router scores and top-k
+    dropped). Under an 8-bit precision (fp8_peak > 0) they run at the 8-bit
+    rate with their operand casts, as the block GEMMs do (Transformer
+    Engine's grouped linear layers sit under the same FP8 recipe as its
+    dense ones), at `fp8_expert_efficiency` of the block GEMMs' 8-bit rate. Memory-bound work per token and layer: router scores and top-k
     over n_experts (fp32, read + write), then permutation before and
     unpermutation after the experts, each reading and writing top_k copies
     of the hidden state.
     """
     if model.moe is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     _, experts = mlp_gemms(model, m, layout)
     imbalance = cal.moe_imbalance
     if model.moe.capacity_factor:
         imbalance = min(imbalance, model.moe.capacity_factor)
-    gemm = imbalance * sum(c * gemm_time_s(gm, gn, gk, peak, cal) for c, gm, gn, gk in experts)
-    gemm /= cal.grouped_gemm_efficiency
+    gemm, cast_f, cast_b = _block_gemms_s(experts, peak, fp8_peak, cal)
+    grouped = cal.grouped_gemm_efficiency if model.moe.n_experts > layout.ep else 1.0  # one expert: a plain GEMM
+    gemm *= imbalance / (grouped * (cal.fp8_expert_efficiency if fp8_peak else 1.0))
     tokens = m / layout.tp
     router = tokens * model.moe.n_experts * 4 * 2
     permute = imbalance * 2 * 2 * tokens * model.moe.top_k * model.hidden * dtype_bytes
-    return gemm, moe_fraction(model) * memory_time_s(router + permute, gpu, cal)
+    return (gemm, moe_fraction(model) * memory_time_s(router + permute, gpu, cal), imbalance * cast_f,
+            imbalance * cast_b)
 
 
 def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
@@ -267,15 +274,17 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 
     Depends on the layout's tp, cp, ep, etp, micro-batch, recompute and sequence
-    parallelism, and on the precision (fp8_peak > 0: 8-bit block GEMMs; routed
-    experts stay 16-bit here) and compile only (planner.search.bound caches it by those).
+    parallelism, and on the precision (fp8_peak > 0: 8-bit block and routed-expert GEMMs)
+    and compile only (planner.search.bound caches it by those).
     """
     h, tp = model.hidden, layout.tp
     m = tokens_per_micro_batch(seq_len, layout)
     dense, _ = mlp_gemms(model, m, layout)
     gemms, cast_f, cast_b = _block_gemms_s(attention_gemms(model, m, tp) + dense, peak, fp8_peak, cal)
-    expert_gemms, moe_memory = moe_times(model, m, dtype_bytes, layout, peak, gpu, cal)
+    expert_gemms, moe_memory, expert_cast_f, expert_cast_b = moe_times(model, m, dtype_bytes, layout, peak, gpu,
+                                                                       cal, fp8_peak)
     gemms += expert_gemms
+    cast_f, cast_b = cast_f + expert_cast_f, cast_b + expert_cast_b
     heads = layout.micro_batch_size * model.n_heads / tp
     head_dim = (model.head_dim + model.v_head_dim) / 2  # QK^T at the key width, AV at the value width
     core_f, core_b = attention_core_times(heads, seq_len / layout.cp, _attention_keys(model, seq_len, layout.cp),

@@ -12,7 +12,10 @@ Two costs the kernel roofline does not see, each a physical figure that
   DTensors, each paying `dtensor_op_overhead_s` for sharding propagation and
   redistribution planning; the attention and MLP bodies between the linears
   run on local tensors (`use_local_output`), so the count is per linear, not
-  per operator of the block. Under FSDP each all-gather and reduce-scatter
+  per operator of the block. `layer_overhead_s` is the host time of a
+  reference dense layer; a layer that dispatches more or fewer operations
+  (MLA, routers, token dispatch, per-expert GEMMs, CUDA graph replays) scales
+  it by `layer_host_scale` (`planner.simulate.launches`). Under FSDP each all-gather and reduce-scatter
   pays `fsdp_call_overhead_s` for FSDP2's copy-in, copy-out and hooks. A
   layout without TP or FSDP pays neither.
 * shared cores (`solo_repriced`): CPU ranks share cores, caches and
@@ -28,6 +31,8 @@ from __future__ import annotations
 from planner.layout import Layout, recomputed_fraction
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.launches import host_scale
+from planner.training import TrainingSpec
 
 
 def tp_linears_per_layer(model: ModelSpec) -> int:
@@ -54,20 +59,30 @@ def fsdp_calls(layout: Layout) -> tuple[int, int]:
     return gathers, gathers + 1
 
 
+def layer_host_scale(model: ModelSpec, training: TrainingSpec, layout: Layout, fused_attention: bool
+                     ) -> tuple[float, float]:
+    """The layer's eager host time of one (forward, backward) over layer_overhead_s (the reference
+    dense layer's forward; its backward is 2): its operations as `planner.simulate.launches` counts
+    them under the training's recipe options."""
+    return host_scale(model, layout, fused_attention, training.cuda_graphs, training.moe_grouped_gemm)
+
+
 def layer_host_s(model: ModelSpec, layout: Layout, cal: CalibrationProfile, layer_s: float,
-                 calls: tuple[int, int]) -> tuple[float, float]:
+                 calls: tuple[int, int], backward_s: float | None = None) -> tuple[float, float]:
     """(forward, backward) host seconds of one layer pass.
 
     layer_s: the eager kernels' host time of one forward (layer_overhead_s,
-    scaled for compiled steps); calls: the collectives the pass issues, each
-    paying collective_overhead_s.
+    scaled for compiled steps and by `layer_host_scale`); backward_s: theirs of
+    one backward (None: twice layer_s); calls: the collectives the pass
+    issues, each paying collective_overhead_s. Recomputation redoes the forward.
     """
-    passes_b = 2.0 + recomputed_fraction(layout, model.n_layers)
+    eager_b = (2.0 * layer_s if backward_s is None else backward_s) \
+        + recomputed_fraction(layout, model.n_layers) * layer_s
     ops_f, ops_b = dtensor_ops(model, layout, cal)
     fsdp_f, fsdp_b = fsdp_calls(layout)
     forward = layer_s + calls[0] * cal.collective_overhead_s + ops_f * cal.dtensor_op_overhead_s \
         + fsdp_f * cal.fsdp_call_overhead_s
-    backward = passes_b * layer_s + calls[1] * cal.collective_overhead_s + ops_b * cal.dtensor_op_overhead_s \
+    backward = eager_b + calls[1] * cal.collective_overhead_s + ops_b * cal.dtensor_op_overhead_s \
         + fsdp_b * cal.fsdp_call_overhead_s
     return forward, backward
 

@@ -43,6 +43,7 @@ from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.comm import StepComm, expert_comm_s
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
+    PassTimes,
     combine,
     embedding_times,
     fp8_peak_flops,
@@ -55,8 +56,9 @@ from planner.simulate.compute import (
     output_times,
     tokens_per_micro_batch,
 )
-from planner.simulate.host import end_host_s, layer_host_s, solo_repriced
+from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
+from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import PlanError
@@ -94,7 +96,11 @@ class StepResult:
             time_breakdown_s=dict(self.time_breakdown_s),
             extra={"worst_rank": self.memory.worst_rank, "worst_stage": self.memory.worst_stage,
                    "critical_stage": self.critical_stage, "host_memory_bytes": self.memory.host_bytes,
-                   "memory_peak_phase": self.memory.peak_phase},
+                   "memory_peak_phase": self.memory.peak_phase,
+                   # planner.memory.reserved: tensors (max_memory_allocated) and the caching allocator's
+                   # high-water mark (max_memory_reserved); peak_memory_bytes adds the fixed overhead
+                   "allocated_peak_bytes": self.memory.allocated_bytes,
+                   "reserved_peak_bytes": self.memory.reserved_bytes},
         )
 
 
@@ -110,14 +116,17 @@ class _Unit:
 
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
-                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0
-                ) -> tuple[dict[str, float], dict[str, float], int, int]:
+                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0,
+                async_gemms: OverlapGemms | None = None) -> tuple[dict[str, float], dict[str, float], int, int]:
     """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
 
     gather_bytes: bytes per parameter FSDP all-gathers (1 for float8 all-gathers, else the dtype's).
     Compute hides communication only up to `overlap` (the calibration's
     comm_overlap) of its own time: 0 where collectives run on the computing cores.
+    async_gemms: under async TP, the GEMMs each TP collective is pipelined with
+    (planner.simulate.tp_overlap); the backward keeps the better of that and tp_hidden_s.
     """
+    raw_overlap = overlap
     fwd_s, bwd_s, attention_s, tp_hidden_s = (overlap * t for t in (fwd_s, bwd_s, attention_s, tp_hidden_s))
     d = training.dtype_bytes
     m = tokens_per_micro_batch(training.seq_len, layout)
@@ -131,6 +140,11 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
         comm_f["tp_comm"] = 2 * point
         comm_b["tp_comm"] = (points_b - 2) * point + max(0.0, 2 * point - tp_hidden_s)
+        if async_gemms is not None and layout.sequence_parallel:
+            ag, rs = comm.time_s("all_gather", act, ("tp",)), comm.time_s("reduce_scatter", act, ("tp",))
+            fwd, bwd = async_tp_exposed_s(async_gemms, ag, rs, raw_overlap)
+            comm_f["tp_comm"] = fwd
+            comm_b["tp_comm"] = (points_b - 2) / 2 * fwd + min(max(0.0, 2 * point - tp_hidden_s), bwd)
         calls_f, calls_b = 2 * per_point, round(points_b * per_point)
     if layout.cp > 1:  # the ring hides under the attention core of the same pass
         ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
@@ -159,21 +173,30 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
                 cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
-    kernels (layer_overhead_s per forward, twice per backward, once more to recompute) and one
+    kernels (layer_overhead_s per forward scaled by the operations the layer dispatches,
+    planner.simulate.launches; twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
                      fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
+    async_gemms = None
+    if training.async_tp and layout.tp > 1 and layout.sequence_parallel:  # GEMMs run as tp chunks
+        async_gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout, peak, cal,
+                                    fp8_peak_flops(training.precision, cluster.gpu))
+        chunk = async_gemms.chunking_s
+        redo = chunk * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
+        lt = lt + PassTimes(chunk, chunk, 0.0, redo)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
     gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes,
-                                                   cal.comm_overlap)
+                                                   cal.comm_overlap, async_gemms)
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-    host_f, host_b = layer_host_s(model, layout, cal, host, (calls_f, calls_b))
+    scale_f, scale_b = layer_host_scale(model, training, layout, training.fused_attention(traits.fused_attention))
+    host_f, host_b = layer_host_s(model, layout, cal, host * scale_f, (calls_f, calls_b), host * scale_b)
     f = combine(lt.forward_s + sum(comm_f.values()), host_f, p)
     b = combine(lt.backward_s + sum(comm_b.values()), host_b, p)
     w = (b - sum(comm_b.values())) * lt.backward_weight_s / lt.backward_s if lt.backward_s else 0.0

@@ -31,7 +31,9 @@ def test_eager_megatron_on_an_nvl72_rack(cli):
     (("--precision", "mxfp8"), "mxfp8 needs Blackwell"),
     (("--engine", "megatron", "--recompute", "op"), "implements none, selective, full"),
     (("--engine", "megatron", "--compile"), "does not compile"),
-    (("--precision", "fp8"), "8-bit GEMMs"),
+    (("--precision", "fp8", "--cluster", "dgx-a100-80g"), "no 8-bit tensor cores"),
+    (("--precision", "fp8", "--tp", "2"), "float8 tensor-parallel"),
+    (("--precision", "fp8", "--cluster", "cpu"), "CPU ranks run in fp32"),
 ])
 def test_options_an_engine_or_gpu_cannot_honour_are_usage_errors(cli, args, message):
     r = cli("plan", "--model", "8B", "--gpus", "8", *args)

@@ -67,3 +67,13 @@ def test_fp8_runs_faster_than_bf16_by_what_was_measured(rows, profiles):
         predicted = bench.predict(bf16, profiles[rows_module.FAMILY[bf16.gpu]]) / \
             bench.predict(fp8, profiles[rows_module.FAMILY[fp8.gpu]])
         assert predicted == pytest.approx(measured, rel=0.2), fp8.id
+
+
+def test_rows_record_the_tp_overlap_their_recipes_ran_and_price_it_on_request(rows):
+    """Every NeMo row with tp > 1 ran TE's userbuffers; it is priced as async TP only with tp_overlap."""
+    assert all(r.tp_comm_overlap == (r.source == "nemo" and r.layout.tp > 1) for r in rows if r.expressible)
+    assert not any(r.training.async_tp for r in rows)
+    overlapped = rows_module.load_dense_rows(rows_module.DATA if rows_module.DATA.exists()
+                                             else shared_data("data/published/dgxc.json"), tp_overlap=True)
+    assert [r.training.async_tp for r in overlapped] == [r.tp_comm_overlap for r in rows]
+    assert sum(r.tp_comm_overlap for r in rows) >= 100

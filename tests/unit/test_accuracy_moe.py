@@ -1,13 +1,12 @@
-"""Loose pins on bench/accuracy_moe.py: which published MoE rows the planner can state, and how far the
-shipped H100 profile (its MoE parameters fitted on Grok-1 only) is from DeepSeek-V3, which it never saw."""
+"""Loose pins on bench/accuracy_moe.py: which published MoE rows the planner can state, what each
+recipe runs, and the hold-out figures (2026-11-24, host time from the layers' operation counts:
+fit Grok-1 -> DeepSeek-V3 20.3%, fit DeepSeek-V3 -> Grok-1 11.7%, fit v25.02 -> later 13.9%;
+DeepSeek-V3 on GB200 ~12% fast in every split, ~46% before the host was priced)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import load_bench
-
-from planner.simulate.calibration import load_calibration
-from topologies.hardware import get_gpu
+from conftest import load_bench, shared_data
 
 
 @pytest.fixture(scope="module")
@@ -17,30 +16,64 @@ def bench():
 
 @pytest.fixture(scope="module")
 def rows(bench):
-    return bench.load_rows()
+    # the bench also finds ../../shared (a worktree's checkout); otherwise conftest's rule: fail under CI
+    return bench.load_rows(bench.DATA if bench.DATA.exists() else shared_data("data/published/dgxc.json"))
 
 
-def test_every_row_is_expressible(rows):
+@pytest.fixture(scope="module")
+def bases(bench):
+    return bench.base_profiles()
+
+
+def test_every_row_is_expressible_and_the_contradicting_ones_are_named(bench, rows):
     assert len(rows) == 31
     for r in rows:  # bf16 and fp8 (8-bit GEMMs around a bf16 model: TrainingSpec.precision)
         assert not r.why_not, (r.id, r.why_not)
+    assert {r.id for r in rows if r.inconsistent} == set(bench.INCONSISTENT)
+    assert all("512g" in r.id and r.gpu == "gb200" for r in rows if r.inconsistent)
+    assert len(bench.scored(rows)) == 29
 
 
-def test_held_out_deepseek_v3_within_25_percent(bench, rows):
-    profile = load_calibration(None, get_gpu("h100-sxm"))
-    assert profile.grouped_gemm_efficiency < 1.0  # the shipped fit, not the neutral defaults
-    errs = {r.id: bench.predict(r, profile) / r.measured_s - 1.0 for r in rows
-            if r.family == "dsv3" and not r.why_not}
-    mape, _, worst = bench.summary(errs)
-    assert len(errs) == 5 and mape <= 0.25, (mape, worst, errs[worst])
-    assert all(abs(e) < 0.35 for e in errs.values())
+def test_rows_run_their_recipe(rows):
+    dsv3 = [r for r in rows if r.family == "dsv3"]
+    assert all(r.model.moe.capacity_factor == 1.0 for r in rows)  # NeMo's token-drop callback
+    assert all(r.model.mtp_layers == 1 for r in dsv3)
+    for r in dsv3:  # 64 // pp per middle stage, one fewer first, two fewer last
+        assert sum(r.layout.layers_per_stage) == 61 and r.layout.layers_per_stage[-1] == 64 // r.layout.pp - 2
+        gb200 = r.gpu == "gb200"
+        assert (r.training.attention, r.layout.recompute) == (("eager", "selective") if gb200 else ("fused", "none"))
+    assert {r.training.precision for r in rows if r.family == "grok1"} == {"bf16", "fp8"}
+    # host-side options: CUDA graphs only for Grok-1 on GB200; v25.02's yaml turned grouped GEMM off
+    assert all(r.training.cuda_graphs == ((r.family, r.gpu) == ("grok1", "gb200")) for r in rows)
+    assert all(r.training.moe_grouped_gemm == (r.release != "v25.02.01") for r in rows)
+    # TP comm overlap only where the release's recipe ran it: Grok-1 v25.05 (tp 4)
+    assert all(r.training.async_tp == ((r.family, r.release) == ("grok1", "v25.05")) for r in rows)
 
 
-def test_fitted_grok_rows_on_h100(bench, rows):
-    profile = load_calibration(None, get_gpu("h100-sxm"))
-    errs = {r.id: bench.predict(r, profile) / r.measured_s - 1.0 for r in rows
-            if r.family == "grok1" and r.gpu == "h100" and not r.why_not}
-    bf16 = {k: e for k, e in errs.items() if "-bf16" in k}  # the rows the shipped profile was fitted on
-    fp8 = {k: e for k, e in errs.items() if "-fp8" in k}  # not fitted: 8-bit GEMMs at the dense FP8 fit
-    assert len(bf16) == 10 and bench.summary(bf16)[0] <= 0.15
-    assert len(fp8) == 10 and bench.summary(fp8)[0] <= 0.22
+def test_gb200_is_the_nvl72_rack(rows):
+    r = next(r for r in rows if r.gpu == "gb200" and r.gpus == 256)
+    cluster = r.cluster()
+    assert cluster.gpu.name == "gb200" and cluster.gpus_per_node == 64  # NeMo's 16-tray segments
+
+
+def test_shipped_profiles(bench, rows, bases):
+    errs = {r.id: bench.predict(r, bases) / r.measured_s - 1.0 for r in bench.scored(rows)}
+    grok = {k: e for k, e in errs.items() if "grok1" in k}
+    assert len(grok) == 24 and bench.summary(grok)[0] <= 0.10 and max(map(abs, grok.values())) < 0.18
+    dsv3_h100 = [e for k, e in errs.items() if "dsv3-h100" in k]
+    assert len(dsv3_h100) == 2 and all(abs(e) < 0.10 for e in dsv3_h100)
+    # host-bound on GB200 (bench HOST_BOUND): priced by the layer's operations on Grace (GPU work alone: -46%)
+    dsv3_gb200 = [e for k, e in errs.items() if "dsv3-gb200" in k]
+    assert len(dsv3_gb200) == 3 and all(-0.25 < e < 0.1 for e in dsv3_gb200)
+
+
+def test_hold_out_splits(bench, rows, bases):
+    out = bench.evaluate(rows, bases)
+    assert set(out) == set(bench.SPLITS)
+    assert out["fit dsv3 -> score grok1"]["mape"] <= 0.15
+    assert out["fit v25.02 -> score later"]["mape"] <= 0.20
+    assert out["fit grok1 -> score dsv3"]["mape"] <= 0.26
+    for res in out.values():  # fitted values stay physical: fractions of the unpenalised rates
+        assert all(0.05 <= v <= 1.0 for v in res["moe"].values())
+    # Hopper's per-tensor FP8 experts run below the block GEMMs' 8-bit rate wherever Grok-1's H100 fp8 rows fit
+    assert out["fit grok1 -> score dsv3"]["moe"]["fp8_expert_efficiency@h100"] < 0.9

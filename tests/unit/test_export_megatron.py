@@ -171,3 +171,18 @@ def test_megatron_target_versions_use_the_option_names_of_that_release():
                     virtual_stages=2, layers_per_stage=(9, 11, 11, 9))
     with pytest.raises(ExportRefused, match="before 0.13"):
         export_plan(odd, "megatron", version="0.12")
+
+
+def test_megatron_exports_the_host_recipe_options_the_prediction_assumed():
+    """Grouped GEMMs for routed experts unless the plan turned them off; CUDA graphs by each release's option."""
+    import dataclasses
+
+    moe = make_plan(16, model="mixtral-8x7b", tp=2, dp_shard=8, zero_stage=1, ep=8, micro_batch_size=1,
+                    grad_accum_steps=32)
+    assert "--moe-grouped-gemm" in export_plan(moe, "megatron").text
+    assert "--cuda-graph" not in export_plan(moe, "megatron").text
+    off = dataclasses.replace(moe, training=moe.training.replace(moe_grouped_gemm=False, cuda_graphs=True))
+    assert "--moe-grouped-gemm" not in export_plan(off, "megatron").text
+    assert "--cuda-graph-impl local" in export_plan(off, "megatron").text
+    assert "--enable-cuda-graph" in export_plan(off, "megatron", version="0.13").text
+    assert "--moe-grouped-gemm" not in export_plan(plan_13b(), "megatron").text  # dense: no experts

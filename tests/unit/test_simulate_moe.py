@@ -12,7 +12,7 @@ from planner.search.bound import StepBound
 from planner.search.candidates import Pins, expert_degrees
 from planner.simulate.calibration import load_calibration
 from planner.simulate.comm import StepComm, representative_expert_groups
-from planner.simulate.compute import attention_gemms, gemm_flops, mlp_gemms
+from planner.simulate.compute import attention_gemms, gemm_flops, mlp_gemms, moe_times
 from planner.simulate.step import simulate_step
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
@@ -46,6 +46,43 @@ def test_all_to_all_efficiency_scales_the_dispatch():
     full = StepComm(c, layout, cal.replace(all_to_all_efficiency=1.0)).ep_all_to_all_s(1e8)
     half = StepComm(c, layout, cal.replace(all_to_all_efficiency=0.5)).ep_all_to_all_s(1e8)
     assert half == pytest.approx(2 * full)
+
+
+def test_all_to_all_across_the_network_takes_its_own_efficiency():
+    cal = load_calibration(None, load_cluster("dgx-h100", 16).gpu).replace(all_to_all_efficiency=1.0)
+    for gpus, crosses in ((8, False), (16, True)):  # ep = 8 in one node, ep = 16 over two
+        c = load_cluster("dgx-h100", gpus)
+        layout = Layout(tp=1, dp_shard=gpus, zero_stage=1, ep=gpus, grad_accum_steps=8)
+        base = StepComm(c, layout, cal.replace(all_to_all_net_efficiency=1.0)).ep_all_to_all_s(1e8)
+        slow = StepComm(c, layout, cal.replace(all_to_all_net_efficiency=0.25)).ep_all_to_all_s(1e8)
+        assert slow == pytest.approx(4 * base if crosses else base)
+
+
+def test_routed_experts_run_at_the_fp8_rate_under_fp8():
+    c = load_cluster("dgx-h100", 8)
+    cal = load_calibration(None, c.gpu)
+    layout = Layout(tp=1, dp_shard=8, zero_stage=1, ep=8, grad_accum_steps=8)
+    peak = c.gpu.peak_flops("bf16")
+    bf16 = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal)
+    fp8 = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal, fp8_peak=c.gpu.peak_flops("fp8"))
+    neutral = moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal.replace(fp8_expert_efficiency=1.0),
+                        fp8_peak=c.gpu.peak_flops("fp8"))
+    assert neutral[0] < 0.75 * bf16[0]  # twice the peak at a comparable share of it
+    assert fp8[0] == pytest.approx(neutral[0] / cal.fp8_expert_efficiency)
+    assert bf16[2] == bf16[3] == 0.0 and fp8[2] > 0 and fp8[3] > 0  # and the operand casts
+
+
+def test_grouped_gemm_efficiency_applies_to_several_experts_per_rank_only():
+    c = load_cluster("dgx-h100", 8)
+    cal = load_calibration(None, c.gpu).replace(moe_imbalance=1.0)
+    peak = c.gpu.peak_flops("bf16")
+
+    def expert_s(ep, efficiency):
+        layout = Layout(tp=1, dp_shard=8, zero_stage=1, ep=ep, grad_accum_steps=8)
+        return moe_times(MIXTRAL, 4096.0, 2, layout, peak, c.gpu, cal.replace(grouped_gemm_efficiency=efficiency))[0]
+
+    assert expert_s(8, 0.5) == pytest.approx(expert_s(8, 1.0))  # one expert per rank: a plain GEMM
+    assert expert_s(2, 0.5) == pytest.approx(2 * expert_s(2, 1.0))  # four experts per rank
 
 
 def test_expert_flops_do_not_depend_on_the_expert_grid():

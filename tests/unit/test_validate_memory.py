@@ -78,7 +78,8 @@ def test_fsdp_shards_and_bf16_copies_are_what_torch_allocates(cli, tmp_path):
     assert 2 * SPEC.total_params <= unsharded <= 2 * SPEC.total_params * 1.01
 
 
-def test_pipeline_plans_are_refused_with_the_reason(cli, tmp_path):
+def test_pipeline_plans_with_data_parallelism_are_refused_with_the_reason(cli, tmp_path):
+    """1F1B pipelines with dp 1 run (tests/unit/test_memory_phases.py); with dp they are refused."""
     r = cli("validate-memory", _plan_file(tmp_path, pp=2, dp_shard=8, zero_stage=3, grad_accum_steps=2))
     assert r.code == 2 and "pipeline" in r.stderr and "Traceback" not in r.stderr
 
