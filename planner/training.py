@@ -13,10 +13,12 @@ engine keeps in higher precision is its recipe (planner.engines).
 
 `attention` ("fused" | "eager") names the attention kernel; "" means the
 engine's default and is resolved when a plan is built. `compile` is
-torch.compile per block (torchtitan's and meshplan's engines). `cuda_graphs`
-and `moe_grouped_gemm` are recipe options of Megatron-Core / Transformer
-Engine stacks that change how many operations the host dispatches
-(planner.simulate.launches). `async_tp` pipelines the tensor-parallel
+torch.compile per block (torchtitan's and meshplan's engines). `cuda_graphs`,
+`moe_router_graphs`, `moe_grouped_gemm` and `moe_router_fusion` are recipe options of Megatron-Core /
+Transformer Engine stacks that change how many operations the host dispatches
+(planner.simulate.launches); `moe_a2a_overlap` (Megatron-Core's
+--overlap-moe-expert-parallel-comm) runs one micro-batch's expert all-to-alls
+under another's compute (planner.simulate.step). `async_tp` pipelines the tensor-parallel
 all-gathers and reduce-scatters of sequence parallelism with the GEMMs that
 consume or produce them (torchtitan's enable_async_tensor_parallel under
 torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
@@ -43,7 +45,8 @@ MAX_SIZE = 1 << 24
 # 405B); beyond it the search would enumerate millions of data-parallel shapes.
 MAX_TOKENS_PER_STEP = 1 << 32
 # Execution options of the training stack that change only the host time (planner.simulate.launches).
-_OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False}
+_OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
+                  "moe_router_graphs": False, "moe_a2a_overlap": False}
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -66,6 +69,10 @@ class TrainingSpec:
     cuda_graphs: bool = False  # layers replayed as CUDA graphs (Megatron-Core/TE --enable-cuda-graph)
     moe_grouped_gemm: bool = True  # routed experts as one grouped GEMM per matrix (else one MLP per local expert)
     async_tp: bool = False  # TP collectives pipelined with their GEMMs (needs tp > 1 with sequence parallel)
+    moe_router_fusion: bool = False  # score function, top-k and aux-loss scores as fused TE kernels (--moe-router-fusion)
+    moe_router_graphs: bool = False  # only the router + dispatch preprocessing as CUDA graphs (--cuda-graph-scope)
+    # expert all-to-alls of one micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm)
+    moe_a2a_overlap: bool = False
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -95,7 +102,7 @@ class TrainingSpec:
             raise PlanError(f"training: precision {self.precision} runs around a bf16 or fp16 model, got dtype fp32")
         if self.attention not in ("", *ATTENTION_KINDS):
             raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        for key in ("compile", "cuda_graphs", "moe_grouped_gemm", "async_tp"):
+        for key in ("compile", *_OPTIONAL_KEYS):
             if not isinstance(getattr(self, key), bool):
                 raise PlanError(f"training: {key} must be true or false, got {getattr(self, key)!r}")
 
@@ -120,7 +127,7 @@ class TrainingSpec:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        """plan.json's training; cuda_graphs, moe_grouped_gemm and async_tp are optional keys written only
+        """plan.json's training; the recipe options (_OPTIONAL_KEYS) are optional keys written only
         when they differ from their defaults (plans without them load as before)."""
         data = dataclasses.asdict(self)
         for key, default in _OPTIONAL_KEYS.items():

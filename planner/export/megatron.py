@@ -72,13 +72,20 @@ CUDA_GRAPH_IMPL_ADDED = (0, 15)  # --cuda-graph-impl local; before it --enable-c
 
 
 def _host_args(plan: Plan, version: tuple[int, ...]) -> list[Arg]:
-    """Recipe options the prediction's host time assumed (planner.simulate.launches): grouped GEMMs
-    for the routed experts and CUDA graphs."""
+    """Recipe options the prediction assumed: grouped GEMMs for the routed experts, the fused router
+    and CUDA graphs (host time, planner.simulate.launches); the expert all-to-alls of one
+    micro-batch under another's compute (planner.simulate.step)."""
     args: list[Arg] = []
     if plan.model.moe is not None and plan.training.moe_grouped_gemm:
         args.append(("--moe-grouped-gemm",))
+    if plan.model.moe is not None and plan.training.moe_router_fusion:
+        args.append(("--moe-router-fusion",))
+    if plan.model.moe is not None and plan.training.moe_a2a_overlap:
+        args.append(("--overlap-moe-expert-parallel-comm",))
     if plan.training.cuda_graphs:
         args.append(("--cuda-graph-impl", "local") if version >= CUDA_GRAPH_IMPL_ADDED else ("--enable-cuda-graph",))
+    elif plan.model.moe is not None and plan.training.moe_router_graphs and version >= CUDA_GRAPH_IMPL_ADDED:
+        args += [("--cuda-graph-impl", "transformer_engine"), ("--cuda-graph-scope", "moe_router", "moe_preprocess")]
     return args
 
 

@@ -37,9 +37,10 @@ Three kinds of GPU work, each priced by its own roofline term (parameters in
   cores accumulate at reduced precision and stall on scale handling), with
   the same shape penalty. Each GEMM also casts its operands:
   forward the input [m,k] and the weight [n,k], backward the output gradient
-  [m,n], FP8_CAST_BYTES per element (read 2 bytes, write the 8-bit copy and
-  its transpose for the other GEMM of the backward; the amax reduction is
-  fused into the cast). Attention, norms, the output layer and the
+  [m,n], `fp8_cast_bytes` per element (read 2 bytes, write the 8-bit copy,
+  and its transpose for the other GEMM of the backward where FP8 GEMMs are
+  TN-only; MXFP8 writes a row-wise and a column-wise block-scaled copy; the
+  amax reduction is fused into the cast). Attention, norms, the output layer and the
   optimizer stay in the 16-bit model (planner.engines.Fp8Recipe).
 * torch.compile per block (TrainingSpec.compile): Inductor fuses the norms,
   rotary, activation and residual adds of a block into a few kernels, so the
@@ -72,8 +73,17 @@ NORM_RESIDUAL_PASSES = 11.0  # 2 norms r+w, 2 bias-dropout-add (r x, r residual,
 # copy-in before reduce-scatter). Fitting 1, 2 or 3 against LLM Foundry's FSDP
 # runs on H100 gave 3.9%, 3.1% and 3.8% validation MAPE: the design's 2 fits best.
 FSDP_COPY_PASSES = 2.0
-# read 2-byte operand, write 1-byte cast and 1-byte transpose (amax fused in the same pass)
+# Bytes per element of one GEMM operand's 8-bit cast (amax fused into the same pass). Per-tensor
+# scaling on TN-only FP8 GEMMs (Hopper): read 2 bytes, write the 8-bit copy and its transpose.
 FP8_CAST_BYTES = 4.0
+# Per-tensor scaling where FP8 GEMMs take any layout (GPUSpec.fp8_any_layout, Blackwell): one
+# 8-bit copy serves both GEMMs of the backward: read 2, write 1.
+FP8_ANY_LAYOUT_CAST_BYTES = 3.0
+# MXFP8 (Transformer Engine's MXFP8BlockScaling): a 1-byte E8M0 scale per 32 elements along
+# the contraction axis, so the backward's other GEMM cannot reuse a transpose: the quantizer
+# writes a row-wise and a column-wise copy, each with its scales, on every GPU: read 2,
+# write 2 * (1 + 1/32).
+MXFP8_CAST_BYTES = 2.0 + 2.0 * (1.0 + 1.0 / 32.0)
 # torch.compile per block: torchtitan reports +10-20% tokens/s from compile on Llama 3 8B/70B
 # on H100 (docs/performance.md, FSDP bf16), all of it from fused elementwise kernels and
 # fewer launches; 0.5 of the eager memory-bound bytes and 0.5 of the host time per block
@@ -131,11 +141,21 @@ class PassTimes:
 def attention_core_times(batch_heads: float, s_q: float, s_kv: float, head_dim: int, dtype_bytes: int,
                          dropout: float, fused: bool, gpu: GPUSpec, peak: float,
                          cal: CalibrationProfile) -> tuple[float, float]:
-    """(forward, backward) time of QK^T-softmax-AV for batch_heads independent heads (causal)."""
+    """(forward, backward) time of QK^T-softmax-AV for batch_heads independent heads (causal).
+
+    Fused: a score tile's exponentials wait for its QK^T and AV waits for them
+    (the softmax sits between the two MMAs), so the tensor-core time and the
+    SFU time at `GPUSpec.exp_per_s` add, and the kernel reaches
+    `attention_efficiency` of that serial bound. Where the GPU has no
+    exponential rate catalogued the efficiency covers the softmax alone.
+    """
     if fused:
-        flops = 4.0 * batch_heads * s_q * s_kv * head_dim * 0.5  # causal: half the tiles are skipped
-        fwd = flops / (peak * cal.attention_efficiency)
-        return fwd, FUSED_BWD_OVER_FWD * fwd
+        scores = batch_heads * s_q * s_kv * 0.5  # causal: half the tiles are skipped
+        mma_s = 4.0 * scores * head_dim / peak
+        # one exponential per score in the forward, one more where the backward recomputes P
+        exp_s = scores / gpu.exp_per_s if gpu.exp_per_s else 0.0
+        return ((mma_s + exp_s) / cal.attention_efficiency,
+                (FUSED_BWD_OVER_FWD * mma_s + exp_s) / cal.attention_efficiency)
     gemms = batch_heads * (gemm_time_s(s_q, s_kv, head_dim, peak, cal) + gemm_time_s(s_q, head_dim, s_kv, peak, cal))
     passes = UNFUSED_SCORE_PASSES + (DROPOUT_SCORE_PASSES if dropout > 0 else 0.0)
     scores = memory_time_s(batch_heads * s_q * s_kv * dtype_bytes * passes, gpu, cal)
@@ -217,6 +237,15 @@ def fp8_peak_flops(precision: str, gpu: GPUSpec) -> float:
     return gpu.peak_flops(precision) if precision in ("fp8", "mxfp8") else 0.0
 
 
+def fp8_cast_bytes(precision: str, gpu: GPUSpec) -> float:
+    """HBM bytes per element one 8-bit operand cast moves under `precision` (0 for 16/32-bit precisions)."""
+    if precision == "mxfp8":
+        return MXFP8_CAST_BYTES
+    if precision == "fp8":
+        return FP8_ANY_LAYOUT_CAST_BYTES if gpu.fp8_any_layout else FP8_CAST_BYTES
+    return 0.0
+
+
 def _block_gemms_s(gemms, peak: float, fp8_peak: float, cal: CalibrationProfile) -> tuple[float, float, float]:
     """(GEMM time of one pass, forward cast time, backward cast time) of a layer's block GEMMs."""
     if not fp8_peak:
@@ -270,12 +299,13 @@ def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
 
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
                 peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
-                compile: bool = False) -> PassTimes:
+                compile: bool = False, cast_bytes: float = FP8_CAST_BYTES) -> PassTimes:
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 
     Depends on the layout's tp, cp, ep, etp, micro-batch, recompute and sequence
     parallelism, and on the precision (fp8_peak > 0: 8-bit block and routed-expert GEMMs)
-    and compile only (planner.search.bound caches it by those).
+    and compile only (planner.search.bound caches it by those). cast_bytes: HBM bytes per
+    element of an 8-bit operand cast (`fp8_cast_bytes`).
     """
     h, tp = model.hidden, layout.tp
     m = tokens_per_micro_batch(seq_len, layout)
@@ -297,14 +327,15 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     act_passes = 3.0 if model.mlp == "swiglu" else 2.0
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
     elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal) + moe_memory
-    cast_f, cast_b = memory_time_s(cast_f, gpu, cal), memory_time_s(cast_b, gpu, cal)
+    cast_scale = cast_bytes / FP8_CAST_BYTES  # the GEMM helpers count casts at FP8_CAST_BYTES per element
+    cast_f, cast_b = memory_time_s(cast_f * cast_scale, gpu, cal), memory_time_s(cast_b * cast_scale, gpu, cal)
     if compile:  # Inductor fuses the casts into the kernels around them as well
         elementwise, cast_f, cast_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in (elementwise, cast_f, cast_b))
     forward = gemms + cast_f + core_f + elementwise
     if layout.recompute == "op":
         skipped = _op_recomputed_gemms(model, m, layout)
         redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
-        recompute = redo + memory_time_s(redo_cast, gpu, cal) + elementwise
+        recompute = redo + memory_time_s(redo_cast * cast_scale, gpu, cal) + elementwise
     else:
         share = recomputed_fraction(layout, model.n_layers)
         recompute = {"none": 0.0, "selective": core_f, "full": share * forward}[layout.recompute]

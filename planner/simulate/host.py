@@ -64,7 +64,8 @@ def layer_host_scale(model: ModelSpec, training: TrainingSpec, layout: Layout, f
     """The layer's eager host time of one (forward, backward) over layer_overhead_s (the reference
     dense layer's forward; its backward is 2): its operations as `planner.simulate.launches` counts
     them under the training's recipe options."""
-    return host_scale(model, layout, fused_attention, training.cuda_graphs, training.moe_grouped_gemm)
+    return host_scale(model, layout, fused_attention, training.cuda_graphs, training.moe_grouped_gemm,
+                      training.moe_router_fusion, training.moe_router_graphs)
 
 
 def layer_host_s(model: ModelSpec, layout: Layout, cal: CalibrationProfile, layer_s: float,

@@ -42,8 +42,15 @@ how many of those carry gradients.
   load-balancing loss needs about 28 (softmax, top-k, routing map, the loss's
   sums and scaling). On the gradient path: the gating GEMM, the scores, the
   gathered top-k probabilities and their normalisation, the auxiliary loss:
-  12 (DeepSeek) and 10 (softmax). A capacity factor adds the token-drop pass
-  (capacity top-k, mask scatter, mask product): 8, one with a gradient.
+  12 (DeepSeek) and 10 (softmax). With router fusion (Megatron-Core's
+  --moe-router-fusion, Transformer Engine's fused top-k with score function
+  and fused auxiliary-loss kernels) either router is the gating GEMM, one
+  fused score/top-k kernel (score function, expert bias, group limit and
+  normalisation inside), the aux-loss scores, the tokens-per-expert sum, the
+  fused aux loss, attaching it to the graph and the probabilities' cast: 7, of
+  which 5 carry gradients (the tokens-per-expert sum and the cast do not).
+  A capacity factor adds the token-drop pass (capacity top-k, mask scatter,
+  mask product): 8, one with a gradient.
 * token dispatch (the all-to-all dispatcher with fused permutation): routing
   counts (8, forward-only), permute, sort by local expert, and their inverses
   on the way back (12): 20.
@@ -63,7 +70,11 @@ captured as one launch per graph. Static shapes are capturable: a whole layer
 when routing drops at a capacity (NeMo's Grok-1 recipe on GB200); with
 dropless routing the expert part's shapes follow the routing, so dispatch and
 experts stay eager while attention and the router replay (Megatron-Core's
-partial graphs, `--cuda-graph-scope attn moe_router`).
+partial graphs, `--cuda-graph-scope attn moe_router`). A narrower scope
+(`TrainingSpec.moe_router_graphs`: `--cuda-graph-scope moe_router
+moe_preprocess`, the Megatron-Bridge Qwen3 presets) replays only the router and
+the dispatcher's preprocessing (its routing counts, forward-only): one replay
+per pass in their place, attention, dispatch and experts eager.
 """
 
 from __future__ import annotations
@@ -83,9 +94,12 @@ SOFTMAX_ROUTER_OPS = 28
 GROUPED_SIGMOID_ROUTER_OPS = 72
 SOFTMAX_ROUTER_GRAD_OPS = 10  # of SOFTMAX_ROUTER_OPS on the gradient path
 GROUPED_SIGMOID_ROUTER_GRAD_OPS = 12
+FUSED_ROUTER_OPS = 7
+FUSED_ROUTER_GRAD_OPS = 5
 CAPACITY_OPS = 8
 CAPACITY_GRAD_OPS = 1
 DISPATCH_OPS = 20
+DISPATCH_PREPROCESS_OPS = 8  # of DISPATCH_OPS: the routing counts, forward-only
 DISPATCH_GRAD_OPS = 12
 GROUPED_EXPERT_OPS = 6
 SEQUENTIAL_EXPERT_OPS = 4  # per local expert, plus SEQUENTIAL_MERGE_OPS
@@ -96,14 +110,16 @@ GRAPH_REPLAY_OPS = 1
 DENSE_REFERENCE_OPS = 2 * NORM_OPS + 2 * RESIDUAL_OPS + GQA_PROJECTION_OPS + FUSED_CORE_OPS + DENSE_MLP_OPS
 
 
-def router_ops(model: ModelSpec) -> tuple[int, int]:
+def router_ops(model: ModelSpec, fused: bool = False) -> tuple[int, int]:
     """(forward operations, those on the gradient path) of the router. A per-expert bias without
     expert biases is DeepSeek's e_score_correction_bias (topk_method noaux_tc: sigmoid scores,
     group-limited top-k, `planner.model.hf_config`); GPT-OSS's router bias sits in a softmax
-    router's linear."""
+    router's linear. fused: router fusion, where both kinds run as the same few fused kernels."""
     moe = model.moe
     assert moe is not None
-    if moe.router_bias and not moe.expert_bias:
+    if fused:
+        ops, grad = FUSED_ROUTER_OPS, FUSED_ROUTER_GRAD_OPS
+    elif moe.router_bias and not moe.expert_bias:
         ops, grad = GROUPED_SIGMOID_ROUTER_OPS, GROUPED_SIGMOID_ROUTER_GRAD_OPS
     else:
         ops, grad = SOFTMAX_ROUTER_OPS, SOFTMAX_ROUTER_GRAD_OPS
@@ -131,22 +147,25 @@ def attention_ops(model: ModelSpec, fused_attention: bool) -> int:
     return projections + (FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS)
 
 
-def moe_mlp_ops(model: ModelSpec, layout: Layout, grouped_gemm: bool = True) -> tuple[tuple[int, int], tuple[int, int]]:
+def moe_mlp_ops(model: ModelSpec, layout: Layout, grouped_gemm: bool = True, router_fusion: bool = False
+                ) -> tuple[tuple[int, int], tuple[int, int]]:
     """One MoE layer's MLP as ((forward, gradient-path) operations static shapes let a CUDA graph
     capture: router and shared experts; the same for dispatch and routed experts, whose shapes
     follow the routing when it is dropless)."""
     moe = model.moe
     assert moe is not None
-    router, router_grad = router_ops(model)
+    router, router_grad = router_ops(model, router_fusion)
     shared = SHARED_EXPERT_OPS if moe.n_shared_experts else 0
     experts = expert_ops(model, layout, grouped_gemm)
     return (router + shared, router_grad + shared), (DISPATCH_OPS + experts, DISPATCH_GRAD_OPS + experts)
 
 
 def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_graphs: bool = False,
-              grouped_gemm: bool = True) -> tuple[float, float]:
+              grouped_gemm: bool = True, router_fusion: bool = False, router_graphs: bool = False
+              ) -> tuple[float, float]:
     """(forward, backward) host operations of one pass of the model's average layer (dense and MoE
-    layers mixed by their counts); a CUDA graph replay counts as one operation per pass."""
+    layers mixed by their counts); a CUDA graph replay counts as one operation per pass.
+    router_graphs: only the router and the dispatch preprocessing replay (cuda_graphs covers more)."""
     common = model.norms_per_layer * NORM_OPS + 2 * RESIDUAL_OPS + attention_ops(model, fused_attention)
     f = model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
     dense = common + DENSE_MLP_OPS
@@ -155,7 +174,14 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
     redo = (FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS) if layout.recompute == "selective" else 0
     if not f:
         return (graph, graph) if cuda_graphs else (float(dense), 2.0 * dense + redo)
-    (static, static_grad), (routed, routed_grad) = moe_mlp_ops(model, layout, grouped_gemm)
+    (static, static_grad), (routed, routed_grad) = moe_mlp_ops(model, layout, grouped_gemm,
+                                                                      router_fusion)
+    if router_graphs and not cuda_graphs:
+        router, router_grad = router_ops(model, router_fusion)
+        static, static_grad = static - router + graph, static_grad - router_grad
+        routed -= DISPATCH_PREPROCESS_OPS
+        forward = (1.0 - f) * dense + f * (common + static + routed)
+        return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad)) + f * graph + redo
     if not cuda_graphs:
         forward = (1.0 - f) * dense + f * (common + static + routed)
         return forward, 2.0 * ((1.0 - f) * dense + f * (common + static_grad + routed_grad)) + redo
@@ -166,8 +192,10 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
 
 
 def host_scale(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_graphs: bool = False,
-               grouped_gemm: bool = True) -> tuple[float, float]:
+               grouped_gemm: bool = True, router_fusion: bool = False, router_graphs: bool = False
+               ) -> tuple[float, float]:
     """A layer's (forward, backward) eager host time over the reference dense layer's forward
     (`layer_overhead_s`); the reference's backward is 2."""
-    forward, backward = layer_ops(model, layout, fused_attention, cuda_graphs, grouped_gemm)
+    forward, backward = layer_ops(model, layout, fused_attention, cuda_graphs, grouped_gemm, router_fusion,
+                                  router_graphs)
     return forward / DENSE_REFERENCE_OPS, backward / DENSE_REFERENCE_OPS

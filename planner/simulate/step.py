@@ -6,7 +6,8 @@ Recipe (all times per micro-batch unless said otherwise):
    work (`planner.simulate.host`: eager dispatch, DTensor's operators under TP,
    FSDP's hooks) overlapped with GPU time (`combine`), plus
    the communication on the layer's critical path: TP points, the CP ring and
-   FSDP gathers beyond what the compute hides, EP all-to-alls
+   FSDP gathers beyond what the compute hides, EP all-to-alls (under another
+   micro-batch's compute with the recipe's moe_a2a_overlap)
    (`planner.simulate.comm`); compute hides at most the calibration's
    `comm_overlap` share of its own time (0 on CPU ranks sharing their cores);
 2. a chunk (virtual stage) is its layers, plus the embedding on chunk 0 and
@@ -46,6 +47,7 @@ from planner.simulate.compute import (
     PassTimes,
     combine,
     embedding_times,
+    fp8_cast_bytes,
     fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
@@ -58,7 +60,7 @@ from planner.simulate.compute import (
 )
 from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
-from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms
+from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import PlanError
@@ -154,6 +156,9 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if model.moe is not None and layout.ep * layout.etp > 1:
         ep_s, calls = expert_comm_s(model, layout, comm, act)
         comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        if training.moe_a2a_overlap:  # one micro-batch's forward runs beside another's backward: each
+            # pass's all-to-alls hide under the other pass's compute (warm-up and cool-down passes ignored)
+            comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_s - fwd_s)
         calls_f, calls_b = calls_f + calls, calls_b + calls
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
@@ -178,16 +183,21 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
-                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile)
+                     fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile,
+                     cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu))
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     async_gemms = None
     if training.async_tp and layout.tp > 1 and layout.sequence_parallel:  # GEMMs run as tp chunks
         async_gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout, peak, cal,
                                     fp8_peak_flops(training.precision, cluster.gpu))
+        act = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
+        sm_f, sm_dgrad, sm_wgrad = sm_share_s(async_gemms, traits.tp_overlap_sms, cluster.gpu.sm_count,
+                                              comm.time_s("all_gather", act, ("tp",)),
+                                              comm.time_s("reduce_scatter", act, ("tp",)))
         chunk = async_gemms.chunking_s
-        redo = chunk * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
-        lt = lt + PassTimes(chunk, chunk, 0.0, redo)
+        redo = (chunk + sm_f) * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
+        lt = lt + PassTimes(chunk + sm_f, chunk + sm_dgrad, sm_wgrad, redo)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
     gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,

@@ -186,3 +186,9 @@ def test_megatron_exports_the_host_recipe_options_the_prediction_assumed():
     assert "--cuda-graph-impl local" in export_plan(off, "megatron").text
     assert "--enable-cuda-graph" in export_plan(off, "megatron", version="0.13").text
     assert "--moe-grouped-gemm" not in export_plan(plan_13b(), "megatron").text  # dense: no experts
+    assert "--moe-router-fusion" not in export_plan(moe, "megatron").text
+    fused = dataclasses.replace(moe, training=moe.training.replace(moe_router_fusion=True, moe_a2a_overlap=True))
+    assert "--moe-router-fusion" in export_plan(fused, "megatron").text
+    assert "--overlap-moe-expert-parallel-comm" in export_plan(fused, "megatron").text
+    router = dataclasses.replace(moe, training=moe.training.replace(moe_router_graphs=True))
+    assert "--cuda-graph-scope moe_router moe_preprocess" in export_plan(router, "megatron").text

@@ -106,3 +106,42 @@ def test_selective_recompute_redoes_the_attention_core_in_the_backward():
         redo = launches.layer_ops(model, Layout(recompute="selective"), fused)
         core = launches.FUSED_CORE_OPS if fused else launches.UNFUSED_CORE_OPS
         assert redo == (plain[0], plain[1] + core)
+
+
+def test_router_fusion_runs_either_router_as_the_same_few_kernels():
+    """Fused score/top-k and aux-loss kernels: DeepSeek's grouped sigmoid router stops costing more."""
+    dsv3, qwen = load_model("deepseek-v3"), load_model("qwen3-30b-a3b")
+    fused = {launches.router_ops(m, fused=True) for m in (dsv3, qwen)}
+    assert fused == {(launches.FUSED_ROUTER_OPS, launches.FUSED_ROUTER_GRAD_OPS)}
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8)
+    for model in (dsv3, qwen):
+        assert launches.router_ops(model)[0] > launches.FUSED_ROUTER_OPS
+        eager = launches.layer_ops(model, layout, True)
+        assert all(f < e for f, e in zip(launches.layer_ops(model, layout, True, router_fusion=True), eager, strict=True))
+    training = TrainingSpec(seq_len=4096, global_batch_size=64)
+    assert layer_host_scale(qwen, training.replace(moe_router_fusion=True), layout, True)[0] < \
+        layer_host_scale(qwen, training, layout, True)[0]
+
+
+def test_plan_json_keeps_the_moe_recipe_options_optional():
+    training = TrainingSpec(seq_len=128, global_batch_size=8)
+    assert not {"moe_router_fusion", "moe_router_graphs", "moe_a2a_overlap"} & set(training.to_json())
+    changed = training.replace(moe_router_fusion=True, moe_router_graphs=True, moe_a2a_overlap=True)
+    assert TrainingSpec.from_json(json.loads(json.dumps(changed.to_json()))) == changed
+    with pytest.raises(Exception, match="moe_a2a_overlap"):
+        training.replace(moe_a2a_overlap="yes")
+
+
+def test_router_graphs_replay_the_router_and_leave_the_rest_eager():
+    """--cuda-graph-scope moe_router moe_preprocess: fewer operations than eager, more than attention graphs too."""
+    qwen, layout = load_model("qwen3-30b-a3b"), Layout(dp_shard=8, zero_stage=1, ep=8)
+    eager = launches.layer_ops(qwen, layout, True, router_fusion=True)
+    router = launches.layer_ops(qwen, layout, True, router_fusion=True, router_graphs=True)
+    wider = launches.layer_ops(qwen, layout, True, cuda_graphs=True, router_fusion=True)
+    fused_f, fused_b = launches.router_ops(qwen, fused=True)
+    assert eager[0] - router[0] == fused_f - 1 + launches.DISPATCH_PREPROCESS_OPS
+    assert eager[1] - router[1] == 2 * fused_b - 1
+    assert all(w < r < e for w, r, e in zip(wider, router, eager, strict=True))
+    # cuda_graphs' wider scope takes precedence
+    assert launches.layer_ops(qwen, layout, True, cuda_graphs=True, router_graphs=True) == \
+        launches.layer_ops(qwen, layout, True, cuda_graphs=True)

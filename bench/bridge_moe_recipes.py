@@ -1,0 +1,119 @@
+"""What the Megatron-Bridge performance recipes behind the MoE hold-out rows ran, beyond the table's layout.
+
+Read from NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs at the
+release tags of the containers the summaries name (25.11: v0.2.2,
+configs/{deepseek,gpt_oss,qwen3}/workload_base_configs.py; 26.02: v0.3.0,
+configs/{deepseek,gpt_oss,qwen}/*_workload_base_configs.py, the V2 presets
+whose batch the table gives) and their *_llm_pretrain.py:
+
+* every DeepSeek-V3, GPT-OSS and Qwen3 recipe sets moe_router_fusion True
+  (and Qwen3's moe_router_force_load_balancing, which the recipe notes is
+  required for dropless routing: balanced expert load, moe_imbalance 1);
+* cuda_graph_impl "transformer_engine" with a cuda_graph_scope: a scope with
+  "attn" captures attention and the router (TrainingSpec.cuda_graphs, as
+  planner.simulate.launches prices partial graphs for dropless routing); a
+  scope of only "moe_router"/"moe_preprocess" replays the router and the
+  dispatcher's preprocessing, attention eager (TrainingSpec.moe_router_graphs);
+* moe_a2a_overlap (Megatron-Core --overlap-moe-expert-parallel-comm):
+  TrainingSpec.moe_a2a_overlap;
+* moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
+  dispatcher instead of the all-to-all one) and recompute_modules
+  ("mla_up_proj", "moe_act", "layernorm", "mlp"): listed, not modelled.
+
+GPT-OSS kernels, checked in the sources because its rows are predicted fast:
+attention with learnable sinks (softmax_type "learnable", 128-token window
+on every other layer) runs fused. Bridge v0.2.2 pins Transformer Engine
+2.9 (v0.3.0: 2.10-2.12) and falls back to Megatron's local attention only
+below TE 2.8; TE 2.9's get_attention_backend drops FlashAttention for a
+non-vanilla softmax but keeps cuDNN's arbitrary-seqlen kernel, which
+fused_attn.cpp accepts for learnable softmax from cuDNN 9.13.1. So the rows
+keep TrainingSpec attention "fused", not the eager model. The clamped GLU
+(quick_gelu, glu_linear_offset 1, clamp 7) is one fused kernel as well:
+Megatron-Core 0.15 TEGroupedMLP calls weighted_bias_quick_geglu_impl under
+bias_activation_fusion, which the provider sets.
+
+Keys: (release, system, model); a missing key means none of these options.
+
+DeepSeek-V3's pipeline split is the recipe's, not Megatron's default
+(recipes/deepseek/deepseek_v3.py set_deepseek_v3_pipeline_model_parallel_layout,
+and the GB300 preset's pp_layout "Et*4|(t*4|)*14tmL"): over 16 chunks the
+first holds the embedding and 4 layers, 14 hold 4, the last 1 layer with the
+MTP layer and the loss; over 8 chunks 8 layers each, 5 in the last; over 4
+chunks 16, 16, 16, 13.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoeRecipe:
+    cuda_graphs: bool = False  # graph scope includes attention
+    router_only_graphs: bool = False  # scope moe_router/moe_preprocess only
+    a2a_overlap: bool = False
+    dispatcher: str = "alltoall"  # alltoall | hybridep | deepep
+    recompute_modules: tuple[str, ...] = ()
+
+
+_HYBRID = "hybridep"
+RECIPES: dict[tuple[str, str, str], MoeRecipe] = {
+    # 25.11: Megatron-Bridge v0.2.2
+    ("25.11", "gb300", "deepseek-v3"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID, recompute_modules=("moe_act",)),
+    ("25.11", "gb200", "deepseek-v3"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID,
+                                                 recompute_modules=("mla_up_proj",)),
+    ("25.11", "b200", "deepseek-v3"): MoeRecipe(recompute_modules=("mla_up_proj",)),
+    ("25.11", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
+    ("25.11", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
+    ("25.11", "h100", "qwen3-30b-a3b"): MoeRecipe(a2a_overlap=True),
+    ("25.11", "gb300", "qwen3-235b-a22b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "gb200", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),
+    ("25.11", "b200", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    ("25.11", "h100", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    # 26.02: Megatron-Bridge v0.3.0, V2 presets
+    ("26.02", "gb300", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),  # FP8 V2
+    ("26.02", "gb200", "deepseek-v3"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID,
+                                                 recompute_modules=("mla_up_proj",)),
+    ("26.02", "b300", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),
+    ("26.02", "b200", "deepseek-v3"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("mla_up_proj",)),
+    ("26.02", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("26.02", "b300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
+    ("26.02", "gb200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("26.02", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
+    ("26.02", "b300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
+    ("26.02", "h100", "qwen3-30b-a3b"): MoeRecipe(a2a_overlap=True, dispatcher="deepep"),
+    ("26.02", "gb300", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),  # FP8 V2
+    ("26.02", "gb200", "qwen3-235b-a22b"): MoeRecipe(cuda_graphs=True, dispatcher=_HYBRID),
+    ("26.02", "b300", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+    ("26.02", "b200", "qwen3-235b-a22b"): MoeRecipe(),
+    ("26.02", "h100", "qwen3-235b-a22b"): MoeRecipe(a2a_overlap=True),
+}
+
+
+def recipe(release: str, system: str, model: str) -> MoeRecipe:
+    return RECIPES.get((release, system, model), MoeRecipe())
+
+
+def unmodelled(r: MoeRecipe) -> list[str]:
+    """The recipe's options the planner prices no term for."""
+    out = []
+    if r.dispatcher != "alltoall":
+        out.append(f"{r.dispatcher} dispatcher")
+    if r.recompute_modules:
+        out.append(f"recompute {'+'.join(r.recompute_modules)}")
+    return out
+
+
+def deepseek_v3_chunk_layers(chunks: int) -> tuple[int, ...] | None:
+    """Decoder layers per pipeline chunk of Megatron-Bridge's DeepSeek-V3 layout (61 layers), None
+    where the recipe sets none."""
+    return {16: (4,) * 15 + (1,), 8: (8,) * 7 + (5,), 4: (16, 16, 16, 13)}.get(chunks)
