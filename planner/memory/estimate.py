@@ -121,7 +121,10 @@ the kept activations of N layers per model chunk wait in host memory from
 their forward to their backward, so the GPU holds the stage's other layers'
 (at least one layer's: the one whose backward runs first); `host_bytes`
 counts what moved. Megatron-Core offloads activations only without pipeline
-parallelism (TransformerConfig refuses cpu_offloading with pp > 1).
+parallelism (TransformerConfig refuses cpu_offloading with pp > 1). The step
+simulator does not price the copies: they run on their own stream beside the
+next layer's compute, which hides them on NVLink-C2C hosts (GB200/GB300, the
+published offload rows); over PCIe a large layer's copy can outlast it.
 """
 
 from __future__ import annotations
