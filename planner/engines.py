@@ -152,17 +152,12 @@ class MemoryTraits:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward
     cp_saves_gathered: bool = False
-    # activations of N layers per chunk moved to host memory during the forward and brought back for the
-    # backward (Megatron-Core's cpu_offloading: Transformer Engine's get_cpu_offload_context)
-    activation_offload: bool = False
-    # per-op selective checkpointing saves the float8 GEMMs' outputs: meshplan's executor lists
-    # aten._scaled_mm beside aten.mm (executor.parallel.recompute); torchtitan's _op_sac_save_list names
-    # aten.mm only, so under float8 (torchao's Float8Linear runs aten._scaled_mm) every projection is
-    # recomputed and only the attention outputs (and the amax results, aten.max) are kept
+    activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
+    # per-op SAC saves float8 GEMM outputs: meshplan's executor lists aten._scaled_mm with aten.mm; torchtitan's
+    # _op_sac_save_list names aten.mm only, so its float8 projections (aten._scaled_mm) are all recomputed
     op_sac_saves_fp8_mm: bool = True
-    # the loss's backward works in place on the fp32 softmax its forward saved (Megatron-Core's
-    # vocab-parallel cross entropy: calculate_logits_max casts the logits to fp32 once, the backward
-    # turns that buffer into the gradient), so only the compute-dtype logits gradient is new
+    # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
+    # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
     inplace_loss_backward: bool = False
 
 
