@@ -1,6 +1,6 @@
 """Closed loop on this machine's CPU ranks: calibrate, plan, execute, report, update, predict again.
 
-    .venv/bin/python bench/closed_loop.py            # both models, 2 ranks (~6-8 min on a quiet 2-core host)
+    .venv/bin/python bench/closed_loop.py            # both models, 2 ranks (~9-12 min on a quiet 2-core host)
     .venv/bin/python bench/closed_loop.py --models small --four-ranks   # add dp 2 x tp 2 on 4 ranks
 
 For each model (bench/data/llama_small_cpu.json: hidden 384, 4 layers, 6 heads,
@@ -118,7 +118,8 @@ def run_model(name: str, ranks: int, layouts: dict[str, list[str]], out: Path, s
                   flush=True)
     for row in rows.values():
         row["measured_s"] = statistics.median(row["measured"])
-        # the update folds the run nearest the median (the faster of two: load only ever slows a run)
+        # the update folds the run nearest the median: with an odd count the median run itself, the figure
+        # the table scores (of two, the faster: load only ever slows a run)
         row["run"] = min(zip(row["runs"], row["measured"], strict=True),
                          key=lambda rm: (abs(rm[1] - row["measured_s"]), rm[1]))[0]
     updated: dict[str, Path] = {}
@@ -164,7 +165,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS_2), help="comma-separated 2-rank layouts")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="leading steps report skips")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per layout, in alternating order")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per layout, in alternating order (odd: the update folds the median run itself)")
     parser.add_argument("--update-from", default="tp2", help="the layout whose run updates the profile")
     parser.add_argument("--fallback-from", default="ddp", help="the update source for the --update-from layout")
     parser.add_argument("--four-ranks", action="store_true", help="also dp 2 x tp 2 on 4 ranks (small model)")

@@ -18,8 +18,8 @@ what the source states:
   gradient buffers); v24.11.1 ran NeMo 1.0's launcher with Megatron's fp32
   main gradients;
 * TP communication overlap (DgxcRow.tp_comm_overlap, what the recipe ran;
-  priced as TrainingSpec.async_tp only with tp_overlap=True, see
-  bench/accuracy_dgxc.py --tp-overlap): every NeMo row with tp > 1 ran
+  priced as TrainingSpec.async_tp unless tp_overlap=False, see
+  bench/accuracy_dgxc.py --no-tp-overlap): every NeMo row with tp > 1 ran
   Transformer Engine's userbuffers (Megatron's --tp-comm-overlap):
   NeMo 1 yamls of v24.11.1/v25.02 (dgxc-benchmarking@35a9aec, @8f5cbb3:
   gpt3_175b_hydra.yaml and llama3.1_{70b,405b}.yaml ub_tp_comm_overlap: true,
@@ -27,7 +27,16 @@ what the source states:
   false, with tp 1), and NeMo 2's performance recipes of v25.04/v25.05 (NeMo
   v2.2.1/v2.3.0 recipes gpt3_175b, llama3_70b, llama31_405b, nemotron4_15b,
   nemotron4_340b: MegatronCommOverlapCallback(tp_comm_overlap=True); the
-  dgxc pretrain_llama31.py asserts the callback and sets its ub config);
+  dgxc pretrain_llama31.py asserts the callback and sets its ub config).
+  What each overlap's communication kernels take from the GEMMs
+  (DgxcRow.ub_sms, priced by planner.simulate.tp_overlap.sm_share_s) is
+  the recipe's userbuffers config (UB_CONFIGS: NeMo's
+  tp_overlap_configs/userbuffers.py, by GPU, hidden size and precision);
+  where NeMo ships none for the shape (Nemotron-4 15B and 340B on H100) the
+  recipe passes no config and Transformer Engine's initialize_ub defaults
+  run (planner.engines.TE_UB_DEFAULT). The NeMo 1 releases are given the
+  NeMo 2 config of the same shape (taken to be the launcher's ub_cfg yaml
+  it was ported from: not checked row by row);
 * fp8: per-tensor FP8 on H100; on GB200 the v25.05 recipes run MXFP8 (same
   peak: the choice only matters for what is kept in memory);
 * models: Llama as SwiGLU/RMSNorm/RoPE; GPT-3 with GELU, LayerNorm,
@@ -47,9 +56,10 @@ dense rows fails the token/step-time identity.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from planner.engines import TE_UB_DEFAULT, CommSms, TimeTraits, TpOverlapSms, get_engine
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.training import TrainingSpec
@@ -63,6 +73,39 @@ DATA = next((p / "shared" / "data" / "published" / "dgxc.json" for p in (_REPO.p
             _REPO.parent / "shared" / "data" / "published" / "dgxc.json")
 CLUSTERS = {"h100-sxm": "dgx-h100", "gb200": "gb200-nvl72"}
 FAMILY = {"h100-sxm": "h100", "gb200": "gb200"}
+
+
+def _ub(proj: CommSms, fc2: CommSms, qkv_dgrad: int, fc1_dgrad: int, qkv_wgrad: int, fc1_wgrad: int
+        ) -> TpOverlapSms:
+    """A NeMo userbuffers config: proj/fc2 fprop reduce-scatters as given, the bulk backward overlaps
+    with num_sm SMs and set_sm_margin False (every NeMo config sets it so for bulk)."""
+    return TpOverlapSms((proj, fc2), (CommSms(qkv_dgrad, False), CommSms(fc1_dgrad, False)),
+                        (CommSms(qkv_wgrad, False), CommSms(fc1_wgrad, False)))
+
+
+RING = CommSms(1, True)  # RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True)
+
+
+def _pipe(sms: int) -> CommSms:  # PipelineOverlapCfg(num_sm=sms, set_sm_margin=True)
+    return CommSms(sms, True)
+
+
+# NeMo (v2.2-2.3) nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, keyed by
+# (gpu, hidden, fp8): userbuffers_{bf16,fp8}_{h100,b200}_h<hidden>_tp<t>... as the performance
+# recipes pick them (gpt3_175b, llama3_70b, llama31_405b, nemotron4_340b; the b200 configs on GB200).
+UB_CONFIGS: dict[tuple[str, int, bool], TpOverlapSms] = {
+    ("h100-sxm", 12288, False): _ub(_pipe(24), RING, 4, 2, 4, 4),  # h12288_tp4_mbs1_seqlen2048
+    ("h100-sxm", 12288, True): _ub(_pipe(24), RING, 4, 2, 4, 4),
+    ("h100-sxm", 8192, False): _ub(_pipe(24), _pipe(16), 4, 2, 24, 4),  # h8192_tp4_mbs1_seqlen8192
+    ("h100-sxm", 8192, True): _ub(_pipe(24), _pipe(16), 4, 2, 24, 4),
+    ("h100-sxm", 16384, False): _ub(_pipe(24), _pipe(8), 2, 2, 24, 2),  # h16384_tp8_cp2_mbs1_seqlen8192
+    ("h100-sxm", 16384, True): _ub(_pipe(24), _pipe(8), 2, 2, 24, 2),
+    ("gb200", 16384, False): _ub(_pipe(32), _pipe(8), 8, 2, 24, 2),  # b200_h16384_tp4_cp2_mbs1_seqlen8192
+    ("gb200", 16384, True): _ub(RING, RING, 8, 2, 32, 8),
+    # b200_h18432_tp8_mbs1_seqlen4096 (bf16 only in NeMo; taken for the fp8 rows as well)
+    ("gb200", 18432, False): _ub(RING, _pipe(24), 8, 2, 32, 8),
+    ("gb200", 18432, True): _ub(RING, _pipe(24), 8, 2, 32, 8),
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +123,12 @@ class DgxcRow:
     measured_s: float
     reason: str = ""
     tp_comm_overlap: bool = False  # the recipe overlapped TP communication with its GEMMs (module docstring)
+    ub_sms: TpOverlapSms | None = None  # its userbuffers config's SM claims (module docstring); None: no overlap
+
+    def traits(self) -> TimeTraits:
+        """The engine's time traits, with the row's userbuffers config where it overlapped TP."""
+        base = get_engine(self.engine).time
+        return replace(base, tp_overlap_sms=self.ub_sms) if self.ub_sms is not None else base
 
     @property
     def expressible(self) -> bool:
@@ -135,7 +184,9 @@ def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
                             async_tp=tp_overlap and overlapped)
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
                   training=training, engine="torchtitan" if jax else "megatron", gpus=rec["gpus"],
-                  measured_s=rec["step_time_s"], tp_comm_overlap=overlapped)
+                  measured_s=rec["step_time_s"], tp_comm_overlap=overlapped,
+                  ub_sms=UB_CONFIGS.get((gpu, model.hidden, precision != "bf16"), TE_UB_DEFAULT) if overlapped
+                  else None)
     lps = _stage_layers(model.n_layers, pp * vp)
     if lps is None:
         return DgxcRow(layout=None, reason=f"{model.n_layers} layers over pp*vp = {pp * vp} chunks leaves "
@@ -154,7 +205,7 @@ def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
     return DgxcRow(layout=layout, **common)
 
 
-def load_dense_rows(path: Path = DATA, tp_overlap: bool = False) -> list[DgxcRow]:
+def load_dense_rows(path: Path = DATA, tp_overlap: bool = True) -> list[DgxcRow]:
     """Every dense row of dgxc.json, expressible or not; tp_overlap prices the TP communication overlap
     the NeMo recipes ran (row.tp_comm_overlap) as async TP, else as plain TP collectives."""
     doc = json.loads(path.read_text())

@@ -1,26 +1,25 @@
 """Speed of the layout search. Prints figures for the README; nothing here is asserted in tests.
 
     python bench/search_speed.py            # every measurement
-    python bench/search_speed.py --quick    # skip the 1T / 16,384-GPU searches
+    python bench/search_speed.py --quick    # skip the 16,384-GPU searches
+    python bench/search_speed.py --runs 5   # fresh processes per figure (default 3)
 
 Every measurement runs in a fresh process pinned to one CPU core, because a
 user's first search starts cold: no rank groups, compiled pipeline orders or
-collective prices cached yet.
+collective prices cached yet. Each figure is the best and the median of
+`--runs` such processes, as wall time and as the process's CPU time (on a
+shared machine the wall time also counts other processes' turns on the core).
 
-1. The full search for gpt-1t (Megatron-LM's 1T configuration) on 16,384
-   H100 (2,048 DGX nodes): the first search of the process (cold) and a
-   second one (warm), each split into time inside `simulate_step` and the
-   search's own work (enumeration, bounds, memory). Two engines: megatron
-   searches the whole space (every schedule, CP, ZeRO-1 with TP/PP); meshplan
-   only what its executor runs (planner.engines: gpt-1t ties its
-   embeddings, so pp is 1), a much smaller space.
-   The same for Kimi-K2, the 1T mixture of experts (384 experts), where the
-   search also chooses ep and etp (megatron only: meshplan's executor runs
-   no MoE).
-2. `meshplan plan --model gpt-1t --gpus 16384 --engine megatron` and
-   `meshplan plan --model 13B --gpus 16`, from process start to output, as a
-   user runs them (best and median of a few runs), and the import check:
-   torch must never be imported on the planning path.
+1. The two 16,384-H100 searches the search must finish in under a second:
+   `plan --model 1T --gpus 16384` (gpt-1t, Megatron-LM's 1T configuration,
+   the default engine, every precision-independent dimension and recompute
+   mode searched) and `plan --model kimi-k2 --gpus 16384 --engine megatron`
+   (the 1T mixture of experts, 384 experts, ep and etp searched as well),
+   each at the sequence length `plan` picks: the search alone (cold: the first
+   search of the process; the time inside `simulate_step` split out), then
+   the whole command from process start to output.
+2. `meshplan plan --model 13B --gpus 16` from process start to output, and
+   the import check: torch must never be imported on the planning path.
 """
 
 from __future__ import annotations
@@ -40,7 +39,10 @@ sys.path.insert(0, str(REPO))
 
 PLAN = [sys.executable, str(REPO / "cli.py"), "plan"]
 PLAN_13B = [*PLAN, "--model", "13B", "--gpus", "16"]
-PLAN_1T = [*PLAN, "--model", "gpt-1t", "--gpus", "16384", "--engine", "megatron"]
+SEARCHES = {  # name -> (model, engine): the 16,384-GPU searches of the module docstring
+    "dense 1T": ("gpt-1t", "meshplan"),
+    "Kimi-K2": ("kimi-k2", "megatron"),
+}
 
 
 def _one_core() -> None:
@@ -48,49 +50,61 @@ def _one_core() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-def search_1t(engine: str, name: str = "gpt-1t") -> None:
-    """Two searches in this (fresh) process: the first is the cold one a user waits for."""
+def search_once(model_name: str, engine: str) -> None:
+    """One cold search in this (fresh) process, at the sequence length `plan` picks; prints one tab-separated line."""
     from planner.model.load import load_model
     from planner.search.search import search
+    from planner.training import default_seq_len
     from topologies.cluster_load import load_cluster
 
-    model, cluster = load_model(name), load_cluster("dgx-h100", 16384)
-    for label in ("cold", "warm"):
-        started = time.perf_counter()
-        result = search(model, cluster, 2048, engine=engine)
-        wall = time.perf_counter() - started
-        s = result.stats
-        print(f"{name} on 16,384 x H100, engine {engine} ({label}): {wall:.2f} s total, {s.simulate_s:.2f} s in "
-              f"simulate_step ({s.simulated} calls), {wall - s.simulate_s:.2f} s search overhead; {s.shapes} shapes, "
-              f"{s.candidates} candidates, {s.memory_checks} memory checks, {s.bound_pruned} pruned by the bound")
-    best = result.best
+    model, cluster = load_model(model_name), load_cluster("dgx-h100", 16384)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = search(model, cluster, default_seq_len(model.max_seq_len), engine=engine)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    s, best = result.stats, result.best
     lay = best.layout
-    print(f"  best: tp {lay.tp} pp {lay.pp} dp {lay.dp_replicate}x{lay.dp_shard} cp {lay.cp} ep {lay.ep} "
-          f"etp {lay.etp} ZeRO-{lay.zero_stage} "
-          f"mb {lay.micro_batch_size}x{lay.grad_accum_steps} {lay.pp_schedule} v{lay.virtual_stages}: "
-          f"{best.result.step_time_s:.3f} s/step, MFU {best.result.mfu:.1%}")
+    layout = (f"tp {lay.tp} pp {lay.pp} dp {lay.dp_replicate}x{lay.dp_shard} cp {lay.cp} ep {lay.ep} etp {lay.etp} "
+              f"ZeRO-{lay.zero_stage} mb {lay.micro_batch_size}x{lay.grad_accum_steps} {lay.pp_schedule} "
+              f"v{lay.virtual_stages} {lay.recompute}: {best.result.step_time_s:.3f} s/step, "
+              f"{best.result.memory.peak_bytes / 2**30:.1f} GiB")
+    print(f"{wall}\t{cpu}\t{s.simulate_s}\t{s.simulated}\t{s.shapes}\t{s.candidates}\t{layout}")
 
 
-def _fresh(engine: str, name: str = "gpt-1t") -> None:
-    """search_1t in a new process on one core."""
-    proc = subprocess.run([sys.executable, __file__, "--child", engine, "--child-model", name],
-                          capture_output=True, text=True,
-                          preexec_fn=_one_core, cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"search failed: {proc.stderr}")
-    print(proc.stdout, end="")
+def _stats(values: list[float]) -> str:
+    return f"best {min(values):.2f} s, median {statistics.median(values):.2f} s"
+
+
+def time_search(label: str, runs: int) -> None:
+    """search_once in `runs` fresh processes on one core."""
+    model_name, engine = SEARCHES[label]
+    rows = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, __file__, "--child", model_name, "--child-engine", engine],
+                              capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO)
+        if proc.returncode != 0:
+            raise SystemExit(f"search failed: {proc.stderr}")
+        rows.append(proc.stdout.strip().split("\t"))
+    wall, cpu, sim = ([float(r[i]) for r in rows] for i in range(3))
+    simulated, shapes, candidates, layout = rows[0][3:]
+    print(f"{label} ({model_name}, engine {engine}) on 16,384 x H100, search alone, cold, over {runs} processes: "
+          f"wall {_stats(wall)}; CPU {_stats(cpu)}; wall inside simulate_step {_stats(sim)} ({simulated} calls); "
+          f"{shapes} shapes, {candidates} candidates")
+    print(f"  best: {layout}")
 
 
 def time_cli(argv: list[str], runs: int) -> None:
-    walls = []
+    walls, cpus = [], []
     for _ in range(runs):
+        before = os.times()
         started = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO)
         walls.append(time.perf_counter() - started)
+        after = os.times()
+        cpus.append(after.children_user + after.children_system - before.children_user - before.children_system)
         if proc.returncode != 0:
             raise SystemExit(f"meshplan plan failed: {proc.stderr}")
-    print(f"meshplan {' '.join(argv[2:])}, process start to output: best {min(walls):.2f} s, "
-          f"median {statistics.median(walls):.2f} s over {runs} runs")
+    print(f"meshplan {' '.join(argv[2:])}, process start to output: wall {_stats(walls)}; CPU {_stats(cpus)} "
+          f"over {runs} runs")
 
 
 def imports_13b() -> None:
@@ -107,20 +121,20 @@ def imports_13b() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the 1T / 16,384-GPU searches")
-    parser.add_argument("--child", metavar="ENGINE", help=argparse.SUPPRESS)  # one fresh search process
-    parser.add_argument("--child-model", default="gpt-1t", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="skip the 16,384-GPU searches")
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per figure")
+    parser.add_argument("--child", metavar="MODEL", help=argparse.SUPPRESS)  # one fresh search process
+    parser.add_argument("--child-engine", default="megatron", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        search_1t(args.child, args.child_model)
+        search_once(args.child, args.child_engine)
         return
-    time_cli(PLAN_13B, runs=5)
-    imports_13b()
     if not args.quick:
-        for engine in ("megatron", "meshplan"):
-            _fresh(engine)
-        _fresh("megatron", "kimi-k2")
-        time_cli(PLAN_1T, runs=3)
+        for label, (model_name, engine) in SEARCHES.items():
+            time_search(label, args.runs)
+            time_cli([*PLAN, "--model", model_name, "--gpus", "16384", "--engine", engine], args.runs)
+    time_cli(PLAN_13B, runs=args.runs)
+    imports_13b()
 
 
 if __name__ == "__main__":

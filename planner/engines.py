@@ -42,6 +42,52 @@ PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
 
 
 @dataclass(frozen=True)
+class CommSms:
+    """One overlapped TP collective's claim on the GPU's SMs (Transformer Engine userbuffers).
+
+    `sms`: streaming multiprocessors its communication kernel runs on.
+    `margin`: the GEMM it overlaps is launched on the other SMs for its whole
+    run (TE's set_sm_margin); otherwise the two share the GPU and the GEMM
+    loses the SMs only while the communication kernel runs.
+    """
+
+    sms: int
+    margin: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sms, int) or isinstance(self.sms, bool) or self.sms < 0:
+            raise PlanError(f"CommSms.sms must be an integer >= 0, got {self.sms!r}")
+
+
+@dataclass(frozen=True)
+class TpOverlapSms:
+    """SMs each overlapped TP collective takes from its GEMM, per TP point (attention, MLP).
+
+    Transformer Engine's userbuffers overlap (Megatron --tp-comm-overlap) runs
+    the forward all-gathers and the backward gradient all-gathers as
+    ring_exchange over the copy engines (qkv/fc1 fprop, proj/fc2 dgrad: no
+    SMs, no margin), and gives SMs to the others: the forward reduce-scatters
+    (proj_fprop, fc2_fprop: pipeline or ring_exchange), the backward's bulk
+    all-gather of the saved input under the input-gradient GEMM (qkv_dgrad,
+    fc1_dgrad) and bulk reduce-scatter of the input gradient under the
+    weight-gradient GEMM (qkv_wgrad, fc1_wgrad).
+    """
+
+    fprop_rs: tuple[CommSms, CommSms]  # proj_fprop, fc2_fprop
+    dgrad_ag: tuple[CommSms, CommSms]  # qkv_dgrad, fc1_dgrad
+    wgrad_rs: tuple[CommSms, CommSms]  # qkv_wgrad, fc1_wgrad
+
+
+# Transformer Engine's initialize_ub defaults (transformer_engine/pytorch/module/base.py,
+# get_default_config, TE 2.x): ring_exchange num_sm 1 without margin, pipeline and bulk num_sm 16
+# with set_sm_margin; what a recipe without its own userbuffers config runs.
+_TE16 = CommSms(16, True)
+TE_UB_DEFAULT = TpOverlapSms((_TE16, _TE16), (_TE16, _TE16), (_TE16, _TE16))
+# torchtitan's async TP (symmetric-memory micro-pipelining) moves chunks with copy-engine p2p copies
+NO_SMS = TpOverlapSms((CommSms(0, False),) * 2, (CommSms(0, False),) * 2, (CommSms(0, False),) * 2)
+
+
+@dataclass(frozen=True)
 class TimeTraits:
     """How an engine runs a step, where that changes the time."""
 
@@ -61,6 +107,8 @@ class TimeTraits:
     # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
     # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
     recompute_pipe_ends: bool = False
+    # under async TP (TrainingSpec.async_tp), the SMs each overlapped collective takes from its GEMM
+    tp_overlap_sms: TpOverlapSms = NO_SMS
 
     def __post_init__(self) -> None:
         if self.pipe_p2p not in PIPE_P2P:
@@ -104,6 +152,13 @@ class MemoryTraits:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward
     cp_saves_gathered: bool = False
+    activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
+    # per-op SAC saves float8 GEMM outputs: meshplan's executor lists aten._scaled_mm with aten.mm; torchtitan's
+    # _op_sac_save_list names aten.mm only, so its float8 projections (aten._scaled_mm) are all recomputed
+    op_sac_saves_fp8_mm: bool = True
+    # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
+    # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
+    inplace_loss_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +231,9 @@ class Engine:
                     f"tp > 1 with sequence parallel, got tp {layout.tp}"
                     f"{'' if layout.sequence_parallel else ' without sequence parallel'}; "
                     "allow --tp > 1 and --sequence-parallel, or drop --async-tp")
+        if layout.activation_offload_layers and not self.memory.activation_offload:
+            return (f"engine {self.name} does not offload activations to the host (activation_offload_layers "
+                    f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -291,8 +349,10 @@ ENGINES: dict[str, Engine] = {
                      shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
                      pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
-    "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True),
-                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
+    "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True,
+                                              tp_overlap_sms=TE_UB_DEFAULT),
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
+                                    inplace_loss_backward=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
@@ -305,7 +365,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
-                     cp_all_gather=True),
+                     cp_all_gather=True, op_sac_saves_fp8_mm=False),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

@@ -63,6 +63,9 @@ class GPUSpec:
     # is_non_tn_fp8_gemm_supported); False: TN only (Hopper, Ada), so every 8-bit operand
     # also needs a transposed copy.
     fp8_any_layout: bool = False
+    # Streaming multiprocessors; communication kernels that run beside a GEMM take some of them
+    # (planner.simulate.tp_overlap). 0 where not catalogued: no SM share is priced.
+    sm_count: int = 0
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
@@ -77,6 +80,8 @@ class GPUSpec:
             raise TopologyError(
                 f"GPU {self.name!r}: pcie_gen {self.pcie_gen} unknown; use one of {sorted(PCIE_X16_RAW_GBYTES_PER_S)}"
             )
+        if isinstance(self.sm_count, bool) or not isinstance(self.sm_count, int) or self.sm_count < 0:
+            raise TopologyError(f"GPU {self.name!r}: sm_count must be an integer >= 0, got {self.sm_count!r}")
         if self.nvlink_gbytes_per_s < 0 or self.nvlink_links < 0:
             raise TopologyError(f"GPU {self.name!r}: NVLink bandwidth and link count must be >= 0")
         if self.kind not in ("gpu", "cpu"):
@@ -122,31 +127,37 @@ def _gpu(name: str, memory_bytes: float, hbm: float, fp32: float, tf32: float, b
                    fp8_flops=fp8 * TFLOPS, mxfp8_flops=mxfp8 * TFLOPS, **rest)
 
 
+# SM counts: A100 108 (NVIDIA A100 Tensor Core GPU architecture whitepaper), H100 SXM5 132 and
+# PCIe 114 (NVIDIA H100 Tensor Core GPU architecture whitepaper; H200 and H800 are the SXM5 die),
+# B200 148 (two dies of 74 enabled SMs, as CUDA reports it; GB200's GPUs are B200s), B300/GB300
+# 160 (NVIDIA technical blog "Inside NVIDIA Blackwell Ultra"), L40S 142 and RTX 4090 128 (NVIDIA
+# Ada GPU architecture whitepaper and L40S datasheet), RTX 3090 82 (GA102 whitepaper), T4 40
+# (Turing whitepaper), V100 80 (Volta whitepaper).
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in [
         # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM column: 19.5 FP32, 156 TF32, 312 BF16/FP16
         # TFLOP/s dense; 40GB HBM2 at 1555 GB/s; NVLink3 600 GB/s bidirectional over 12 links; PCIe Gen4.
         _gpu("a100-40g-sxm", 40 * GIB, 1555, 19.5, 156, 312, 312,
-             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4),
+             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4, sm_count=108),
         # Same datasheet, 80GB SXM: HBM2e at 2039 GB/s; compute and NVLink as the 40GB part.
         _gpu("a100-80g-sxm", 80 * GIB, 2039, 19.5, 156, 312, 312,
-             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4),
+             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4, sm_count=108),
         # Same datasheet, 80GB PCIe: HBM2e at 1935 GB/s; NVLink bridge for 2 GPUs, 600 GB/s bidirectional.
         _gpu("a100-80g-pcie", 80 * GIB, 1935, 19.5, 156, 312, 312,
-             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4),
+             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=3, pcie_gen=4, sm_count=108),
         # NVIDIA H100 Tensor Core GPU datasheet, SXM: 67 FP32, 989 TF32*, 1979 BF16/FP16*, 3958 FP8*
         # (* sparse: halved); 80GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s bidirectional, 18 links; Gen5.
         _gpu("h100-sxm", 80 * GIB, 3350, 67, 494.7, 989.4, 989.4, fp8=1978.9,
-             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5),
+             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5, sm_count=132),
         # Same datasheet, PCIe: 51 FP32, 756 TF32*, 1513 BF16/FP16*, 3026 FP8*; 80GB HBM2e at 2.0 TB/s;
         # NVLink bridge 600 GB/s bidirectional (pairs); PCIe Gen5.
         _gpu("h100-pcie", 80 * GIB, 2000, 51, 378, 756.5, 756.5, fp8=1513,
-             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=4, pcie_gen=5),
+             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=4, pcie_gen=5, sm_count=114),
         # NVIDIA H200 Tensor Core GPU datasheet, SXM: compute as H100 SXM (67 FP32, 989 TF32*, 1979
         # BF16/FP16*, 3958 FP8*); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional; PCIe Gen5.
         _gpu("h200", 141 * GB, 4800, 67, 494.7, 989.4, 989.4, fp8=1978.9,
-             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5),
+             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5, sm_count=132),
         # NVIDIA DGX B200 datasheet, divided by its 8 GPUs: 72 PF FP8*, 36 PF BF16/FP16*, 18 PF TF32*
         # (sparse, halved); 1,440 GB HBM3e at 64 TB/s in total; NVLink5 1.8 TB/s bidirectional per GPU
         # (18 links). FP32 75 TFLOP/s from the HGX B200 spec table (600 TF for 8 GPUs).
@@ -154,13 +165,13 @@ GPUS: dict[str, GPUSpec] = {
         # at the FP8 rate (NVIDIA Blackwell architecture technical brief).
         _gpu("b200", 180 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
              nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=5,
-             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True),
+             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True, sm_count=148),
         # NVIDIA H800 SXM (the H100 die for export markets): compute and HBM3 as H100 SXM (989
         # BF16, 1979 FP8 TFLOP/s dense; 80 GB at 3.35 TB/s); NVLink cut to 400 GB/s bidirectional
         # (8 links of NVLink4; DeepSeek-V3 report, section 3.2.2: 160 GB/s achieved of 200 per
         # direction); PCIe Gen5.
         _gpu("h800", 80 * GIB, 3350, 67, 494.7, 989.4, 989.4, fp8=1978.9,
-             nvlink_gbytes_per_s=200, nvlink_links=8, nvlink_gen=4, pcie_gen=5),
+             nvlink_gbytes_per_s=200, nvlink_links=8, nvlink_gen=4, pcie_gen=5, sm_count=132),
         # NVIDIA GB200 NVL72 datasheet, divided by its 72 GPUs: 360 PF FP8/FP6*, 180 PF BF16/FP16*,
         # 90 PF TF32* (sparse, halved: 2.5 PF bf16, 5 PF fp8 per GPU); 13.4 TB HBM3e at 576 TB/s
         # (186 GB at 8 TB/s per GPU); 5,760 FP32 TFLOP/s (80 per GPU); NVLink5 130 TB/s for the rack
@@ -168,40 +179,40 @@ GPUS: dict[str, GPUSpec] = {
         # to the ConnectX-7/8 NICs.
         _gpu("gb200", 186 * GB, 8000, 80, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
              nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
-             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True),
+             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True, sm_count=148),
         # NVIDIA GB300 NVL72 datasheet, divided by 72: 360 PF FP8*, 180 PF BF16/FP16* (sparse,
         # halved: 2.5 PF bf16, 5 PF fp8 per GPU; Blackwell Ultra raises FP4, not FP8); 20 TB
         # HBM3e at 576 TB/s (288 GB at 8 TB/s per GPU); FP32 6 PF (83 per GPU); NVLink5 1.8 TB/s
         # bidirectional per GPU; ConnectX-8 800 Gbit/s per GPU (PCIe Gen6).
         _gpu("gb300", 288 * GB, 8000, 83, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
              nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
-             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True),
+             exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True, sm_count=160),
         # NVIDIA DGX B300 datasheet, divided by its 8 GPUs: 72 PF FP8 training* (sparse, halved:
         # 4.5 PF fp8, 2.25 PF bf16 per GPU, as B200), 2.3 TB HBM3e (288 GB per GPU) at 8 TB/s
         # per GPU; NVLink5 14.4 TB/s in total (1.8 TB/s bidirectional per GPU); 8 ConnectX-8
         # 800 Gbit/s ports; PCIe Gen6.
         _gpu("b300", 288 * GB, 8000, 75, 1125, 2250, 2250, fp8=4500, mxfp8=4500,
              nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
-             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True),
+             exp_per_s=2250 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True, sm_count=160),
         # NVIDIA L40S datasheet: 91.6 FP32, 366 TF32*, 733 BF16/FP16*, 1466 FP8* TFLOP/s (sparse,
         # halved); 48 GB GDDR6 at 864 GB/s; no NVLink; PCIe Gen4 x16.
-        _gpu("l40s", 48 * GB, 864, 91.6, 183, 362.05, 362.05, fp8=733, pcie_gen=4),
+        _gpu("l40s", 48 * GB, 864, 91.6, 183, 362.05, 362.05, fp8=733, pcie_gen=4, sm_count=142),
         # NVIDIA Ada GPU architecture whitepaper, GeForce RTX 4090 column: 82.6 FP32; with FP32
         # accumulate 82.6 TF32, 165.2 BF16/FP16, 330.3 FP8 TFLOP/s dense; 24 GB GDDR6X at 1008 GB/s;
         # no NVLink; PCIe Gen4. The GeForce driver disables PCIe peer-to-peer.
-        _gpu("rtx4090", 24 * GB, 1008, 82.6, 82.6, 165.2, 165.2, fp8=330.3, pcie_gen=4, pcie_p2p=False),
+        _gpu("rtx4090", 24 * GB, 1008, 82.6, 82.6, 165.2, 165.2, fp8=330.3, pcie_gen=4, pcie_p2p=False, sm_count=128),
         # NVIDIA Ampere GA102 GPU architecture whitepaper, GeForce RTX 3090 column: 35.6 FP32; with FP32
         # accumulate 35.6 TF32, 71 BF16/FP16 TFLOP/s dense; 24 GB GDDR6X at 936 GB/s; NVLink bridge
         # (4 links of NVLink3) 112.5 GB/s bidirectional; PCIe Gen4.
         _gpu("rtx3090", 24 * GB, 936, 35.6, 35.6, 71, 71,
-             nvlink_gbytes_per_s=56.25, nvlink_links=4, nvlink_gen=3, pcie_gen=4),
+             nvlink_gbytes_per_s=56.25, nvlink_links=4, nvlink_gen=3, pcie_gen=4, sm_count=82),
         # NVIDIA T4 datasheet: 8.1 FP32, 65 FP16 mixed-precision TFLOP/s; no BF16 or TF32 (Turing);
         # 16 GB GDDR6 at 320 GB/s; PCIe Gen3 x16.
-        _gpu("t4", 16 * GB, 320, 8.1, 0, 0, 65, pcie_gen=3),
+        _gpu("t4", 16 * GB, 320, 8.1, 0, 0, 65, pcie_gen=3, sm_count=40),
         # NVIDIA V100 Tensor Core GPU datasheet, SXM2 32GB: 15.7 FP32, 125 tensor (FP16) TFLOP/s; no
         # BF16 or TF32 (Volta); HBM2 at 900 GB/s; NVLink2 300 GB/s bidirectional over 6 links; Gen3.
         _gpu("v100", 32 * GIB, 900, 15.7, 0, 0, 125,
-             nvlink_gbytes_per_s=150, nvlink_links=6, nvlink_gen=2, pcie_gen=3),
+             nvlink_gbytes_per_s=150, nvlink_links=6, nvlink_gen=2, pcie_gen=3, sm_count=80),
         # CPU stand-in for the `cpu` cluster: numbers of a small server core complex;
         # only used to run the executor and its tests, never to rank GPU layouts.
         GPUSpec("cpu", 16 * GIB, 20, 0.2 * TFLOPS, 0.0, 0.2 * TFLOPS, 0.2 * TFLOPS, pcie_gen=4, kind="cpu"),

@@ -8,9 +8,9 @@ collective benchmark's torchrun ranks (`executor.calibrate.comm --block`), on
 `executor.model.Block` at the plan's micro-batch and sequence length:
 
   plain       forward + backward of a local block, every rank at once
-  plain_solo  the same on rank 0 alone while the others wait in a gloo
-              barrier (as a pipeline stage waits for its peer): the ratio
-              is `solo_speedup`
+  plain_solo  the same on each rank alone in turn while the others wait in
+              a gloo barrier (as a pipeline stage waits for its peer): the
+              ratio is `solo_speedup`
   tp          the same block split by `block_tp_plan` over all ranks (DTensor)
   tp_ops      operators dispatched on DTensors per TP-split linear, forward
               and backward, counted in one untimed pass (`DTensorOpCounter`)
@@ -29,22 +29,30 @@ import time
 from typing import Any
 
 
-def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[str, float]:  # noqa: ANN001
-    """Median seconds of each step over `reps` rounds, after one warm-up of each.
+def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int, world: int) -> dict[str, float]:  # noqa: ANN001
+    """Median seconds of each step over `reps` rounds after one warm-up, on the slowest rank.
 
-    A round runs every step once, in turn, each started together on all ranks
-    ("solo" steps on rank 0 alone while the others wait in `barrier`), so a
-    burst of load from other jobs falls on every kind of block alike and their
-    ratios stay meaningful. The median is the statistic `meshplan report`
-    takes of a run's steps. Only rank 0's figures are reported.
+    A round runs every step once, in turn, each started together on all ranks;
+    a "solo" step runs on each rank in turn while the others wait in `barrier`
+    (as a pipeline stage waits for its peer). A burst of load from other jobs
+    so falls on every kind of block alike and their ratios stay meaningful.
+    The median is the statistic `meshplan report` takes of a run's steps; the
+    slowest rank's, because a synchronous step waits for it (on a host where
+    another job shares one core, the rank on that core).
     """
+    import torch
+    import torch.distributed as dist
+
     def once(name: str, step) -> float:  # noqa: ANN001
-        barrier()
-        start = time.perf_counter()
-        if rank == 0 or not name.endswith("_solo"):
-            step()
-        elapsed = time.perf_counter() - start
-        barrier()  # the next step starts only when the solo rank is done
+        solo = name.endswith("_solo")
+        elapsed = 0.0
+        for turn in range(world if solo else 1):
+            barrier()
+            start = time.perf_counter()
+            if not solo or rank == turn:
+                step()
+                elapsed = time.perf_counter() - start
+            barrier()  # the next step starts only when the solo rank is done
         return elapsed
 
     for name, step in steps.items():
@@ -53,7 +61,9 @@ def _timed_rounds(steps: dict[str, Any], reps: int, barrier, rank: int) -> dict[
     for _ in range(reps):
         for name, step in steps.items():
             times[name].append(once(name, step))
-    return {name: statistics.median(t) for name, t in times.items()}
+    medians = torch.tensor([statistics.median(times[name]) for name in steps], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(steps, medians.tolist(), strict=True))
 
 
 def dtensor_op_counter():  # noqa: ANN201
@@ -91,7 +101,7 @@ def count_dtensor_ops(module, x, grad, cos, sin) -> tuple[int, int]:  # noqa: AN
 
 
 def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, world: int) -> dict[str, Any]:
-    """{"plain": s, "plain_solo": s (rank 0), "tp": s or None, "tp_ops": [fwd, bwd] or None, "fsdp": s, ...}
+    """{"plain": s, "plain_solo": s, "tp": s or None, "tp_ops": [fwd, bwd] or None, "fsdp": s, ...}
     for one block on this rank (see the module docstring)."""
     import torch
     import torch.distributed as dist
@@ -144,5 +154,5 @@ def time_blocks(model_path: str, micro_batch: int, seq_len: int, reps: int, worl
     fully_shard(root.block, mesh=mesh, reshard_after_forward=True)
     fully_shard(root, mesh=mesh, reshard_after_forward=True)
     steps["fsdp"] = run(root)
-    out.update(_timed_rounds(steps, reps, dist.barrier, dist.get_rank()))
+    out.update(_timed_rounds(steps, reps, dist.barrier, dist.get_rank(), world))
     return out

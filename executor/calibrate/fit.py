@@ -232,7 +232,9 @@ def fold_run(plan, profile: CalibrationProfile, measured_step_s: float,  # noqa:
     info["compute_factor"] = 1.0 / info["levers"].get("compute", 1.0)
     if measured_peak_bytes and plan.cluster.gpu.kind != "cpu":
         est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
-        new = new.replace(other_bytes=max(0, int(measured_peak_bytes) - est.peak_bytes))
+        # the run reports torch.cuda.max_memory_allocated: the part of it the tensor model misses becomes
+        # `other`, and the allocator's modelled reserve stays on top of it in later predictions
+        new = new.replace(other_bytes=max(0, int(measured_peak_bytes) - est.allocated_bytes))
         info["other_bytes"] = new.other_bytes
     return new, info
 

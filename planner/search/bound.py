@@ -48,11 +48,13 @@ exhaustive simulation finds. Change this file with planner/simulate/step.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
 from planner.layout import (
     DP_AXES,
+    MESH_AXES,
     Layout,
     balanced_layers,
     rank_chunks,
@@ -62,7 +64,7 @@ from planner.layout import (
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import StepComm, expert_comm_s, group_offsets
+from planner.simulate.comm import StepComm, expert_comm_s, expert_grid_key, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
@@ -76,6 +78,9 @@ from planner.simulate.compute import (
 from planner.simulate.host import layer_host_scale
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
+
+# schedules whose last operation on rank r is chunk r's backward of the last micro-batch (module docstring)
+CHAIN_BACK_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @lru_cache(maxsize=4096)
@@ -99,6 +104,16 @@ def rank_structure(n_layers: int, pp: int, v: int, schedule: str, layers_per_sta
         if work not in kinds or below[low] > kinds[work][1]:
             kinds[work] = (work[0], below[low], *work[1:], r)
     return tuple(kinds.values())
+
+
+@lru_cache(maxsize=16384)
+def _axes_key(shape_key: tuple[int, ...], axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """(size, stride) of each of `axes` in the mesh: what the group of rank 0 along them depends on."""
+    strides, step = {}, 1
+    for axis, size in zip(reversed(MESH_AXES), reversed(shape_key), strict=True):
+        strides[axis] = (size, step)
+        step *= size
+    return tuple(strides[axis] for axis in MESH_AXES if axis in axes)
 
 
 def rank_kinds(model: ModelSpec, layout: Layout) -> tuple[tuple[int, int, bool, bool, bool, StageParams], ...]:
@@ -133,6 +148,7 @@ class StepBound:
         self._units: dict[tuple, tuple[float, float, float, float]] = {}
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
         self._kinds: dict[tuple, tuple] = {}
+        self._chains: dict[tuple, tuple] = {}  # per pipeline: rank kinds with their tails at 0 (relaxed)
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
         self._times: dict[tuple, float | tuple[float, float]] = {}
 
@@ -150,8 +166,53 @@ class StepBound:
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
-        return ShapeBound(self, shape, training, self._fsdp(shape, shape_key, training), kinds,
-                          self._expert(shape, shape_key, training))
+        return ShapeBound(self, shape, training, self.fsdp(shape.zero_stage, shape.dp_shard, shape.ep, shape.etp,
+                                                           shape_key, training),
+                          kinds, self.expert(shape_key, shape.ep, shape.etp, training))
+
+    def relaxed(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
+                host_scale: tuple[float, float], training: TrainingSpec, micro_batch_size: int,
+                recompute: tuple[str, int], pipeline: tuple[int, str, int], tp: int, cp: int, per_replica: int,
+                maximum: Callable = max) -> float:
+        """`ShapeBound.seconds` with every rank's tail (gradient reduction, gathers, optimizer) at 0.
+
+        Given terms at or below those of a set of shapes with this pipeline (pp, schedule, virtual
+        stages), tp, cp and micro-batch count, it is never above the bound of any of them: every
+        step of the chain is a sum or max of non-negative terms, and floating-point rounding of
+        sums and maxima is monotone. The search bounds a group of shapes with it before it builds them.
+        With numpy arrays of terms and maximum=np.maximum it bounds many shapes at once, with the same
+        operations in the same order, hence the same values.
+        """
+        pp, schedule, v = pipeline
+        kinds = self._chains.get(pipeline)
+        if kinds is None:
+            kinds = self._chains[pipeline] = tuple((*kind[:5], 0.0, 0.0, 0.0) for kind in rank_structure(
+                self.model.n_layers, pp, v, schedule, ()))
+        f_layer, b_layer = self._layers(units, fsdp, expert_s, host_scale, training, recompute, pp * v, maximum)
+        ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
+            self.end_times(Layout(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
+        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
+                             schedule in CHAIN_BACK_SCHEDULES, maximum)
+        return self._solo(best, pp)
+
+    def _solo(self, seconds, pp: int):
+        """CPU ranks sharing cores: a stage whose peers idle runs up to solo_speedup faster (planner.simulate.host)."""
+        return seconds / self.cal.solo_speedup if pp > 1 else seconds
+
+    def _layers(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
+                host_scale: tuple[float, float], training: TrainingSpec, recompute: str | tuple[str, int],
+                stages: int, maximum: Callable = max) -> tuple[float, float]:
+        """(F, B) of one layer and micro-batch (module docstring); numpy arrays of terms with maximum=np.maximum."""
+        f, b, tp_f, tp_b = units
+        if training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
+            tp_f = tp_b = 0.0
+        ag, ag_rs = fsdp
+        host = self.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
+        f_layer = maximum(maximum(f, ag) + tp_f + expert_s, host * host_scale[0])
+        kind, n = recompute_level(recompute)
+        share = recomputed_share(kind, n, self.model.n_layers, stages)
+        b_layer = maximum(maximum(b, ag_rs) + tp_b + expert_s, host * (host_scale[1] + share * host_scale[0]))
+        return f_layer, b_layer
 
     def host_scale(self, shape: Layout, training: TrainingSpec) -> tuple[float, float]:
         """The simulator's eager host time per layer pass over layer_overhead_s
@@ -164,43 +225,56 @@ class StepBound:
                                                       training.fused_attention(self.traits.fused_attention))
         return hit
 
-    def _expert(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> float:
-        """Expert communication of one layer pass at micro-batch 1 (module docstring); none under
-        moe_a2a_overlap, where another micro-batch's compute can hide all of it."""
-        if self.model.moe is None or shape.ep * shape.etp == 1 or training.moe_a2a_overlap:
+    def expert(self, shape_key: tuple[int, ...], ep: int, etp: int, training: TrainingSpec) -> float:
+        """Expert communication of one layer pass at micro-batch 1 (module docstring) on mesh `shape_key`;
+        none under moe_a2a_overlap, where another micro-batch's compute can hide all of it."""
+        if self.model.moe is None or ep * etp == 1 or training.moe_a2a_overlap:
             return 0.0
-        key = ("expert", shape_key, shape.ep, shape.etp, training.seq_len, training.dtype_bytes)
+        # the all-to-alls and etp collectives run on the "ep" and "etp" groups only: meshes with the same
+        # expert grid key, cp and tp price the same
+        key = ("expert", expert_grid_key(shape_key, ep, etp, self.cluster.gpus_per_node), shape_key[3], shape_key[4],
+               training.seq_len, training.dtype_bytes)
         hit = self._times.get(key)
         if hit is None:
-            one = shape.replace(micro_batch_size=1)
+            one = self._expert_layout(shape_key, ep, etp)  # micro-batch 1
             act = tokens_per_micro_batch(training.seq_len, one) * self.model.hidden * training.dtype_bytes
-            hit = self._times[key] = expert_comm_s(self.model, one, self._expert_comm(shape, key[1]), act)[0]
+            hit = self._times[key] = expert_comm_s(self.model, one, self._expert_comm(shape_key, ep, etp), act)[0]
         return hit
 
-    def _expert_comm(self, shape: Layout, shape_key: tuple[int, ...]) -> StepComm:
-        """A StepComm for the expert grid of `shape` (only its mesh `shape_key`, ep and etp matter), cached."""
-        key = ("comm", shape_key, shape.ep, shape.etp)
+    @staticmethod
+    def _expert_layout(shape_key: tuple[int, ...], ep: int, etp: int) -> Layout:
+        """A layout of mesh `shape_key` with this expert grid (what StepComm and expert_comm_s read)."""
+        pp, replicate, shard, cp, tp = shape_key
+        return Layout(tp=tp, pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, ep=ep, etp=etp,
+                      zero_stage=1 if shard > 1 else 0)
+
+    def _expert_comm(self, shape_key: tuple[int, ...], ep: int, etp: int) -> StepComm:
+        """A StepComm for the expert grid of mesh `shape_key` (only the mesh, ep and etp matter), cached."""
+        key = ("comm", shape_key, ep, etp)
         hit = self._times.get(key)
         if hit is None:
-            one = Layout(tp=shape.tp, pp=shape.pp, dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard,
-                         cp=shape.cp, ep=shape.ep, etp=shape.etp, zero_stage=shape.zero_stage)
-            hit = self._times[key] = StepComm(self.cluster, one, self.cal)
+            hit = self._times[key] = StepComm(self.cluster, self._expert_layout(shape_key, ep, etp), self.cal)
         return hit
 
     # ---- cached pieces -------------------------------------------------------
 
     def _rank_kinds(self, layout: Layout) -> tuple:
-        """`rank_kinds`, cached by what decides it (pipeline_params' inputs)."""
-        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep, layout.etp,
-               *((layout.dp_shard, layout.cp) if self.model.moe is not None else ()))
+        """`rank_kinds`, cached by what decides the counts (pipeline_params' inputs but the expert ZeRO group, which
+        StageParams only records: `_tail` takes it from the layout)."""
+        key = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage, layout.tp, layout.ep,
+               layout.etp)
         hit = self._kinds.get(key)
         if hit is None:
             hit = self._kinds[key] = rank_kinds(self.model, layout)
         return hit
 
     def _time(self, op: str, size_bytes: float, shape_key: tuple[int, ...], axes: tuple[str, ...]) -> float:
-        """`op` on the group of rank 0 along `axes`, cached here: a DP group of thousands of ranks is slow to hash."""
-        key = (op, size_bytes, shape_key, axes)
+        """`op` on the group of rank 0 along `axes`, cached here: a DP group of thousands of ranks is slow to hash.
+
+        That group is the sums of k * stride over the axes (`group_offsets`), so it is keyed by the axes' sizes
+        and strides: meshes that differ elsewhere share the price.
+        """
+        key = (op, size_bytes, _axes_key(shape_key, axes))
         hit = self._times.get(key)
         if hit is None:
             group = group_offsets(shape_key, axes)
@@ -237,23 +311,24 @@ class StepBound:
                                       recomputed + max(0.0, 2 * point - hidden))
         return hit
 
-    def _fsdp(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec) -> tuple[float, float]:
+    def fsdp(self, zero_stage: int, dp_shard: int, ep: int, etp: int, shape_key: tuple[int, ...],
+             training: TrainingSpec) -> tuple[float, float]:
         """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
-        if shape.zero_stage < 2 or shape.dp_shard == 1:
+        if zero_stage < 2 or dp_shard == 1:
             return 0.0, 0.0
-        dense, experts = layer_params_split(self.model, shape.tp, shape.ep, shape.etp)
+        dense, experts = layer_params_split(self.model, shape_key[4], ep, etp)
         unit = dense + experts
         rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
         ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
-            if shape.zero_stage == 3 else 0.0
+            if zero_stage == 3 else 0.0
         return ag, ag + rs
 
     def _tail(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec, sp: StageParams
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
-        experts = self._expert_comm(shape, shape_key) if sp.experts else None
+        experts = self._expert_comm(shape_key, shape.ep, shape.etp) if sp.experts else None
         if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
             reduce_s = self._time("all_reduce", sp.dense * g, shape_key, DP_AXES)
@@ -269,7 +344,7 @@ class StepBound:
             if experts is not None:
                 gather += experts.expert_time_s("all_gather", sp.experts * d, "edp")
         shard = shape.dp_shard if shape.zero_stage >= 1 else 1
-        local = sp.dense / shard + sp.experts / (sp.expert_shard if shape.zero_stage >= 1 else 1)
+        local = sp.dense / shard + sp.experts / (shape.expert_dp_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)
 
     def end_times(self, shape: Layout, training: TrainingSpec, micro_batch_size: int
@@ -303,40 +378,42 @@ class ShapeBound:
         self.expert_s = expert_s
         self.fsdp, self.kinds = fsdp, kinds
         self.per_replica = training.global_batch_size // shape.dp
-        self.chain_back = shape.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+        self.chain_back = shape.pp_schedule in CHAIN_BACK_SCHEDULES
         self.host_scale = parent.host_scale(shape, training)
 
     def seconds(self, micro_batch_size: int, recompute: str | tuple[str, int]) -> float:
         """Never above the simulated step time of the shape with this micro-batch and recomputation."""
         p = self.parent
-        f, b, tp_f, tp_b = p.unit(self.shape, self.training, micro_batch_size, recompute)
-        if self.training.async_tp:  # TP collectives may hide under their GEMMs (planner.simulate.tp_overlap)
-            tp_f = tp_b = 0.0
-        ag, ag_rs = self.fsdp
-        host = p.cal.layer_overhead_s * (COMPILE_HOST_FACTOR if self.training.compile else 1.0)
-        f_layer = max(max(f, ag) + tp_f + self.expert_s, host * self.host_scale[0])
-        kind, n = recompute_level(recompute)
-        share = recomputed_share(kind, n, p.model.n_layers, self.shape.pp * self.shape.virtual_stages)
-        b_layer = max(max(b, ag_rs) + tp_b + self.expert_s, host * (self.host_scale[1] + share * self.host_scale[0]))
-        ef, eb, of, ob = p.end_times(self.shape, self.training, micro_batch_size)
-        n = self.per_replica // micro_batch_size
-        overlap = p.traits.overlap_dp
-        best = chain_end = rank0_tail = 0.0
-        for held, below, emb, out, low, reduce_s, last_bucket_s, after_s in self.kinds:
-            fr = held * f_layer + (ef if emb else 0.0) + (of if out else 0.0)
-            br = held * b_layer + (eb if emb else 0.0) + (ob if out else 0.0)
-            start = below * f_layer + (ef if low else 0.0)
-            end = start + n * (fr + br)
-            if overlap:
-                finish = max(end + last_bucket_s, start + n * fr + (n - 1) * br + reduce_s)
-            else:
-                finish = end + reduce_s
-            best = max(best, finish + after_s)
-            if low:
-                chain_end = max(chain_end, end + below * b_layer + eb)
-            else:
-                rank0_tail = after_s + (last_bucket_s if overlap else reduce_s)
-        if self.chain_back:  # the backward chain ends on rank 0, then its tail
-            best = max(best, chain_end + rank0_tail)
-        # CPU ranks sharing cores: a stage whose peers idle runs up to solo_speedup faster (planner.simulate.host)
-        return best / p.cal.solo_speedup if self.shape.pp > 1 else best
+        f_layer, b_layer = p._layers(p.unit(self.shape, self.training, micro_batch_size, recompute), self.fsdp,
+                                     self.expert_s, self.host_scale, self.training, recompute,
+                                     self.shape.pp * self.shape.virtual_stages)
+        best = chain_seconds(f_layer, b_layer, p.end_times(self.shape, self.training, micro_batch_size),
+                             self.per_replica // micro_batch_size, self.kinds, p.traits.overlap_dp, self.chain_back)
+        return p._solo(best, self.shape.pp)
+
+
+def chain_seconds(f_layer: float, b_layer: float, ends: tuple[float, float, float, float], n: int,
+                  kinds: tuple[tuple, ...], overlap: bool, chain_back: bool, maximum: Callable = max) -> float:
+    """The pipeline chains of the module docstring: F and B of a layer, the embedding/output ends, n micro-batches.
+
+    F and B may be numpy arrays (one entry per shape) with maximum=np.maximum.
+    """
+    ef, eb, of, ob = ends
+    best = chain_end = rank0_tail = 0.0
+    for held, below, emb, out, low, reduce_s, last_bucket_s, after_s in kinds:
+        fr = held * f_layer + (ef if emb else 0.0) + (of if out else 0.0)
+        br = held * b_layer + (eb if emb else 0.0) + (ob if out else 0.0)
+        start = below * f_layer + (ef if low else 0.0)
+        end = start + n * (fr + br)
+        if overlap:
+            finish = maximum(end + last_bucket_s, start + n * fr + (n - 1) * br + reduce_s)
+        else:
+            finish = end + reduce_s
+        best = maximum(best, finish + after_s)
+        if low:
+            chain_end = maximum(chain_end, end + below * b_layer + eb)
+        else:
+            rank0_tail = after_s + (last_bucket_s if overlap else reduce_s)
+    if chain_back:  # the backward chain ends on rank 0, then its tail
+        best = maximum(best, chain_end + rank0_tail)
+    return best

@@ -231,20 +231,50 @@ def pipeline_allows(layout: Layout, grad_accum_steps: int) -> bool:
     return layout.pp_schedule != "interleaved-1f1b" or grad_accum_steps % layout.pp == 0
 
 
-def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str,
-           dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[Layout]:
-    """Every shape (leaf-free Layout, micro_batch_size 1) the search considers, for the dp that `dp_ok` accepts."""
+@dataclass(frozen=True)
+class ShapeGroup:
+    """Shapes that share a mesh (pp, dp, cp, tp) and sequence parallelism.
+
+    They differ only in `splits`, (dp_replicate, dp_shard, zero_stage, ep, etp),
+    and `schedules`; `shapes` yields split by split, schedule innermost. The
+    search bounds a group's schedules before it builds any of its Layouts.
+    """
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    sequence_parallel: bool
+    schedules: tuple[tuple[str, int], ...]
+    splits: tuple[tuple[int, int, int, int, int], ...]
+
+    def layout(self, split: tuple[int, int, int, int, int], schedule: tuple[str, int], offload: str) -> Layout:
+        replicate, shard, zero, ep, etp = split
+        return Layout(tp=self.tp, pp=self.pp, dp_replicate=replicate, dp_shard=shard, cp=self.cp, ep=ep, etp=etp,
+                      zero_stage=zero, sequence_parallel=self.sequence_parallel, pp_schedule=schedule[0],
+                      virtual_stages=schedule[1], offload=offload)
+
+
+def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
+                 dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[ShapeGroup]:
+    """The groups of `shapes`, in its order, for the dp that `dp_ok` accepts."""
     for pp, dp, cp, tp in mesh_degrees(n_gpus, model, seq_len, pins):
         if not dp_ok(dp):
             continue
         scheds = schedules(pp, model.n_layers, pins)
+        splits = tuple((replicate, shard, zero, ep, etp) for replicate, shard, zero in data_parallel_splits(dp, pins)
+                       for ep, etp in expert_degrees(model, shard, cp, tp, pins.ep, pins.etp))
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
-            for dp_replicate, dp_shard, zero in data_parallel_splits(dp, pins):
-                for ep, etp in expert_degrees(model, dp_shard, cp, tp, pins.ep, pins.etp):
-                    for sched, v in scheds:
-                        yield Layout(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, etp=etp,
-                                     zero_stage=zero, sequence_parallel=sp, pp_schedule=sched,
-                                     virtual_stages=v, offload=offload)
+            yield ShapeGroup(pp, dp, cp, tp, sp, scheds, splits)
+
+
+def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str,
+           dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[Layout]:
+    """Every shape (leaf-free Layout, micro_batch_size 1) the search considers, for the dp that `dp_ok` accepts."""
+    for group in shape_groups(n_gpus, model, seq_len, pins, dp_ok):
+        for split in group.splits:
+            for schedule in group.schedules:
+                yield group.layout(split, schedule, offload)
 
 
 def offload_option(pins: Pins) -> str:

@@ -3,7 +3,9 @@
 Order of work, cheapest test first (the rules themselves are in planner.search.candidates):
 
 1. shapes: mesh degrees, ZeRO, SP, schedule (planner.search.candidates.shapes),
-   each with the global batch its dp runs and its micro-batch sizes;
+   each with the global batch its dp runs and its micro-batch sizes, grouped in
+   families that share mesh, SP and schedule (planner.search.families) and are
+   bounded before any of their Layouts is built;
 2. model state (params + grads + optimizer on the worst stage,
    `planner.memory.states.model_state_bytes`) plus the fixed overhead must fit: otherwise no
    micro-batch or recomputation can save the shape;
@@ -12,11 +14,14 @@ Order of work, cheapest test first (the rules themselves are in planner.search.c
    micro-batch is not tried again at a larger one);
 4. branch-and-bound: every (shape, micro-batch) gets a lower bound of its
    step time (`planner.search.bound.StepBound`: `planner.simulate.step.compute_lower_bound_s`
-   is the same for almost every layout, this one prices shapes, TP, FSDP,
+   is the same for almost every layout of a search, this one prices shapes, TP, FSDP,
    the pipeline bubble and the DP tail, typically within a few % of the
    simulated time); they are expanded in order of that bound, so memory is checked
    and the simulator run only for candidates that could still enter the top
    k, and the search stops when the next bound cannot beat the k-th best.
+   Families and their members enter the same queue with bounds below their
+   candidates', so candidates are popped in the order a queue of all of them
+   would pop them (the same answer), while most are never built.
 
 Ranking is by step time per token, which is step time whenever every layout
 runs the same global batch (always, when --global-batch is given; by default
@@ -30,21 +35,17 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from planner.engines import get_engine
-from planner.layout import Layout, divisors, partial_recompute_options
+from planner.layout import Layout, partial_recompute_options
 from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
-from planner.search.bound import ShapeBound, StepBound
-from planner.search.candidates import (
-    Pins,
-    global_batch_for,
-    offload_option,
-    pipeline_allows,
-    recompute_options,
-    shapes,
-)
+from planner.search.bound import StepBound
+from planner.search.candidates import Pins, offload_option, recompute_options
+from planner.search.families import Family, FamilyBounds, Shape, build_families
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.step import StepResult, simulate_step, step_memory
 from planner.training import TrainingSpec, default_global_batch
@@ -88,7 +89,9 @@ class NearMiss:
 
 @dataclass
 class SearchStats:
-    shapes: int = 0  # shapes whose dp can run the global batch
+    # shapes whose dp can run the global batch, less those the engine refuses (asked of the shapes the
+    # search built; of all of them when it found nothing)
+    shapes: int = 0
     batch_rejected: int = 0  # data-parallel degrees that cannot run it
     state_pruned: int = 0  # shapes whose model state alone does not fit
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
@@ -194,57 +197,33 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    pins=pins or Pins(), engine=engine, calibration=calibration,
                    bound=StepBound(model, cluster, calibration, engine, attention), usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile, async_tp=async_tp)
-    ranked = _branch_and_bound(ctx, _shapes(ctx, offload_option(ctx.pins)), top_k)
+    offload = offload_option(ctx.pins)
+    families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
+    ranked = _branch_and_bound(ctx, families, bounds, top_k)
+    if not ranked:  # the counts and the refusal the error names
+        bounds.ask_refusals(families)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
 
 
-@dataclass
-class _Shape:
-    """A shape with its batch, and what memory checks learned about it."""
-
-    layout: Layout
-    training: TrainingSpec
-    per_replica: int  # sequences per data-parallel replica per step
-    bound: ShapeBound  # its step-time bound for any micro-batch and recompute
-    state_fits: bool | None = None  # None until model_state_bytes is checked
-    levels: dict[int, int] = field(default_factory=dict)  # micro-batch -> lightest fitting recompute level
-
-
-def _shapes(ctx: _Context, offload: str) -> list[_Shape]:
-    """Every shape whose dp can run the global batch (R1-R7 in planner.search.candidates)."""
-    batches: dict[int, int | None] = {}
-
-    def dp_ok(dp: int) -> bool:
-        if dp not in batches:
-            unit = dp * (ctx.pins.micro_batch_size or 1)
-            batches[dp] = global_batch_for(dp, unit, ctx.target_batch, ctx.batch_fixed)
-            ctx.stats.batch_rejected += batches[dp] is None
-        return batches[dp] is not None
-
-    out = []
-    for shape in shapes(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, offload, dp_ok):
-        refusal = get_engine(ctx.engine).refusal(ctx.model, shape, ctx.dtype, ctx.on_gpu, ctx.training(batches[shape.dp]))
-        if refusal:  # the plan must run on our executor (planner.engines)
-            ctx.stats.unsupported += 1
-            ctx.stats.unsupported_reason = ctx.stats.unsupported_reason or refusal
-            continue
-        training = ctx.training(batches[shape.dp])
-        out.append(_Shape(shape, training, training.global_batch_size // shape.dp, ctx.bound.for_shape(shape, training)))
-    ctx.stats.shapes = len(out)
-    return out
-
-
-def _bound(sh: _Shape, mb: int, recompute: tuple[str, int]) -> float:
+def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:
     """Lower bound of the step time per token."""
     return sh.bound.seconds(mb, recompute) / sh.training.tokens_per_step
 
 
-def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> list[Scored]:
+# queue entries: (bound per token, order, what, item); `order` breaks ties so that families and members
+# come before candidates of the same bound, and candidates keep the order of the full enumeration
+_FAMILY, _MEMBER, _CANDIDATE = 0, 1, 2
+
+
+def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBounds, top_k: int) -> list[Scored]:
     """Expand (shape, micro-batch) candidates in order of their bound until none can enter the top k.
 
-    A queue entry is (bound per token, counter, shape index, micro-batch,
-    recompute level, fits). An entry not yet known to fit is memory-checked
+    Families and their members (planner.search.families) enter the queue with
+    bounds below those of their candidates, and are expanded only when
+    popped, so candidates reach the queue in time to be popped in the order a
+    queue of every candidate would pop them. A candidate is (shape, micro-batch,
+    recompute level, fits); one not yet known to fit is memory-checked
     when popped; if it needs heavier recomputation than its bound assumed, it
     goes back with the bound of that recomputation.
     """
@@ -252,48 +231,70 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
         recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
             ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
-    queue = []
     if not recomputes:
         return []
     partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
     by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
 
-    def levels_of(sh: _Shape) -> tuple[tuple[str, int], ...]:
+    def levels_of(pp: int, v: int) -> tuple[tuple[str, int], ...]:
         """(kind, recompute_layers) from lightest to heaviest; partial full recomputation before full."""
-        key = (sh.layout.pp, sh.layout.virtual_stages)
+        key = (pp, v)
         if key not in by_pipeline:
             extra = partial_recompute_options(ctx.model.n_layers, *key) if partial else ()
             by_pipeline[key] = tuple(lv for kind in recomputes for lv in (
                 [("full", n) for n in extra] + [("full", 0)] if kind == "full" else [(kind, 0)]))
         return by_pipeline[key]
 
-    for i, sh in enumerate(shape_list):
-        mbs = (ctx.pins.micro_batch_size,) if ctx.pins.micro_batch_size else divisors(sh.per_replica)
-        for mb in mbs:
-            accum = sh.per_replica // mb
-            if pipeline_allows(sh.layout, accum):
-                queue.append((_bound(sh, mb, levels_of(sh)[0]), len(queue), i, mb, 0, False))
-    ctx.stats.candidates += len(queue)
+    ctx.stats.candidates += sum(len(fam.members) * len(fam.micro_batches) for fam in families)
+    bounds.candidates_counted = True
+    queue = [(bounds.family(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), (-1, k), _FAMILY, (fam, mb))
+             for k, (fam, mb) in enumerate((fam, mb) for fam in families for mb in fam.micro_batches)]
     heapq.heapify(queue)
     best: list[Scored] = []  # sorted by key, at most top_k
-    counter = len(queue)
+    serial = len(queue)  # tie-breaker of families, members and candidates that went back
+    popped = pushed_back = 0  # candidates, for the count of those the bound pruned
     while queue:
-        bound, _, i, mb, level, fits = heapq.heappop(queue)
+        bound, _, what, item = heapq.heappop(queue)
         if len(best) == top_k and bound > best[-1].seconds_per_token:
-            ctx.stats.bound_pruned += len(queue) + 1
+            ctx.stats.bound_pruned += ctx.stats.candidates - popped + pushed_back
             break
-        sh = shape_list[i]
+        if what == _FAMILY:
+            fam, mb = item
+            if not fam.members:
+                continue
+            # its members in bound order behind one queue entry (a cursor), which holds the next one's bound
+            member_bounds = bounds.members(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0])
+            order = np.argsort(member_bounds, kind="stable")
+            serial += 1
+            heapq.heappush(queue, (float(member_bounds[order[0]]), (-1, serial), _MEMBER,
+                                   (fam, mb, order.tolist(), member_bounds[order].tolist(), 0)))
+            continue
+        if what == _MEMBER:
+            fam, mb, order, values, at = item
+            if at + 1 < len(order):
+                serial += 1
+                heapq.heappush(queue, (values[at + 1], (-1, serial), _MEMBER, (fam, mb, order, values, at + 1)))
+            sh = bounds.shape(fam, order[at])
+            if sh is not None:
+                position = (0, (fam.group_index, order[at], fam.schedule_index, mb))
+                heapq.heappush(queue, (_bound(sh, mb, levels_of(fam.group.pp, fam.schedule[1])[0]), position,
+                                       _CANDIDATE, (sh, mb, 0, False)))
+            continue
+        popped += 1
+        sh, mb, level, fits = item
+        levels = levels_of(sh.layout.pp, sh.layout.virtual_stages)
         if not fits:
-            found = _lightest_fit(ctx, sh, mb, level, levels_of(sh))
+            found = _lightest_fit(ctx, sh, mb, level, levels)
             if found is None:
                 continue
             if found != level:
-                counter += 1
-                heapq.heappush(queue, (_bound(sh, mb, levels_of(sh)[found]), counter, i, mb, found, True))
+                serial += 1
+                pushed_back += 1
+                heapq.heappush(queue, (_bound(sh, mb, levels[found]), (1, serial), _CANDIDATE, (sh, mb, found, True)))
                 continue
         layout = with_stage_layers(ctx.model, sh.layout.replace(
-            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels_of(sh)[level][0],
-            recompute_layers=levels_of(sh)[level][1]))
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels[level][0],
+            recompute_layers=levels[level][1]))
         tick = time.perf_counter()
         result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
         ctx.stats.simulate_s += time.perf_counter() - tick
@@ -304,7 +305,7 @@ def _branch_and_bound(ctx: _Context, shape_list: list[_Shape], top_k: int) -> li
     return best
 
 
-def _lightest_fit(ctx: _Context, sh: _Shape, mb: int, level: int,
+def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
                   recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
     if sh.state_fits is None:

@@ -56,6 +56,12 @@ def _collective_model(cluster: Cluster, efficiency: tuple[tuple[str, float], ...
     return CollectiveModel(cluster, efficiency=dict(efficiency), latency_scale=latency_scale)
 
 
+@lru_cache(maxsize=32)
+def _expert_prices(model: CollectiveModel) -> dict[tuple, float]:
+    """Expert-group collective times on `model`, by (op, size, `expert_groups_key`), shared by every StepComm."""
+    return {}
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Rank stride of each mesh axis: the product of the sizes after it (row-major, tp fastest)."""
     strides, step = [], 1
@@ -114,7 +120,6 @@ def representative_groups(shape: tuple[int, ...], axes: tuple[str, ...], gpus_pe
     return tuple(tuple((base + offsets).tolist()) for base in seen.values())
 
 
-@lru_cache(maxsize=4096)
 def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
                                  ) -> tuple[tuple[int, ...], ...]:
     """One group per distinct node placement among the "ep", "etp" or "edp" groups of the expert grid.
@@ -122,9 +127,40 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     A group is its first rank plus fixed offsets, so (as in
     `representative_groups`) its placement depends on that rank modulo the
     node size only; the smallest first rank of each reachable residue is priced.
+    The answer depends on the grid's shape only through what `_expert_groups`
+    takes: the ranks of a replica's stage, and how many stages (and replicas)
+    there are up to the node size (more add no residue); a 16,384-GPU search
+    asks it for a few hundred distinct keys instead of every mesh.
     """
+    return _expert_groups(*expert_groups_key(shape, ep, etp, kind, gpus_per_node))
+
+
+def expert_groups_key(shape: tuple[int, ...], ep: int, etp: int, kind: str, gpus_per_node: int
+                      ) -> tuple[int, int, int, int, int, str, int]:
+    """The arguments of `_expert_groups` for a mesh: meshes with equal keys have the same representative groups."""
     pp, replicate, shard, cp, tp = shape
-    inner, block, g = shard * cp * tp, ep * etp, gpus_per_node
+    g = gpus_per_node
+    if kind == "edp":
+        return shard * cp * tp, replicate, min(pp, g), ep, etp, kind, g
+    return shard * cp * tp, 1, min(pp * replicate, g), ep, etp, kind, g
+
+
+def expert_grid_key(shape: tuple[int, ...], ep: int, etp: int, gpus_per_node: int) -> tuple[int, int, int, int]:
+    """What the "ep" and "etp" groups of `representative_expert_groups` depend on: meshes with equal keys have
+    the same representative groups (the ranks of a stage replica, stage replicas up to the node size, ep, etp)."""
+    pp, replicate, shard, cp, tp = shape
+    return shard * cp * tp, min(pp * replicate, gpus_per_node), ep, etp
+
+
+@lru_cache(maxsize=4096)
+def _expert_groups(inner: int, replicate: int, outer: int, ep: int, etp: int, kind: str, g: int
+                   ) -> tuple[tuple[int, ...], ...]:
+    """`representative_expert_groups` of a grid with `inner` ranks per stage replica.
+
+    "edp": `replicate` replicas and `outer` = min(pp, g) stages; "ep"/"etp":
+    `outer` = min(pp * replicate, g) stage replicas (replicate is 1).
+    """
+    block = ep * etp
     # a first rank is a sum of per-coordinate terms, and its residue modulo g depends on each term's
     # residue only: keep the smallest term of each residue, then combine (at most g^3, usually a few)
     def terms(step: int, count: int) -> dict[int, int]:  # residue -> smallest k * step, k < count
@@ -134,11 +170,12 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
         return out
 
     if kind == "edp":
-        offsets = tuple(r * inner + e * block for r in range(replicate) for e in range(inner // block))
-        parts = [terms(replicate * inner, pp), terms(1, block)]
+        offsets = np.add.outer(np.arange(replicate, dtype=np.int64) * inner,
+                               np.arange(inner // block, dtype=np.int64) * block).ravel()
+        parts = [terms(replicate * inner, outer), terms(1, block)]
     else:
         offsets = expert_group_offsets(ep, etp, kind)
-        parts = [terms(inner, pp * replicate), terms(block, inner // block),
+        parts = [terms(inner, outer), terms(block, inner // block),
                  terms(1, etp) if kind == "ep" else terms(etp, ep)]
     smallest: dict[int, int] = {0: 0}
     for part in parts:
@@ -152,8 +189,8 @@ def representative_expert_groups(shape: tuple[int, ...], ep: int, etp: int, kind
     seen: dict[tuple[int, ...], int] = {}
     offs = np.asarray(offsets, dtype=np.int64)
     for base in sorted(smallest.values()):
-        _, per_node = np.unique((base % g + offs) // g, return_counts=True)
-        seen.setdefault(tuple(sorted(per_node.tolist())), base)
+        per_node = np.bincount((base % g + offs) // g)
+        seen.setdefault(tuple(sorted(per_node[per_node > 0].tolist())), base)
     return tuple(tuple((base + offs).tolist()) for base in seen.values())
 
 
@@ -212,9 +249,14 @@ class StepComm:
             return 0.0
         key = (op, size_bytes, kind)
         hit = self._expert_times.get(key)
-        if hit is None:
-            groups = representative_expert_groups(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
-            hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+        if hit is None:  # priced once per collective model for every mesh with the same groups
+            shared = _expert_prices(self.model)
+            groups_key = expert_groups_key(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
+            hit = shared.get((op, size_bytes, groups_key))
+            if hit is None:
+                groups = _expert_groups(*groups_key)
+                hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+                shared[op, size_bytes, groups_key] = hit
             self._expert_times[key] = hit
         return hit
 

@@ -60,7 +60,7 @@ from planner.simulate.compute import (
 )
 from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
-from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms
+from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import PlanError
@@ -191,9 +191,13 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     if training.async_tp and layout.tp > 1 and layout.sequence_parallel:  # GEMMs run as tp chunks
         async_gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout, peak, cal,
                                     fp8_peak_flops(training.precision, cluster.gpu))
+        act = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
+        sm_f, sm_dgrad, sm_wgrad = sm_share_s(async_gemms, traits.tp_overlap_sms, cluster.gpu.sm_count,
+                                              comm.time_s("all_gather", act, ("tp",)),
+                                              comm.time_s("reduce_scatter", act, ("tp",)))
         chunk = async_gemms.chunking_s
-        redo = chunk * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
-        lt = lt + PassTimes(chunk, chunk, 0.0, redo)
+        redo = (chunk + sm_f) * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
+        lt = lt + PassTimes(chunk + sm_f, chunk + sm_dgrad, sm_wgrad, redo)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
     gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,

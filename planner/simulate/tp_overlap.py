@@ -20,6 +20,16 @@ runs as tp GEMMs of m/tp rows, at the efficiency of that smaller shape
 (`planner.simulate.compute.gemm_time_s`'s knee), in the forward and in the
 input-gradient pass that is chunked.
 
+The price of the communication kernels: Transformer Engine's userbuffers
+run some of the overlapped collectives on SMs taken from the GEMM
+(planner.engines.TpOverlapSms, per collective: the forward reduce-scatters,
+and the backward's bulk all-gather of the saved input under the
+input-gradient GEMM and bulk reduce-scatter of the input gradient under the
+weight-gradient GEMM). A GEMM launched with an SM margin runs on the
+remaining SMs throughout, S / (S - sms) times as long; one that shares the
+GPU loses sms / S of it while the collective runs (`sm_share_s`). The GPU's
+SM count comes from topologies.hardware.
+
 The GEMMs of routed experts are not chunked (their tokens come from the
 expert dispatch, not from the TP all-gather): on MoE layers the MLP point
 hides only under the shared experts. MLA's down projections read the
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.engines import CommSms, TpOverlapSms
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
@@ -90,3 +101,32 @@ def async_tp_exposed_s(gemms: OverlapGemms, all_gather_s: float, reduce_scatter_
         fwd += max(0.0, all_gather_s - g) + max(0.0, reduce_scatter_s - s)
         bwd += max(0.0, all_gather_s - s) + max(0.0, reduce_scatter_s - g)
     return fwd, bwd
+
+
+def _sm_cost_s(claim: CommSms, gemm_s: float, comm_s: float, sm_count: int) -> float:
+    """Extra time of a GEMM of gemm_s whose overlapped collective (comm_s) holds claim.sms of sm_count SMs."""
+    if not claim.sms or not sm_count:
+        return 0.0
+    if claim.sms >= sm_count:
+        raise ValueError(f"a collective cannot hold {claim.sms} of the GPU's {sm_count} SMs")
+    if claim.margin:  # launched on the other SMs for its whole run
+        return gemm_s * claim.sms / (sm_count - claim.sms)
+    return min(comm_s, gemm_s) * claim.sms / sm_count  # the SMs are shared only while the collective runs
+
+
+def sm_share_s(gemms: OverlapGemms, sms: TpOverlapSms, sm_count: int, all_gather_s: float,
+               reduce_scatter_s: float) -> tuple[float, float, float]:
+    """Extra GEMM time of one layer from the SMs its overlapped TP collectives hold (module docstring).
+
+    Returns (forward, backward input-gradient, backward weight-gradient) seconds:
+    the forward reduce-scatters under the row-parallel GEMMs; in the backward
+    the re-gather of the saved input under the column-parallel input-gradient
+    GEMMs and the reduce-scatter of their output under the weight-gradient
+    GEMMs (both the shape of the column-parallel forward GEMMs).
+    """
+    fwd = dgrad = wgrad = 0.0
+    for point in range(2):
+        fwd += _sm_cost_s(sms.fprop_rs[point], gemms.scatter_s[point], reduce_scatter_s, sm_count)
+        dgrad += _sm_cost_s(sms.dgrad_ag[point], gemms.gather_s[point], all_gather_s, sm_count)
+        wgrad += _sm_cost_s(sms.wgrad_rs[point], gemms.gather_s[point], reduce_scatter_s, sm_count)
+    return fwd, dgrad, wgrad
