@@ -251,6 +251,10 @@ class Engine:
             return self.eager_time
         return self.time
 
+    def op_sac_saves_mm(self, training: TrainingSpec) -> bool:
+        """Whether per-op SAC saves the block GEMMs this training runs (memory keeps them, time skips them)."""
+        return self.memory.op_sac_saves_fp8_mm or not training.fp8
+
     def fp8_weight_bytes(self, training: TrainingSpec) -> float:
         """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
         return self.fp8.weight_copy_bytes if training.fp8 else 0.0

@@ -272,7 +272,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
                                    autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
                                    fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
     op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
-                              save_matmuls=traits.op_sac_saves_fp8_mm or not training.fp8) \
+                              save_matmuls=eng.op_sac_saves_mm(training)) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
