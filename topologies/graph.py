@@ -1,4 +1,4 @@
-"""The cluster as a networkx graph: GPUs, NVSwitch, PCIe switches, host bridges, NICs, fabric.
+"""The cluster as a graph: GPUs, NVSwitch, PCIe switches, host bridges, NICs, fabric.
 
 The graph is what the planner prices links from. A preset, a custom TOML, an
 `nvidia-smi topo -m` tree or a rack-scale NVLink domain becomes vertices and
@@ -8,7 +8,7 @@ table of a node (`node_link_table`), each GPU's way to its rail NIC
 (`gpu_nic_paths`, NCCL's PXN over NVLink included), and the path between any
 two ranks (`link_between`). Those tables are a cache: built once per cluster
 (lru_cache on the frozen Cluster), never per layout or candidate, so the
-search reads tuples, not networkx. tests/unit/test_topo_graph.py checks the
+search reads tuples, not the graph. tests/unit/test_topo_graph.py checks the
 cache against fresh path queries on the whole cluster's graph.
 
 The label nvidia-smi would print for a pair is the deepest PCIe level its
@@ -40,8 +40,6 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
-import networkx as nx
-
 from topologies.errors import TopologyError
 from topologies.links import (
     HOST_SHM_GBYTES_PER_S,
@@ -60,6 +58,65 @@ from topologies.links import (
 _LEVEL_ORDER = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
 
 
+class Graph:
+    """An undirected graph with vertex and edge attributes: the part of networkx.Graph's interface used here.
+
+    `g[v]` is v's {neighbour: edge attributes}, `g.nodes[v]` its attributes,
+    `g.edges[u, v]` an edge's. Its own class rather than networkx, whose
+    import alone (~0.1 s) would cost more than every link table of a plan.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict] = {}
+        self._adj: dict[str, dict[str, dict]] = {}
+        self.edges = _Edges(self._adj)
+
+    def add_node(self, v: str, **attr) -> None:
+        self.nodes.setdefault(v, {}).update(attr)
+        self._adj.setdefault(v, {})
+
+    def add_edge(self, a: str, b: str, **attr) -> None:
+        self.add_node(a)
+        self.add_node(b)
+        data = self._adj[a].get(b, {})
+        data.update(attr)
+        self._adj[a][b] = self._adj[b][a] = data
+
+    def has_edge(self, a: str, b: str) -> bool:
+        return b in self._adj.get(a, {})
+
+    def update(self, other: Graph) -> None:
+        """Add `other`'s vertices and edges (attributes shared, as networkx does)."""
+        for v, attr in other.nodes.items():
+            self.add_node(v, **attr)
+        for a, row in other._adj.items():
+            for b, data in row.items():
+                self._adj[a][b] = data
+
+    def __getitem__(self, v: str) -> dict[str, dict]:
+        return self._adj[v]
+
+    def __iter__(self):
+        return iter(self._adj)
+
+    def __contains__(self, v: str) -> bool:
+        return v in self._adj
+
+    def __len__(self) -> int:
+        return len(self._adj)
+
+
+class _Edges:
+    """`g.edges[u, v]`: an edge's attributes."""
+
+    def __init__(self, adj: dict[str, dict[str, dict]]) -> None:
+        self._adj = adj
+
+    def __getitem__(self, pair: tuple[str, str]) -> dict:
+        a, b = pair
+        return self._adj[a][b]
+
+
 def gpu_vertex(node: int, gpu: int) -> str:
     return f"n{node}/gpu{gpu}"
 
@@ -69,11 +126,11 @@ def gpus_per_tray(c) -> int:
     return getattr(c, "gpus_per_tray", 0) or c.gpus_per_node
 
 
-def _edge(g: nx.Graph, a: str, b: str, bw: float, lat: float, kind: str, level: str = "") -> None:
+def _edge(g: Graph, a: str, b: str, bw: float, lat: float, kind: str, level: str = "") -> None:
     g.add_edge(a, b, gbytes_per_s=bw, latency_s=lat, kind=kind, level=level)
 
 
-def _add_pcie_tree(g: nx.Graph, c, p: str) -> None:
+def _add_pcie_tree(g: Graph, c, p: str) -> None:
     """GPUs -> PCIe switch (PIX) -> root port (PXB) -> socket (NODE) -> other socket (SYS)."""
     n, gpu = c.gpus_per_node, c.gpu
     switch = c.gpus_per_pcie_switch
@@ -103,7 +160,7 @@ def _add_pcie_tree(g: nx.Graph, c, p: str) -> None:
               LATENCY_S["SYS"] - LATENCY_S["NODE"], "pcie", "SYS")
 
 
-def _add_measured(g: nx.Graph, c, p: str) -> None:
+def _add_measured(g: Graph, c, p: str) -> None:
     """A detected node: one edge per GPU pair with the label nvidia-smi printed (a logical graph)."""
     labels = derive_labels(c)
     for i in range(c.gpus_per_node):
@@ -113,7 +170,7 @@ def _add_measured(g: nx.Graph, c, p: str) -> None:
             _edge(g, f"{p}gpu{i}", f"{p}gpu{j}", label_gbytes_per_s(lab, c.gpu), label_latency_s(lab), "measured", lab)
 
 
-def _add_nics(g: nx.Graph, c, p: str) -> None:
+def _add_nics(g: Graph, c, p: str) -> None:
     """NIC j beside GPU anchor(j) on its PCIe switch; measured nodes: one labelled edge per GPU."""
     nic_bw = c.nic_gbytes_per_s
     for j in range(c.nics_per_node):
@@ -131,9 +188,9 @@ def _add_nics(g: nx.Graph, c, p: str) -> None:
                   "nic", "PIX")
 
 
-def node_graph(c, node: int = 0) -> nx.Graph:
+def node_graph(c, node: int = 0) -> Graph:
     """One node: GPUs, NVSwitch or NVLink bridges, the PCIe tree and the NICs."""
-    g = nx.Graph()
+    g = Graph()
     p = f"n{node}/"
     for i in range(c.gpus_per_node):
         g.add_node(f"{p}gpu{i}", kind="cpu-rank" if c.intra_node == "host" else "gpu")
@@ -156,9 +213,9 @@ def node_graph(c, node: int = 0) -> nx.Graph:
 
 
 @lru_cache(maxsize=16)
-def cluster_graph(c) -> nx.Graph:
+def cluster_graph(c) -> Graph:
     """Every node, each NIC on its group's leaf switch, leaves under one spine (fat tree)."""
-    g = nx.Graph()
+    g = Graph()
     for k in range(c.n_nodes):
         g.update(node_graph(c, k))
         leaf = f"leaf{k // c.nodes_per_leaf}"
@@ -172,18 +229,18 @@ def cluster_graph(c) -> nx.Graph:
     return g
 
 
-def widest_path(g: nx.Graph, a: str, b: str, max_transit: int = 0) -> tuple[float, float, list[str]]:
+def widest_path(g: Graph, a: str, b: str, max_transit: int = 0) -> tuple[float, float, list[str]]:
     """(bottleneck GB/s, latency s, path) of the path with the most bandwidth; ties go to the lower latency.
 
     See `widest_paths_from` for the rules of a path.
     """
     found = widest_paths_from(g, a, max_transit).get(b)
     if found is None:
-        raise nx.NetworkXNoPath(f"no path from {a} to {b}")
+        raise TopologyError(f"no path from {a} to {b} in the cluster's graph: check the topology's links")
     return found
 
 
-def widest_paths_from(g: nx.Graph, a: str, max_transit: int = 0) -> dict[str, tuple[float, float, list[str]]]:
+def widest_paths_from(g: Graph, a: str, max_transit: int = 0) -> dict[str, tuple[float, float, list[str]]]:
     """The widest path from `a` to every vertex it reaches: {vertex: (bottleneck GB/s, latency s, path)}.
 
     A max-bottleneck Dijkstra: a path's key is (-min bandwidth, latency sum).
@@ -219,7 +276,7 @@ def widest_paths_from(g: nx.Graph, a: str, max_transit: int = 0) -> dict[str, tu
     return out
 
 
-def path_label(g: nx.Graph, path: list[str], nvlink_links: int) -> str:
+def path_label(g: Graph, path: list[str], nvlink_links: int) -> str:
     """The label nvidia-smi would print for a GPU pair joined by `path`."""
     kinds = [g.edges[u, v]["kind"] for u, v in zip(path[:-1], path[1:], strict=True)]
     if kinds and all(k == "nvlink" for k in kinds):
@@ -247,7 +304,7 @@ def rank_path(c, rank_a: int, rank_b: int) -> tuple[float, float, list[str]]:
 
 
 @lru_cache(maxsize=64)
-def _node_graph(c, node: int) -> nx.Graph:
+def _node_graph(c, node: int) -> Graph:
     return node_graph(c, node)
 
 

@@ -191,7 +191,7 @@ class StepBound:
                 self.model.n_layers, pp, v, schedule, ()))
         f_layer, b_layer = self._layers(units, fsdp, expert_s, host_scale, training, recompute, pp * v, maximum)
         ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
-            self.end_times(Layout(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
+            self.end_times(Layout.trusted(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
         best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
                              schedule in CHAIN_BACK_SCHEDULES, maximum)
         return self._solo(best, pp)
@@ -246,8 +246,8 @@ class StepBound:
     def _expert_layout(shape_key: tuple[int, ...], ep: int, etp: int) -> Layout:
         """A layout of mesh `shape_key` with this expert grid (what StepComm and expert_comm_s read)."""
         pp, replicate, shard, cp, tp = shape_key
-        return Layout(tp=tp, pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, ep=ep, etp=etp,
-                      zero_stage=1 if shard > 1 else 0)
+        return Layout.trusted(tp=tp, pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, ep=ep, etp=etp,
+                              zero_stage=1 if shard > 1 else 0)
 
     def _expert_comm(self, shape_key: tuple[int, ...], ep: int, etp: int) -> StepComm:
         """A StepComm for the expert grid of mesh `shape_key` (only the mesh, ep and etp matter), cached."""
@@ -295,7 +295,7 @@ class StepBound:
                shape.pp * shape.virtual_stages if n else 0, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
-            layout = shape.replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
+            layout = shape.trusted_replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
@@ -306,7 +306,7 @@ class StepBound:
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
-                point = StepComm(self.cluster, Layout(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
+                point = StepComm(self.cluster, Layout.trusted(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
             hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
             recomputed = 2 * point * recomputed_fraction(layout, self.model.n_layers)
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
@@ -355,7 +355,7 @@ class StepBound:
         key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp)
         hit = self._ends.get(key)
         if hit is None:
-            layout = shape.replace(micro_batch_size=micro_batch_size)
+            layout = shape.trusted_replace(micro_batch_size=micro_batch_size)
             gpu, cal, s = self.cluster.gpu, self.cal, training.seq_len
             peak = gpu.peak_flops(training.dtype)
             emb = embedding_times(self.model, s, training.dtype_bytes, layout, gpu, cal)

@@ -250,9 +250,9 @@ class ShapeGroup:
 
     def layout(self, split: tuple[int, int, int, int, int], schedule: tuple[str, int], offload: str) -> Layout:
         replicate, shard, zero, ep, etp = split
-        return Layout(tp=self.tp, pp=self.pp, dp_replicate=replicate, dp_shard=shard, cp=self.cp, ep=ep, etp=etp,
-                      zero_stage=zero, sequence_parallel=self.sequence_parallel, pp_schedule=schedule[0],
-                      virtual_stages=schedule[1], offload=offload)
+        return Layout.trusted(tp=self.tp, pp=self.pp, dp_replicate=replicate, dp_shard=shard, cp=self.cp, ep=ep,
+                              etp=etp, zero_stage=zero, sequence_parallel=self.sequence_parallel,
+                              pp_schedule=schedule[0], virtual_stages=schedule[1], offload=offload)
 
 
 def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,

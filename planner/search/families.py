@@ -99,7 +99,7 @@ def build_families(ctx, offload: str) -> list[Family]:
         per_replica = training.global_batch_size // group.dp
         pinned = ctx.pins.micro_batch_size
         for s, schedule in enumerate(group.schedules):
-            probe = Layout(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
+            probe = Layout.trusted(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
             mbs = tuple(mb for mb in ((pinned,) if pinned else divisors(per_replica))
                         if pipeline_allows(probe, per_replica // mb))
             out.append(Family(index, group, s, schedule, training, per_replica, mbs))
@@ -209,10 +209,10 @@ class FamilyBounds:
         probe = self._probes.get(key)
         if probe is None:
             pp, schedule, v = fam.pipeline if recompute[1] else (1, "1f1b", 1)
-            probe = self._probes[key] = Layout(tp=g.tp, pp=pp, dp_shard=ep * etp, cp=g.cp, ep=ep, etp=etp,
-                                               zero_stage=1 if ep * etp > 1 else 0,
-                                               sequence_parallel=g.sequence_parallel, pp_schedule=schedule,
-                                               virtual_stages=v)
+            probe = self._probes[key] = Layout.trusted(tp=g.tp, pp=pp, dp_shard=ep * etp, cp=g.cp, ep=ep, etp=etp,
+                                                       zero_stage=1 if ep * etp > 1 else 0,
+                                                       sequence_parallel=g.sequence_parallel, pp_schedule=schedule,
+                                                       virtual_stages=v)
         return probe
 
     def _terms(self, fam: Family) -> _Terms:

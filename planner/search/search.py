@@ -292,7 +292,7 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
                 pushed_back += 1
                 heapq.heappush(queue, (_bound(sh, mb, levels[found]), (1, serial), _CANDIDATE, (sh, mb, found, True)))
                 continue
-        layout = with_stage_layers(ctx.model, sh.layout.replace(
+        layout = with_stage_layers(ctx.model, sh.layout.trusted_replace(
             micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels[level][0],
             recompute_layers=levels[level][1]))
         tick = time.perf_counter()
@@ -319,7 +319,7 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
     smaller = [lv for m, lv in sh.levels.items() if m < mb]
     level = max([level, *smaller])
     while level < len(recomputes):
-        layout = sh.layout.replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
+        layout = sh.layout.trusted_replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
                                    recompute=recomputes[level][0], recompute_layers=recomputes[level][1])
         memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
