@@ -130,12 +130,27 @@ class CollectiveModel:
             t = self._store(self._times, tkey, min(self.algorithms(op, size_bytes, key).values()))
         return t
 
+    def group_shape(self, ranks: Sequence[int]) -> GroupShape:
+        """What the time of a collective on `ranks` depends on (cached): price it with `shape_time_s`."""
+        return self._group_shape(ranks if type(ranks) is tuple else tuple(ranks))
+
+    def shape_time_s(self, op: str, size_bytes: float, shape: GroupShape) -> float:
+        """`time_s` of a group given by its `group_shape`: callers that price one large group at many sizes
+        skip hashing its ranks every time."""
+        tkey = (op, size_bytes, shape)
+        t = self._times.get(tkey)
+        if t is None:
+            t = self._store(self._times, tkey, min(self._priced(op, size_bytes, shape).values()))
+        return t
+
     def algorithms(self, op: str, size_bytes: float, ranks: Sequence[int]) -> dict[str, float]:
         """Time of every algorithm that applies, by name (ring, tree, nvls, hierarchical, direct)."""
+        return self._priced(op, size_bytes, self._group_shape(tuple(ranks)))
+
+    def _priced(self, op: str, size_bytes: float, shape: GroupShape) -> dict[str, float]:
         op = normalize_op(op)
         if size_bytes < 0:
             raise TopologyError(f"collective size must be >= 0 bytes, got {size_bytes}")
-        shape = self._group_shape(tuple(ranks))
         if shape.n == 1:
             return {"none": 0.0}
         return _PRICERS[op](self, float(size_bytes), shape)

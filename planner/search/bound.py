@@ -64,7 +64,7 @@ from planner.layout import (
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.comm import StepComm, expert_comm_s, expert_grid_key, group_offsets
+from planner.simulate.comm import StepComm, expert_comm_s, expert_grid_key, expert_groups_key, group_offsets
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     embedding_times,
@@ -257,6 +257,15 @@ class StepBound:
             hit = self._times[key] = StepComm(self.cluster, self._expert_layout(shape_key, ep, etp), self.cal)
         return hit
 
+    def _edp_time(self, op: str, size_bytes: float, shape_key: tuple[int, ...], ep: int, etp: int) -> float:
+        """StepComm.expert_time_s over the "edp" groups, cached on what they depend on (`expert_groups_key`), so
+        that meshes with the same groups neither build a StepComm nor look the groups up again."""
+        key = ("edp", op, size_bytes, expert_groups_key(shape_key, ep, etp, "edp", self.cluster.gpus_per_node))
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._times[key] = self._expert_comm(shape_key, ep, etp).expert_time_s(op, size_bytes, "edp")
+        return hit
+
     # ---- cached pieces -------------------------------------------------------
 
     def _rank_kinds(self, layout: Layout) -> tuple:
@@ -318,24 +327,30 @@ class StepBound:
         """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
         if zero_stage < 2 or dp_shard == 1:
             return 0.0, 0.0
-        dense, experts = layer_params_split(self.model, shape_key[4], ep, etp)
-        unit = dense + experts
-        rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
+        # it reads tp, the dp_shard group (its size and stride, cp * tp) and the expert grid of the mesh: meshes
+        # that differ only in pp or dp_replicate share it
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
-        ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
-            if zero_stage == 3 else 0.0
-        return ag, ag + rs
+        key = ("fsdp", zero_stage, dp_shard, ep, etp, shape_key[3], shape_key[4], training.grad_dtype, gathered)
+        hit = self._times.get(key)
+        if hit is None:
+            dense, experts = layer_params_split(self.model, shape_key[4], ep, etp)
+            unit = dense + experts
+            rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
+            ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
+                if zero_stage == 3 else 0.0
+            hit = self._times[key] = (ag, ag + rs)
+        return hit
 
     def _tail(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec, sp: StageParams
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
-        experts = self._expert_comm(shape_key, shape.ep, shape.etp) if sp.experts else None
+        experts = sp.experts > 0
         if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
             reduce_s = self._time("all_reduce", sp.dense * g, shape_key, DP_AXES)
-            if experts is not None:
-                reduce_s += experts.expert_time_s("all_reduce", sp.experts * g, "edp")
+            if experts:
+                reduce_s += self._edp_time("all_reduce", sp.experts * g, shape_key, shape.ep, shape.etp)
         else:
             reduce_bytes = sp.total * g / shape.dp_shard
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
@@ -343,8 +358,8 @@ class StepBound:
         gather = 0.0
         if shape.zero_stage in (1, 2):
             gather = self._time("all_gather", sp.dense * d, shape_key, ("dp_shard",))
-            if experts is not None:
-                gather += experts.expert_time_s("all_gather", sp.experts * d, "edp")
+            if experts:
+                gather += self._edp_time("all_gather", sp.experts * d, shape_key, shape.ep, shape.etp)
         shard = shape.dp_shard if shape.zero_stage >= 1 else 1
         local = sp.dense / shard + sp.experts / (shape.expert_dp_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)

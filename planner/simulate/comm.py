@@ -58,7 +58,8 @@ def _collective_model(cluster: Cluster, efficiency: tuple[tuple[str, float], ...
 
 @lru_cache(maxsize=32)
 def _expert_prices(model: CollectiveModel) -> dict[tuple, float]:
-    """Expert-group collective times on `model`, by (op, size, `expert_groups_key`), shared by every StepComm."""
+    """Expert-group collective times on `model`, by (op, size, `expert_groups_key`), and the GroupShapes of each
+    key's groups, by `expert_groups_key`; shared by every StepComm."""
     return {}
 
 
@@ -254,8 +255,12 @@ class StepComm:
             groups_key = expert_groups_key(self.shape, self.ep, self.etp, kind, self.gpus_per_node)
             hit = shared.get((op, size_bytes, groups_key))
             if hit is None:
-                groups = _expert_groups(*groups_key)
-                hit = 0.0 if len(groups[0]) < 2 else max(self.model.time_s(op, size_bytes, g) for g in groups)
+                shapes = shared.get(groups_key)  # the groups reduced to what prices them, once per key
+                if shapes is None:
+                    groups = _expert_groups(*groups_key)
+                    shapes = shared[groups_key] = () if len(groups[0]) < 2 else \
+                        tuple(self.model.group_shape(g) for g in groups)
+                hit = max((self.model.shape_time_s(op, size_bytes, sh) for sh in shapes), default=0.0)
                 shared[op, size_bytes, groups_key] = hit
             self._expert_times[key] = hit
         return hit
