@@ -32,6 +32,19 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   layer fewer in the first and last chunk (bench/dgxc_rows._stage_layers);
   128 chunks would leave one empty, such rows are not expressible. MoE rows
   whose layers do not divide evenly get the balanced split;
+* TP communication overlap (TrainingSpec.async_tp, priced by
+  planner.simulate.tp_overlap) on the Megatron-Bridge rows whose recipe ran
+  it: the Llama 3 70B and 3.1 405B performance scripts
+  (Megatron-Bridge scripts/performance/configs/llama/llama3_llm_pretrain.py,
+  llama31_llm_pretrain.py) keep the recipes' tp_comm_overlap=True (off for
+  NVFP4 on Blackwell; CommOverlapConfig drops it where tp = 1) and pick a
+  userbuffers config by GPU and precision, whose SM claims
+  (BRIDGE_UB_CONFIGS, from src/megatron/bridge/training/comm_overlap.py)
+  ride as the row's engine traits; every Blackwell part takes the b200
+  config. The MoE rows with tp > 1 (Qwen3-235B on H100) ran without it
+  (scripts/performance/configs/qwen/qwen3_llm_pretrain.py:
+  tp_comm_overlap=False). The files read are the repository's current ones,
+  not each release's tag. NeMo 24.07 rows are left as they were;
 * recipe details the planner has no term for, listed per row and not
   modelled: activation offloading to the host (the FSDP Llama rows, the
   recipes' cpu_offloading_num_layers), CUDA graphs of the dense rows;
@@ -90,9 +103,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
 from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
 from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
-from dgxc_rows import _stage_layers  # noqa: E402
+from dgxc_rows import RING, _stage_layers, _ub  # noqa: E402
 
-from planner.engines import get_engine  # noqa: E402
+from planner.engines import TpOverlapSms, get_engine  # noqa: E402
 from planner.layout import Layout, balanced_layers  # noqa: E402
 from planner.model.presets import PRESETS  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
@@ -110,6 +123,16 @@ CLUSTERS = {"a100": "dgx-a100-80g", "h100": "dgx-h100", "h200": "dgx-h200", "b20
 TARGET_MAPE = 0.12
 TARGET_EXPRESSIBLE = 0.85
 FLOPS_TOLERANCE = 0.03  # per-token Model TFLOP/s spread allowed within one model and sequence length
+# Megatron-Bridge userbuffers configs (src/megatron/bridge/training/comm_overlap.py) the Llama performance
+# scripts pick for fp8/mxfp8, keyed by (H100 or Blackwell, hidden): userbuffers_fp8_{h100,b200}_h<hidden>_...
+BRIDGE_UB_CONFIGS: dict[tuple[bool, int], TpOverlapSms] = {
+    (False, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_h100_h8192_tp4_mbs1_seqlen8192
+    (False, 16384): _ub(RING, RING, 2, 2, 24, 2),  # fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192
+    (True, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_b200_h8192_tp2_mbs1_seqlen8192
+    (True, 16384): _ub(RING, RING, 8, 2, 32, 8),  # fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192
+}
+BRIDGE_TP_OVERLAP_MODELS = ("llama3-70b", "llama3-405b")  # dense recipes with tp_comm_overlap=True
+TP_OVERLAP = [True]  # False (--no-tp-overlap): price the Megatron-Bridge rows' TP collectives plain
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,7 @@ class PerfRow:
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
     moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
+    ub_sms: TpOverlapSms | None = None  # the recipe's userbuffers SM claims where it overlapped TP (BRIDGE_UB_CONFIGS)
 
     @property
     def expressible(self) -> bool:
@@ -178,9 +202,12 @@ def _row(rec: dict, models: dict) -> PerfRow:
     model = _model(rec["model"], models, seq, bool(rec.get("no_mtp")))
     nemo1 = rec["source"] == "nemo-24.07"
     bridge = rec["source"] == "megatron-bridge"  # grad_reduce_in_fp32 off in its performance scripts
+    overlapped = bridge and rec["model"] in BRIDGE_TP_OVERLAP_MODELS and tp > 1 and TP_OVERLAP[0]
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bridge else "fp32",
-                            compile=bool(rec.get("compile")))
+                            compile=bool(rec.get("compile")), async_tp=overlapped)
+    if overlapped:  # the script's fp8 userbuffers config (every row here is fp8 or mxfp8)
+        common["ub_sms"] = BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)]
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
         preset = moe_recipe(rec["release"], rec["system"], rec["model"])
         training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
@@ -250,7 +277,9 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
     fields = (overrides or {}).get(row.gpu)
     if fields:
         profile = profile.replace(**fields)
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+    traits = replace(get_engine(row.engine).time, tp_overlap_sms=row.ub_sms) if row.ub_sms is not None else None
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
+                         traits=traits)
 
 
 def errors(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, bool]]:
@@ -350,7 +379,10 @@ def main() -> None:
     parser.add_argument("--fit-attention-on", metavar="GPU", choices=sorted(CLUSTERS),
                         help="diagnostic: fit attention_efficiency on this GPU's dense rows, score every GPU of its "
                              "calibration family with it (nothing is written)")
+    parser.add_argument("--no-tp-overlap", action="store_true",
+                        help="price the Megatron-Bridge rows' TP collectives without the overlap their recipes ran")
     args = parser.parse_args()
+    TP_OVERLAP[0] = not args.no_tp_overlap
     rows = load_rows()
     overrides: Overrides = {}
     if args.fit_attention_on:
