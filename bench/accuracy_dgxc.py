@@ -109,9 +109,12 @@ def profiles() -> dict[str, CalibrationProfile]:
 
 def simulate(row: DgxcRow, profile: CalibrationProfile):
     """One row's step; a DGX Cloud row runs with its recipe's userbuffers SM claims (DgxcRow.traits)."""
-    traits = row.traits() if isinstance(row, DgxcRow) else None  # the Megatron-Bridge rows of the GB200 fit
+    if not isinstance(row, DgxcRow):  # the Megatron-Bridge rows of the GB200 fit: their script's userbuffers SMs
+        import accuracy_holdout
+
+        return accuracy_holdout.simulate_with(row, profile)
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
-                         traits=traits)
+                         traits=row.traits())
 
 
 def predict(row: DgxcRow, profile: CalibrationProfile) -> float:

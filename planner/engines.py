@@ -152,6 +152,13 @@ class MemoryTraits:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward
     cp_saves_gathered: bool = False
+    activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
+    # per-op SAC saves float8 GEMM outputs: meshplan's executor lists aten._scaled_mm with aten.mm; torchtitan's
+    # _op_sac_save_list names aten.mm only, so its float8 projections (aten._scaled_mm) are all recomputed
+    op_sac_saves_fp8_mm: bool = True
+    # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
+    # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
+    inplace_loss_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,9 @@ class Engine:
                     f"tp > 1 with sequence parallel, got tp {layout.tp}"
                     f"{'' if layout.sequence_parallel else ' without sequence parallel'}; "
                     "allow --tp > 1 and --sequence-parallel, or drop --async-tp")
+        if layout.activation_offload_layers and not self.memory.activation_offload:
+            return (f"engine {self.name} does not offload activations to the host (activation_offload_layers "
+                    f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -240,6 +250,10 @@ class Engine:
         if attention == "eager" and self.eager_time is not None:
             return self.eager_time
         return self.time
+
+    def op_sac_saves_mm(self, training: TrainingSpec) -> bool:
+        """Whether per-op SAC saves the block GEMMs this training runs (memory keeps them, time skips them)."""
+        return self.memory.op_sac_saves_fp8_mm or not training.fp8
 
     def fp8_weight_bytes(self, training: TrainingSpec) -> float:
         """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
@@ -341,7 +355,8 @@ ENGINES: dict[str, Engine] = {
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True,
                                               tp_overlap_sms=TE_UB_DEFAULT),
-                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, **_PUBLISHED_MEMORY),
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
+                                    inplace_loss_backward=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
@@ -354,7 +369,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
-                     cp_all_gather=True),
+                     cp_all_gather=True, op_sac_saves_fp8_mm=False),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

@@ -78,6 +78,10 @@ class Layout:
     # full recomputation of only the first N layers of every model chunk (Megatron's
     # --recompute-method block --recompute-num-layers N); 0: every layer
     recompute_layers: int = 0
+    # the activations of the first N layers of every model chunk kept in host memory between their forward
+    # and backward (Megatron-Core's --cpu-offloading-num-layers, Transformer Engine's CPU offload context);
+    # 0: none. Optional plan.json key parallel.activation_offload_layers
+    activation_offload_layers: int = 0
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "micro_batch_size",
@@ -105,6 +109,10 @@ class Layout:
         if self.recompute_layers and self.recompute != "full":
             raise PlanError(f"layout: recompute_layers ({self.recompute_layers}) applies to recompute 'full', "
                             f"got {self.recompute!r}")
+        if not isinstance(self.activation_offload_layers, int) or isinstance(self.activation_offload_layers, bool) \
+                or self.activation_offload_layers < 0:
+            raise PlanError("layout: activation_offload_layers must be an integer >= 0, got "
+                            f"{self.activation_offload_layers!r}")
         if self.recompute not in RECOMPUTE_KINDS:
             raise PlanError(f"layout: recompute must be one of {RECOMPUTE_KINDS}, got {self.recompute!r}")
         if self.pp_schedule not in PP_SCHEDULES:

@@ -181,13 +181,18 @@ def _recompute_args(plan: Plan) -> list[Arg]:
 
 
 def _offload_args(plan: Plan, notes: list[str]) -> list[Arg]:
+    """Optimizer offload, and the activations of N layers kept in host memory (Transformer Engine's CPU
+    offload context, which Megatron-Core drives with --cpu-offloading and --cpu-offloading-num-layers)."""
+    args: list[Arg] = []
+    if plan.layout.activation_offload_layers:
+        args += [("--cpu-offloading",), ("--cpu-offloading-num-layers", str(plan.layout.activation_offload_layers))]
     offload = plan.layout.offload
     if offload == "none":
-        return []
+        return args
     if offload == "optimizer+params":
         notes.append("offload of parameters: Megatron offloads optimizer state only; parameters stay on the GPU")
-    return [("--optimizer-cpu-offload",), ("--optimizer-offload-fraction", "1.0"),
-            ("--use-precision-aware-optimizer",)]
+    return args + [("--optimizer-cpu-offload",), ("--optimizer-offload-fraction", "1.0"),
+                   ("--use-precision-aware-optimizer",)]
 
 
 def _precision_args(plan: Plan, notes: list[str]) -> list[Arg]:

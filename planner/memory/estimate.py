@@ -115,6 +115,16 @@ pool per CUDA stream, the loss's hole), the same in every phase. So
 papers' accounting, their allocator slack inside the fixed `other`.
 
 Activations: see planner.memory.activations (Korthikanti et al. 2022).
+Activation offload (Layout.activation_offload_layers = N, Megatron-Core's
+cpu_offloading_num_layers through Transformer Engine's CPU offload context):
+the kept activations of N layers per model chunk wait in host memory from
+their forward to their backward, so the GPU holds the stage's other layers'
+(at least one layer's: the one whose backward runs first); `host_bytes`
+counts what moved. Megatron-Core offloads activations only without pipeline
+parallelism (TransformerConfig refuses cpu_offloading with pp > 1). The step
+simulator does not price the copies: they run on their own stream beside the
+next layer's compute, which hides them on NVLink-C2C hosts (GB200/GB300, the
+published offload rows); over PCIe a large layer's copy can outlast it.
 """
 
 from __future__ import annotations
@@ -141,6 +151,7 @@ from planner.memory.phases import (
     Phase,
     StageBytes,
     meshplan_stage_bytes,
+    on_gpu_layers,
     peak_phase,
     published_phase,
     published_stage_bytes,
@@ -260,7 +271,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
                                    autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
                                    fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
-    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
+    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
+                              save_matmuls=eng.op_sac_saves_mm(training)) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
@@ -279,12 +291,15 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel)
     logits_grad = logits_saved / FP32_BYTES * d
+    if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
+        logits_transient = logits_grad
     stage_output = 0.0
     if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output)
+                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output,
+                       layout.activation_offload_layers * layout.virtual_stages)
 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
@@ -341,7 +356,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
         sp = params[rank]
         states = stage_states(model, training, layout, sp, engine)
         built[key] = sb = build(model, training, layout, sp, states, comm)
-        host_bytes = max(host_bytes, states.host)
+        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
+        host_bytes = max(host_bytes, states.host + int(offloaded))
         phases = phases_of(sb, sp, acts, in_flight[rank])
         name, phase = peak_phase(phases)
         reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator

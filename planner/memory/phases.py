@@ -112,6 +112,16 @@ class Activations(NamedTuple):
     logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
     loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
     stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
+    offloaded_layers: int = 0  # layers per rank whose kept activations sit in host memory (activation offload)
+
+
+def on_gpu_layers(sp: StageParams, acts: Activations) -> int:
+    """The stage's layers whose kept activations stay on the GPU: activation offload moves the others' to the
+    host after their forward and brings each back one layer ahead of its backward (Transformer Engine's CPU
+    offload context prefetches one group), and at least one layer, the last, never leaves."""
+    if not sp.layers:
+        return 0
+    return sp.layers - min(acts.offloaded_layers, sp.layers - 1)
 
 
 class StageBytes(NamedTuple):
@@ -150,7 +160,8 @@ class StageBytes(NamedTuple):
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
     """Bytes by category (no `other`) at each phase of the step this stage goes through (module docstring)."""
-    kept = in_flight * sp.layers * acts.per_layer + (in_flight * acts.embedding if sp.has_embedding else 0.0)
+    kept = in_flight * on_gpu_layers(sp, acts) * acts.per_layer + \
+        (in_flight * acts.embedding if sp.has_embedding else 0.0)
     if not sp.has_output:  # each in-flight micro-batch's output, and the output gradient received for one
         kept += (in_flight + 1) * acts.stage_output
     out = in_flight * (acts.output + acts.logits_saved) if sp.has_output else 0.0
@@ -214,7 +225,7 @@ def peak_phase(phases: dict[str, Phase]) -> tuple[str, Phase]:
 
 def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
     """megatron / deepspeed: every state, buffer and activation at once (the papers' accounting)."""
-    act = in_flight * sp.layers * acts.per_layer + (acts.recomputed if sp.layers else 0.0)
+    act = in_flight * on_gpu_layers(sp, acts) * acts.per_layer + (acts.recomputed if sp.layers else 0.0)
     if sp.has_embedding:
         act += in_flight * acts.embedding
     if sp.has_output:

@@ -83,8 +83,12 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             if recipe.shard_grads:
                 host, grads = host + grads, 0
     # 8-bit weight copies kept between steps (Transformer Engine's fp8 workspaces), for every block
-    # weight this rank multiplies with: the blocks' parameters, unsharded (planner.engines.Fp8Recipe)
-    params += int(eng.fp8_weight_bytes(training) * sp.block * sp.layers)
+    # weight this rank multiplies with: the blocks' parameters, unsharded (planner.engines.Fp8Recipe).
+    # Not with sharded parameters (ZeRO-3): a rank holds a block's weights only while that unit is
+    # gathered, and Megatron FSDP drops the 8-bit copies with them (its keep_fp8_transpose_cache, off by
+    # default, would keep one byte per parameter); the gathered unit is counted in comm_buffers
+    if not recipe.shard_params:
+        params += int(eng.fp8_weight_bytes(training) * sp.block * sp.layers)
     if traits.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)

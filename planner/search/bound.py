@@ -143,7 +143,8 @@ class StepBound:
         # Price the bound at the engine's speed, as simulate_step does; a faster
         # base profile would stay a valid bound but prune far less.
         self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
-        self.traits = get_engine(engine).time_for(attention)
+        self.engine = get_engine(engine)
+        self.traits = self.engine.time_for(attention)
         self.collectives = StepComm(cluster, Layout(), self.cal).model
         self._units: dict[tuple, tuple[float, float, float, float]] = {}
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
@@ -300,7 +301,8 @@ class StepBound:
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
                              training.fused_attention(self.traits.fused_attention),
                              fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
-                             cast_bytes=fp8_cast_bytes(training.precision, gpu))
+                             cast_bytes=fp8_cast_bytes(training.precision, gpu),
+                             op_saves_mm=self.engine.op_sac_saves_mm(training))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes

@@ -62,6 +62,9 @@ How each field enters the time model (see `planner.simulate.compute`):
       Transformer Engine's rate and its unfused norms and activations at ~2/5 of
       the memory-bound rate. Factors are <= 1, so the base stays the fastest
       stack and a bound priced on the base never exceeds a simulated step.
+      A shipped profile without factors for an engine may borrow those that
+      describe software rather than silicon from another family's profile
+      (`_TRANSFERRED_FACTORS`: the A100 takes the H100's memory-bound factor).
 
 The shipped A100 profile reproduces vTrain's 1,549 measured Megatron-DeepSpeed
 steps with 6.9% (one node) and 7.6% (up to 512 GPUs) mean absolute error; the
@@ -271,6 +274,45 @@ _GENERIC = {
 _DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
 
 
+# Engine factors a profile fitted on one stack borrows from another family's profile, per kind of
+# efficiency, where the factor is a property of the software and not of the silicon. The A100 profile
+# is fitted on Megatron-DeepSpeed (vTrain), so it carries no factors of its own; PyTorch-native stacks
+# (meshplan's executor, torchtitan) run there with:
+# * the H100 memory factor: eager PyTorch splits a norm, SwiGLU, RoPE or residual add into several
+#   elementwise kernels, each a full HBM round trip, where the fused stack makes one pass. The factor
+#   is the ratio of bytes moved by the two kernel graphs, both at the memory-bound rate of whichever
+#   GPU runs them, so it carries over as a ratio to the A100's own fitted memory_efficiency;
+# * no attention factor: on H100 the factor is PyTorch's FlashAttention-2 kernel against Transformer
+#   Engine's cuDNN kernels built on Hopper-only instructions (wgmma, TMA). On A100 both stacks run
+#   FlashAttention-2-class kernels, which the A100 attention_efficiency already describes.
+# The stack the A100 profile was fitted on (deepspeed: Megatron-DeepSpeed) and megatron borrow nothing.
+_TRANSFERRED_FACTORS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    # family: (source family, engines, efficiency fields)
+    "a100": ("h100", ("meshplan", "torchtitan"), ("memory_efficiency",)),
+}
+
+
+def _transferred(profile: CalibrationProfile, family: str) -> CalibrationProfile:
+    """`profile` with the engine factors `_TRANSFERRED_FACTORS` lends it; its own factors win."""
+    if family not in _TRANSFERRED_FACTORS:
+        return profile
+    source_family, engines, keys = _TRANSFERRED_FACTORS[family]
+    source = _read(CALIBRATION_DIR / f"{source_family}.json")
+    factors = {engine: dict(profile.engine_factors.get(engine, {})) for engine in engines}
+    lent = []
+    for engine in engines:
+        for key in keys:
+            value = source.engine_factors.get(engine, {}).get(key)
+            if value is not None and key not in factors[engine]:
+                factors[engine][key] = value
+                lent.append(f"{engine} {key} {value}")
+    if not lent:
+        return profile
+    return profile.replace(engine_factors={**profile.engine_factors, **{e: f for e, f in factors.items() if f}},
+                           source=f"{profile.source}; engine factors from the {source_family} profile "
+                                  f"(software ratios, not fitted here): {', '.join(lent)}")
+
+
 def _family(gpu_name: str) -> str:
     """Calibration family of a GPU name: its first word, derived families mapped to their source."""
     family = gpu_name.lower().split("-")[0]
@@ -286,7 +328,7 @@ def default_calibration(gpu: GPUSpec) -> CalibrationProfile:
         profile = _read(path)
         if profile.gpu and profile.gpu != gpu.name:
             profile = profile.replace(source=f"{profile.source}; fitted on {profile.gpu}, used for {gpu.name}")
-        return _resolved(profile.replace(gpu=gpu.name), gpu)
+        return _resolved(_transferred(profile, family).replace(gpu=gpu.name), gpu)
     generic = CalibrationProfile(gpu=gpu.name, source=f"generic defaults for {family}", **_GENERIC.get(family, {}))
     return _resolved(generic, gpu)
 

@@ -20,6 +20,7 @@ INT_OPTIONS = (
     "micro-batch-size", "global-batch-size", "seq-length", "recompute-num-layers", "num-layers", "hidden-size",
     "ffn-hidden-size", "num-attention-heads", "kv-channels", "num-query-groups", "max-position-embeddings",
     "vocab-size", "num-experts", "moe-router-topk", "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size",
+    "cpu-offloading-num-layers",
 )
 FLOAT_OPTIONS = ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction")
 CHOICE_OPTIONS = {
@@ -34,7 +35,7 @@ CHOICE_OPTIONS = {
 FLAGS = ("sequence-parallel", "use-distributed-optimizer", "use-megatron-fsdp", "no-gradient-accumulation-fusion",
          "bf16", "fp16", "grad-reduce-in-bf16", "group-query-attention", "swiglu",
          "untie-embeddings-and-output-weights", "disable-bias-linear", "optimizer-cpu-offload",
-         "use-precision-aware-optimizer")
+         "use-precision-aware-optimizer", "cpu-offloading")
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -143,6 +144,15 @@ def test_megatron_gqa_and_hsdp_zero1(tmp_path):
     a, _ = exported(plan, tmp_path)
     assert a.group_query_attention and a.num_query_groups == plan.model.n_kv_heads == 8
     assert a.num_distributed_optimizer_instances == 2 and a.use_distributed_optimizer
+
+
+def test_megatron_offloads_the_planned_layers_activations(tmp_path):
+    plan = make_plan(16, tp=8, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=128,
+                     activation_offload_layers=10)
+    a, _ = exported(plan, tmp_path)
+    assert a.cpu_offloading and a.cpu_offloading_num_layers == 10
+    b, _ = exported(plan_13b(), tmp_path)
+    assert not b.cpu_offloading and b.cpu_offloading_num_layers is None
 
 
 def test_megatron_notes_name_what_it_cannot_run():

@@ -296,9 +296,10 @@ def test_meshplan_executor_layout_choices():
     theirs = estimate_memory(m, training, layout, H100, "megatron", fused_attention=True).breakdown_bytes
     # at the loss backward a meshplan rank holds 12 B per logit of the whole vocabulary (saved fp32
     # log-probabilities + the loss backward's two fp32 gradients): its tied output layer is not
-    # vocabulary-parallel, so neither is its loss; megatron's V/4; eager SwiGLU keeps 4 f-wide
+    # vocabulary-parallel, so neither is its loss; megatron's V/4 at 4 + 2 B per logit (its saved fp32
+    # softmax turns into the gradient in place, then the bf16 cast); eager SwiGLU keeps 4 f-wide
     # tensors, Megatron's fused kernel 3
-    logits_gap = 12 * 2048 * m.vocab * (1 - 1 / 4)
+    logits_gap = 2048 * m.vocab * (12 - (4 + 2) / 4)
     swiglu = m.n_layers * 2 * m.ffn_hidden / 4 * 2048
     assert ours["activations"] - theirs["activations"] == pytest.approx(logits_gap + swiglu, rel=1e-9)
 

@@ -81,3 +81,44 @@ def test_efficiencies_move_the_prediction_the_right_way():
     assert step(gemm_efficiency=0.4) > step() > step(gemm_efficiency=0.95)
     assert step(link_efficiency={"nvlink": 0.3, "nvls": 0.3}) > step()
     assert step(layer_overhead_s=0.05) > step()
+
+
+def test_a100_borrows_the_pytorch_native_memory_factor_from_h100():
+    """The A100 profile (fitted on Megatron-DeepSpeed) takes the H100 engines' memory-bound factor, a
+    property of eager PyTorch's kernel graph, and no attention factor (FlashAttention-2 on both stacks)."""
+    a100, h100 = default_calibration(get_gpu("a100-80g-sxm")), default_calibration(get_gpu("h100-sxm"))
+    for engine in ("torchtitan", "meshplan"):
+        assert a100.engine_factors[engine] == {"memory_efficiency": h100.engine_factors[engine]["memory_efficiency"]}
+        resolved = a100.for_engine(engine)
+        assert resolved.memory_efficiency == pytest.approx(a100.memory_efficiency * h100.engine_factors[engine]
+                                                           ["memory_efficiency"])
+        assert resolved.attention_efficiency == a100.attention_efficiency
+    for engine in ("megatron", "deepspeed"):  # vTrain's stack: the profile's own rates
+        assert a100.for_engine(engine).memory_efficiency == a100.memory_efficiency
+    assert "engine factors from the h100 profile" in a100.source
+
+
+def test_a_profile_keeps_its_own_engine_factors(tmp_path):
+    from planner.simulate import calibration
+
+    own = CalibrationProfile(gpu="a100-80g-sxm", engine_factors={"torchtitan": {"memory_efficiency": 0.9}})
+    lent = calibration._transferred(own, "a100")
+    assert lent.engine_factors["torchtitan"] == {"memory_efficiency": 0.9}
+    assert "meshplan" in lent.engine_factors and calibration._transferred(own, "b200") is own
+    path = tmp_path / "a100.json"
+    own.save(path)  # a measured profile given with --calibration is taken as it is
+    assert load_calibration(path, get_gpu("a100-80g-sxm")).engine_factors == own.engine_factors
+
+
+def test_torchtitan_on_a100_is_slower_than_megatron_by_its_memory_bound_work():
+    cluster = load_cluster("dgx-a100-80g", 8)
+    model = load_model("llama3-8b")
+    training = TrainingSpec(seq_len=4096, global_batch_size=8)
+    layout = Layout(dp_shard=8, zero_stage=3, micro_batch_size=1, grad_accum_steps=1)
+    a100 = default_calibration(cluster.gpu)
+    steps = {e: simulate_step(model, training, layout, cluster, a100, engine=e).step_time_s
+             for e in ("megatron", "torchtitan")}
+    assert steps["torchtitan"] > 1.05 * steps["megatron"]
+    bare = a100.replace(engine_factors={})  # the same stack traits: only the borrowed factor tells them apart
+    assert simulate_step(model, training, layout, cluster, bare, engine="torchtitan").step_time_s == \
+        pytest.approx(steps["megatron"])
