@@ -162,7 +162,6 @@ BRIDGE_UB_CONFIGS: dict[tuple[bool, int], TpOverlapSms] = {
     (True, 16384): _ub(RING, RING, 8, 2, 32, 8),  # fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192
 }
 BRIDGE_TP_OVERLAP_MODELS = ("llama3-70b", "llama3-405b")  # dense recipes with tp_comm_overlap=True
-TP_OVERLAP = [True]  # False (--no-tp-overlap): price the Megatron-Bridge rows' TP collectives plain
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ def _model(name: str, models: dict, seq: int, no_mtp: bool) -> ModelSpec:
     return ModelSpec(name=name, mlp="gelu", norm="layernorm", position="rope", **shape)
 
 
-def _row(rec: dict, models: dict) -> PerfRow:
+def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     tp, pp, cp, vp, ep = rec["tp"], rec["pp"], rec["cp"], rec["vp"] or 1, rec["ep"] or 1
     gpus, mb, gbs, seq = rec["gpus"], rec["micro_batch"], rec["global_batch"], rec["seq"]
     tps = rec["tokens_per_s_per_gpu"]
@@ -234,7 +233,7 @@ def _row(rec: dict, models: dict) -> PerfRow:
     # optim.grad_sync_dtype=bf16; torchtitan reduces in fp32 (its mixed_precision_reduce default)
     bf16_grads = rec.get("engine", "megatron") == "megatron"
     bridge = rec["source"] == "megatron-bridge"
-    overlapped = bridge and rec["model"] in BRIDGE_TP_OVERLAP_MODELS and tp > 1 and TP_OVERLAP[0]
+    overlapped = bridge and rec["model"] in BRIDGE_TP_OVERLAP_MODELS and tp > 1 and tp_overlap
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
                             compile=bool(rec.get("compile")), async_tp=overlapped)
@@ -275,11 +274,13 @@ def _row(rec: dict, models: dict) -> PerfRow:
     return PerfRow(model_spec=model, training=training, layout=layout, **common)
 
 
-def load_rows(paths: tuple[Path, ...] = DATA) -> list[PerfRow]:
+def load_rows(paths: tuple[Path, ...] = DATA, tp_overlap: bool = True) -> list[PerfRow]:
+    """Every row; tp_overlap False prices the Megatron-Bridge rows' TP collectives without the overlap their
+    scripts ran (--no-tp-overlap, and the GB200 fit's inputs: bench/accuracy_dgxc.bridge_gb200_rows)."""
     out = []
     for path in paths:
         doc = json.loads(path.read_text())
-        out += [_row(rec, doc["models"]) for rec in doc["rows"]]
+        out += [_row(rec, doc["models"], tp_overlap) for rec in doc["rows"]]
     return out
 
 
@@ -445,8 +446,7 @@ def main() -> None:
     parser.add_argument("--no-tp-overlap", action="store_true",
                         help="price the Megatron-Bridge rows' TP collectives without the overlap their recipes ran")
     args = parser.parse_args()
-    TP_OVERLAP[0] = not args.no_tp_overlap
-    rows = load_rows()
+    rows = load_rows(tp_overlap=not args.no_tp_overlap)
     overrides: Overrides = {}
     if args.fit_attention_on:
         value = fit_attention(rows, args.fit_attention_on)
