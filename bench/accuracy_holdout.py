@@ -44,6 +44,19 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   layer fewer in the first and last chunk (bench/dgxc_rows._stage_layers);
   128 chunks would leave one empty, such rows are not expressible. MoE rows
   whose layers do not divide evenly get the balanced split;
+* TP communication overlap (TrainingSpec.async_tp, priced by
+  planner.simulate.tp_overlap) on the Megatron-Bridge rows whose recipe ran
+  it: the Llama 3 70B and 3.1 405B performance scripts
+  (Megatron-Bridge scripts/performance/configs/llama/llama3_llm_pretrain.py,
+  llama31_llm_pretrain.py) keep the recipes' tp_comm_overlap=True (off for
+  NVFP4 on Blackwell; CommOverlapConfig drops it where tp = 1) and pick a
+  userbuffers config by GPU and precision, whose SM claims
+  (BRIDGE_UB_CONFIGS, from src/megatron/bridge/training/comm_overlap.py)
+  ride as the row's engine traits; every Blackwell part takes the b200
+  config. The MoE rows with tp > 1 (Qwen3-235B on H100) ran without it
+  (scripts/performance/configs/qwen/qwen3_llm_pretrain.py:
+  tp_comm_overlap=False). The files read are the repository's current ones,
+  not each release's tag. NeMo 24.07 rows are left as they were;
 * activation offloading to the host as the recipe sets it (the FSDP Llama
   rows' cpu_offloading_num_layers: Layout.activation_offload_layers);
   recipe details the planner has no term for are listed per row (CUDA
@@ -69,10 +82,14 @@ GBS / (dp * MBS).
     python bench/accuracy_holdout.py --fit-attention-on gb200   # diagnostic: attention alone, writes nothing
 
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
-expressible; MAPE (bias) H100 7.7% (-3.4%), H200 9.6% (+9.6%), B200 9.7%
-(+9.7%), GB300 21.5% (+21.5%), A100 (torchtitan) 8.5% (-8.5%; 17.9%, -17.9%,
-before the borrowed memory-bound factor), GB200 3.9% (+0.6%, fitted on);
-10.8% (+3.4%) over the 44 rows not fitted (12.0% before), 9.2% over all; MoE 16.1% (-9.3%) over 34 rows (2 left out: their GA disagrees with the
+expressible; MAPE (bias) H100 7.6% (-4.8%), H200 18.9% (+18.9%), B200 8.8%
+(+8.8%), GB300 20.7% (+20.7%), A100 (torchtitan) 8.5% (-8.5%; 17.9%, -17.9%,
+before the borrowed memory-bound factor), GB200 3.8% (-0.5%, fitted on);
+10.8% (+2.9%) over the 44 rows not fitted, 9.2% over all. Without the
+Megatron-Bridge TP overlap (--no-tp-overlap): H100 7.7% (-3.4%), B200 9.7%,
+GB300 21.5%, GB200 3.9%, 11.2% (+3.9%) not fitted; the Llama 3 70B rows on
+H100 go from +5..+6% to -1..+0.5%, the H100 405B rows (tp 8, cp 2) from
+-4..-7% to -8..-11%. MoE 16.1% (-9.3%) over 34 rows (2 left out: their GA disagrees with the
 batch; 36.0%, +19.4%, without the presets' MoE options; worst H100
 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -20..-36% on all but one GPU).
 Memory: 24 of the 93 expressible rows are predicted above the GPU's memory,
@@ -116,9 +133,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
 from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
 from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
-from dgxc_rows import _stage_layers  # noqa: E402
+from dgxc_rows import RING, _stage_layers, _ub  # noqa: E402
 
-from planner.engines import get_engine  # noqa: E402
+from planner.engines import TpOverlapSms, get_engine  # noqa: E402
 from planner.layout import Layout, balanced_layers  # noqa: E402
 from planner.model.presets import PRESETS  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
@@ -136,6 +153,15 @@ CLUSTERS = {"a100": "dgx-a100-80g", "h100": "dgx-h100", "h200": "dgx-h200", "b20
 TARGET_MAPE = 0.12
 TARGET_EXPRESSIBLE = 0.85
 FLOPS_TOLERANCE = 0.03  # per-token Model TFLOP/s spread allowed within one model and sequence length
+# Megatron-Bridge userbuffers configs (src/megatron/bridge/training/comm_overlap.py) the Llama performance
+# scripts pick for fp8/mxfp8, keyed by (H100 or Blackwell, hidden): userbuffers_fp8_{h100,b200}_h<hidden>_...
+BRIDGE_UB_CONFIGS: dict[tuple[bool, int], TpOverlapSms] = {
+    (False, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_h100_h8192_tp4_mbs1_seqlen8192
+    (False, 16384): _ub(RING, RING, 2, 2, 24, 2),  # fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192
+    (True, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_b200_h8192_tp2_mbs1_seqlen8192
+    (True, 16384): _ub(RING, RING, 8, 2, 32, 8),  # fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192
+}
+BRIDGE_TP_OVERLAP_MODELS = ("llama3-70b", "llama3-405b")  # dense recipes with tp_comm_overlap=True
 
 
 @dataclass(frozen=True)
@@ -159,6 +185,7 @@ class PerfRow:
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
     moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
+    ub_sms: TpOverlapSms | None = None  # the recipe's userbuffers SM claims where it overlapped TP (BRIDGE_UB_CONFIGS)
 
     @property
     def expressible(self) -> bool:
@@ -184,7 +211,7 @@ def _model(name: str, models: dict, seq: int, no_mtp: bool) -> ModelSpec:
     return ModelSpec(name=name, mlp="gelu", norm="layernorm", position="rope", **shape)
 
 
-def _row(rec: dict, models: dict) -> PerfRow:
+def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     tp, pp, cp, vp, ep = rec["tp"], rec["pp"], rec["cp"], rec["vp"] or 1, rec["ep"] or 1
     gpus, mb, gbs, seq = rec["gpus"], rec["micro_batch"], rec["global_batch"], rec["seq"]
     tps = rec["tokens_per_s_per_gpu"]
@@ -206,9 +233,12 @@ def _row(rec: dict, models: dict) -> PerfRow:
     # optim.grad_sync_dtype=bf16; torchtitan reduces in fp32 (its mixed_precision_reduce default)
     bf16_grads = rec.get("engine", "megatron") == "megatron"
     bridge = rec["source"] == "megatron-bridge"
+    overlapped = bridge and rec["model"] in BRIDGE_TP_OVERLAP_MODELS and tp > 1 and tp_overlap
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
-                            compile=bool(rec.get("compile")))
+                            compile=bool(rec.get("compile")), async_tp=overlapped)
+    if overlapped:  # the script's fp8 userbuffers config (every row here is fp8 or mxfp8)
+        common["ub_sms"] = BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)]
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
         preset = moe_recipe(rec["release"], rec["system"], rec["model"])
         training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
@@ -244,11 +274,13 @@ def _row(rec: dict, models: dict) -> PerfRow:
     return PerfRow(model_spec=model, training=training, layout=layout, **common)
 
 
-def load_rows(paths: tuple[Path, ...] = DATA) -> list[PerfRow]:
+def load_rows(paths: tuple[Path, ...] = DATA, tp_overlap: bool = True) -> list[PerfRow]:
+    """Every row; tp_overlap False prices the Megatron-Bridge rows' TP collectives without the overlap their
+    scripts ran (--no-tp-overlap, and the GB200 fit's inputs: bench/accuracy_dgxc.bridge_gb200_rows)."""
     out = []
     for path in paths:
         doc = json.loads(path.read_text())
-        out += [_row(rec, doc["models"]) for rec in doc["rows"]]
+        out += [_row(rec, doc["models"], tp_overlap) for rec in doc["rows"]]
     return out
 
 
@@ -279,7 +311,14 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
     fields = (overrides or {}).get(row.gpu)
     if fields:
         profile = profile.replace(**fields)
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+    return simulate_with(row, profile)
+
+
+def simulate_with(row: PerfRow, profile):
+    """One row's step under `profile`, with its script's userbuffers SM claims where it overlapped TP."""
+    traits = replace(get_engine(row.engine).time, tp_overlap_sms=row.ub_sms) if row.ub_sms is not None else None
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
+                         traits=traits)
 
 
 def results(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, int, int]]:
@@ -404,8 +443,10 @@ def main() -> None:
     parser.add_argument("--fit-attention-on", metavar="GPU", choices=sorted(CLUSTERS),
                         help="diagnostic: fit attention_efficiency on this GPU's dense rows, score every GPU of its "
                              "calibration family with it (nothing is written)")
+    parser.add_argument("--no-tp-overlap", action="store_true",
+                        help="price the Megatron-Bridge rows' TP collectives without the overlap their recipes ran")
     args = parser.parse_args()
-    rows = load_rows()
+    rows = load_rows(tp_overlap=not args.no_tp_overlap)
     overrides: Overrides = {}
     if args.fit_attention_on:
         value = fit_attention(rows, args.fit_attention_on)

@@ -10,9 +10,12 @@ what the source states:
   "megatron" (distributed optimizer = ZeRO-1 over dp, sequence parallel
   whenever tp > 1, interleaved 1F1B when vp is given); the JAX stacks
   (MaxText Llama 2/3 70B, PaxML GPT-3) train with FSDP under XLA and are run
-  as engine "torchtitan" (FSDP = ZeRO-3 over fsdp_degree, else over dp;
-  their "selective" rematerialization saves the matmul outputs, as per-op
-  SAC does; XLA fuses the elementwise work, as compile does);
+  as engine "meshplan", the PyTorch-native stack (FSDP = ZeRO-3 over
+  fsdp_degree, else over dp); their "selective" rematerialization saves
+  the matmul outputs, 8-bit ones included, as meshplan's per-op SAC list
+  does (torchtitan's names aten.mm only, so under fp8 it would recompute
+  every projection: Engine.op_sac_saves_mm); XLA fuses the elementwise
+  work, as compile does;
 * gradients: the v25 releases run NeMo 2.0's performance scripts, which
   turn off fp32 gradient reduction (grad_reduce_in_fp32 False: bf16
   gradient buffers); v24.11.1 ran NeMo 1.0's launcher with Megatron's fp32
@@ -183,7 +186,7 @@ def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
                             attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32",
                             async_tp=tp_overlap and overlapped)
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
-                  training=training, engine="torchtitan" if jax else "megatron", gpus=rec["gpus"],
+                  training=training, engine="meshplan" if jax else "megatron", gpus=rec["gpus"],
                   measured_s=rec["step_time_s"], tp_comm_overlap=overlapped,
                   ub_sms=UB_CONFIGS.get((gpu, model.hidden, precision != "bf16"), TE_UB_DEFAULT) if overlapped
                   else None)

@@ -46,7 +46,6 @@ from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     PassTimes,
     combine,
-    embedding_times,
     fp8_cast_bytes,
     fp8_peak_flops,
     fsdp_copy_times,
@@ -55,10 +54,10 @@ from planner.simulate.compute import (
     layer_times,
     offloaded_optimizer_time_s,
     optimizer_time_s,
-    output_times,
     tokens_per_micro_batch,
 )
-from planner.simulate.host import end_host_s, layer_host_s, layer_host_scale, solo_repriced
+from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
+from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
 from planner.training import DTYPE_BYTES, TrainingSpec
@@ -214,74 +213,6 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     return _Unit(f, b, w, comm_f, comm_b)
 
 
-def _ends(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float, cluster: Cluster,
-          cal: CalibrationProfile) -> tuple[float, float, float, float]:
-    """(embedding F, embedding B, output F, output B) per micro-batch, host overhead included."""
-    gpu, s = cluster.gpu, training.seq_len
-    emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
-    out = output_times(model, s, layout, gpu, peak, cal)
-    host, p = cal.layer_overhead_s, cal.overlap_exponent
-    tp_f, tp_b = end_host_s(layout, cal)
-    return (combine(emb.forward_s, host + tp_f, p), combine(emb.backward_s, host + tp_b, p),
-            combine(out.forward_s, host + tp_f, p), combine(out.backward_s, 2 * host + tp_b, p))
-
-
-def _root_fsdp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
-                    cal: CalibrationProfile, ends: tuple[float, float, float, float]
-                    ) -> tuple[float, float, float, float]:
-    """Exposed FSDP communication of the root units (embedding, final norm, output) per micro-batch.
-
-    The executor shards each stage's root like a block (ZeRO-2/3): ZeRO-3
-    all-gathers it once per micro-batch (the root stays gathered from its
-    forward through its backward) and both stages reduce-scatter its gradient
-    after the backward. The embedding's unit is priced on chunk 0, the
-    output's on the last chunk when another rank owns it; compute hides it up
-    to `comm_overlap` of that end's own time. On small models the vocabulary
-    matrices hold as many parameters as several layers.
-    """
-    if layout.zero_stage < 2 or layout.dp_shard == 1:
-        return 0.0, 0.0, 0.0, 0.0
-    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-    out: list[float] = []
-    for end, rank in ((0, owner[0]), (2, owner[-1])):
-        if end == 2 and rank == owner[0]:  # one root holds both ends: priced once, on the embedding
-            out += [0.0, 0.0]
-            continue
-        root = stage_params(model, layout, rank).root
-        ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
-        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
-        hooks = cal.fsdp_call_overhead_s
-        out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
-                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + hooks]
-    return out[0], out[1], out[2], out[3]
-
-
-def _ends_tp_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, gpu_peak_bw: float,
-                  cal: CalibrationProfile, engine: str) -> tuple[float, float, float, float]:
-    """TP communication of the model's ends per micro-batch (embedding F, B, output F, B).
-
-    A vocabulary-split embedding all-reduces its output (m*h) in the forward;
-    the column-split output layer all-reduces its input gradient in the
-    backward. An engine without a vocabulary-parallel loss (MemoryTraits)
-    all-gathers the logits (m*V) to every TP rank and runs the loss over the
-    full vocabulary there: the gather and the extra (1 - 1/t) of the loss's
-    fp32 passes (`output_times` prices V/t) join the output's forward.
-    """
-    if layout.tp == 1:
-        return 0.0, 0.0, 0.0, 0.0
-    d = training.dtype_bytes
-    m = tokens_per_micro_batch(training.seq_len, layout)
-    act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
-    emb = 0.0 if model.tie_embeddings else act
-    out_f = 0.0
-    if not get_engine(engine).memory.vocab_parallel_loss:
-        loss_extra = 3 * 4 * m * model.vocab * (1 - 1 / layout.tp) / (gpu_peak_bw * cal.memory_efficiency)
-        out_f = comm.time_s("all_gather", m * model.vocab * d, ("tp",)) + loss_extra / 2
-        return emb, 0.0, out_f, act + loss_extra / 2
-    return emb, 0.0, out_f, act
-
-
 def _mtp_ends(model: ModelSpec, unit: _Unit, ends: tuple[float, float, float, float]
               ) -> tuple[float, float, float, float]:
     """The last stage also runs the multi-token-prediction modules: one layer and one more
@@ -418,11 +349,11 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     eng = get_engine(engine)
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, eng.fp8.fp8_all_gather,
                        eng.op_sac_saves_mm(training))
-    ends = _mtp_ends(model, unit, _ends(model, training, layout, peak, cluster, cal))
+    ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
     if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
         ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
-    ends_comm = {"fsdp_comm": _root_fsdp_comm(model, training, layout, comm, cal, ends),
-                 "tp_comm": _ends_tp_comm(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
+    ends_comm = {"fsdp_comm": root_fsdp_comm_s(model, training, layout, comm, cal, ends),
+                 "tp_comm": ends_tp_comm_s(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
                                           engine)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from closed_loop_case import LAYOUTS, SMALL, TRAINING
 
 from executor.calibrate.fold import apply_levers, describe, fold_step
 from planner.layout import Layout
@@ -17,20 +18,9 @@ from planner.simulate.calibration import CalibrationProfile, load_calibration
 from planner.simulate.host import alone_factors, dtensor_ops, tp_linears_per_layer
 from planner.simulate.pipeline import Op
 from planner.simulate.step import simulate_step
-from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
 from topologies.errors import UsageError
 from topologies.hardware import get_gpu
-
-SMALL = ModelSpec(name="small", n_layers=4, hidden=384, n_heads=6, n_kv_heads=2, head_dim=64, ffn_hidden=1024,
-                  vocab=8192, max_seq_len=256)
-TRAINING = TrainingSpec(seq_len=256, global_batch_size=8, dtype="fp32")
-LAYOUTS = {
-    "ddp": Layout(dp_replicate=2, micro_batch_size=2, grad_accum_steps=2),
-    "zero3": Layout(dp_shard=2, zero_stage=3, micro_batch_size=2, grad_accum_steps=2),
-    "tp2": Layout(tp=2, micro_batch_size=2, grad_accum_steps=4),
-    "pp2": Layout(pp=2, micro_batch_size=2, grad_accum_steps=4),
-}
 
 
 def _step_s(name: str, profile: CalibrationProfile) -> float:

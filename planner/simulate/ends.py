@@ -1,0 +1,87 @@
+"""The model's ends in a step: the embedding on the first chunk, final norm, output layer and loss
+on the last, each with its host work and the communication only the ends have (FSDP's root
+units, TP's embedding and output collectives, the logits gather of engines without a
+vocabulary-parallel loss). `planner.simulate.step` places them on the pipeline's chunks.
+"""
+
+from __future__ import annotations
+
+from planner.engines import get_engine
+from planner.layout import Layout
+from planner.memory.params import stage_params
+from planner.model.spec import ModelSpec
+from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.comm import StepComm
+from planner.simulate.compute import combine, embedding_times, output_times, tokens_per_micro_batch
+from planner.simulate.host import end_host_s
+from planner.simulate.pipeline import chunk_owner
+from planner.training import DTYPE_BYTES, TrainingSpec
+from topologies.cluster import Cluster
+
+
+def ends_s(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float, cluster: Cluster,
+          cal: CalibrationProfile) -> tuple[float, float, float, float]:
+    """(embedding F, embedding B, output F, output B) per micro-batch, host overhead included."""
+    gpu, s = cluster.gpu, training.seq_len
+    emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
+    out = output_times(model, s, layout, gpu, peak, cal)
+    host, p = cal.layer_overhead_s, cal.overlap_exponent
+    tp_f, tp_b = end_host_s(layout, cal)
+    return (combine(emb.forward_s, host + tp_f, p), combine(emb.backward_s, host + tp_b, p),
+            combine(out.forward_s, host + tp_f, p), combine(out.backward_s, 2 * host + tp_b, p))
+
+
+def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
+                    cal: CalibrationProfile, ends: tuple[float, float, float, float]
+                    ) -> tuple[float, float, float, float]:
+    """Exposed FSDP communication of the root units (embedding, final norm, output) per micro-batch.
+
+    The executor shards each stage's root like a block (ZeRO-2/3): ZeRO-3
+    all-gathers it once per micro-batch (the root stays gathered from its
+    forward through its backward) and both stages reduce-scatter its gradient
+    after the backward. The embedding's unit is priced on chunk 0, the
+    output's on the last chunk when another rank owns it; compute hides it up
+    to `comm_overlap` of that end's own time. On small models the vocabulary
+    matrices hold as many parameters as several layers.
+    """
+    if layout.zero_stage < 2 or layout.dp_shard == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    out: list[float] = []
+    for end, rank in ((0, owner[0]), (2, owner[-1])):
+        if end == 2 and rank == owner[0]:  # one root holds both ends: priced once, on the embedding
+            out += [0.0, 0.0]
+            continue
+        root = stage_params(model, layout, rank).root
+        ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
+        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
+        # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
+        hooks = cal.fsdp_call_overhead_s
+        out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
+                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + hooks]
+    return out[0], out[1], out[2], out[3]
+
+
+def ends_tp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, gpu_peak_bw: float,
+                  cal: CalibrationProfile, engine: str) -> tuple[float, float, float, float]:
+    """TP communication of the model's ends per micro-batch (embedding F, B, output F, B).
+
+    A vocabulary-split embedding all-reduces its output (m*h) in the forward;
+    the column-split output layer all-reduces its input gradient in the
+    backward. An engine without a vocabulary-parallel loss (MemoryTraits)
+    all-gathers the logits (m*V) to every TP rank and runs the loss over the
+    full vocabulary there: the gather and the extra (1 - 1/t) of the loss's
+    fp32 passes (`output_times` prices V/t) join the output's forward.
+    """
+    if layout.tp == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    d = training.dtype_bytes
+    m = tokens_per_micro_batch(training.seq_len, layout)
+    act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
+    emb = 0.0 if model.tie_embeddings else act
+    out_f = 0.0
+    if not get_engine(engine).memory.vocab_parallel_loss:
+        loss_extra = 3 * 4 * m * model.vocab * (1 - 1 / layout.tp) / (gpu_peak_bw * cal.memory_efficiency)
+        out_f = comm.time_s("all_gather", m * model.vocab * d, ("tp",)) + loss_extra / 2
+        return emb, 0.0, out_f, act + loss_extra / 2
+    return emb, 0.0, out_f, act
