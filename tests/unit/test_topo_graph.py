@@ -57,3 +57,32 @@ def test_fabric_is_a_fat_tree_with_oversubscribed_uplinks():
     _, lat_near, near = rank_path(c, 0, 8)
     _, lat_far, far = rank_path(c, 0, 63)
     assert "spine" in far and "spine" not in near and lat_far > lat_near
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_widest_paths_inside_a_node_match_networkx(name):
+    """An independent reference for the search's own max-bottleneck Dijkstra: inside a node, with the other
+    GPUs and the NICs taken out (neither forwards between two GPUs of a node), the widest path's bottleneck
+    is the one on the path through networkx's maximum spanning tree (a property of bottleneck paths)."""
+    import networkx as nx
+
+    from topologies.graph import widest_path
+
+    c = load_cluster(name)
+    g = node_graph(c)
+    gpus = [v for v in g if g.nodes[v].get("kind") in ("gpu", "cpu-rank")]
+    checked = 0
+    for a in gpus[:8]:
+        for b in gpus[:8]:
+            if a == b:
+                continue
+            ref = nx.Graph()
+            keep = [v for v in g if v in (a, b) or g.nodes[v].get("kind") not in ("gpu", "cpu-rank", "nic")]
+            ref.add_nodes_from(keep)
+            ref.add_edges_from((u, w, {"bw": e["gbytes_per_s"]}) for u in keep for w, e in g[u].items() if w in keep)
+            tree = nx.maximum_spanning_tree(ref, weight="bw")
+            route = nx.shortest_path(tree, a, b)
+            bottleneck = min(ref.edges[u, w]["bw"] for u, w in zip(route, route[1:], strict=False))
+            assert widest_path(g, a, b)[0] == pytest.approx(bottleneck), (a, b)
+            checked += 1
+    assert checked == len(gpus[:8]) * (len(gpus[:8]) - 1)
