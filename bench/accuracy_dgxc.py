@@ -108,11 +108,8 @@ def profiles() -> dict[str, CalibrationProfile]:
 
 
 def simulate(row: DgxcRow, profile: CalibrationProfile):
-    """One row's step; a DGX Cloud row runs with its recipe's userbuffers SM claims (DgxcRow.traits)."""
-    if not isinstance(row, DgxcRow):  # the Megatron-Bridge rows of the GB200 fit: their script's userbuffers SMs
-        import accuracy_holdout
-
-        return accuracy_holdout.simulate_with(row, profile)
+    """One row's step with its recipe's userbuffers SM claims (`traits()`: DGX Cloud rows and the
+    Megatron-Bridge rows of the GB200 fit alike)."""
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
                          traits=row.traits())
 

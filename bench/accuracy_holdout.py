@@ -133,9 +133,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
 from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
 from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
-from dgxc_rows import RING, _stage_layers, _ub  # noqa: E402
+from dgxc_rows import RING, _stage_layers, _ub, recipe_traits  # noqa: E402
 
-from planner.engines import TpOverlapSms, get_engine  # noqa: E402
+from planner.engines import TimeTraits, TpOverlapSms, get_engine  # noqa: E402
 from planner.layout import Layout, balanced_layers  # noqa: E402
 from planner.model.presets import PRESETS  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
@@ -193,6 +193,9 @@ class PerfRow:
 
     def cluster(self) -> Cluster:
         return load_cluster(CLUSTERS[self.gpu], self.gpus)
+
+    def traits(self) -> TimeTraits:
+        return recipe_traits(self.engine, self.ub_sms)
 
 
 def _model(name: str, models: dict, seq: int, no_mtp: bool) -> ModelSpec:
@@ -316,9 +319,8 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
 
 def simulate_with(row: PerfRow, profile):
     """One row's step under `profile`, with its script's userbuffers SM claims where it overlapped TP."""
-    traits = replace(get_engine(row.engine).time, tp_overlap_sms=row.ub_sms) if row.ub_sms is not None else None
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
-                         traits=traits)
+                         traits=row.traits())
 
 
 def results(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, int, int]]:

@@ -111,6 +111,12 @@ UB_CONFIGS: dict[tuple[str, int, bool], TpOverlapSms] = {
 }
 
 
+def recipe_traits(engine: str, ub_sms: TpOverlapSms | None) -> TimeTraits:
+    """The engine's time traits, with a row's userbuffers SM claims where its recipe overlapped TP."""
+    base = get_engine(engine).time
+    return replace(base, tp_overlap_sms=ub_sms) if ub_sms is not None else base
+
+
 @dataclass(frozen=True)
 class DgxcRow:
     id: str
@@ -129,9 +135,7 @@ class DgxcRow:
     ub_sms: TpOverlapSms | None = None  # its userbuffers config's SM claims (module docstring); None: no overlap
 
     def traits(self) -> TimeTraits:
-        """The engine's time traits, with the row's userbuffers config where it overlapped TP."""
-        base = get_engine(self.engine).time
-        return replace(base, tp_overlap_sms=self.ub_sms) if self.ub_sms is not None else base
+        return recipe_traits(self.engine, self.ub_sms)
 
     @property
     def expressible(self) -> bool:
