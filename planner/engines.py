@@ -199,6 +199,8 @@ class Engine:
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
+    # selective recomputation of named modules (Layout.recompute_modules: Megatron-Core's --recompute-modules)
+    recompute_modules: bool = False
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
     # what a step with eager attention runs on, where that is an older release of the engine
     # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
@@ -223,6 +225,9 @@ class Engine:
         if layout.recompute not in self.recompute_kinds:
             return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
                     f"{', '.join(self.recompute_kinds)}")
+        modules = _recompute_modules_refusal(self, model, layout, training)
+        if modules:
+            return modules
         if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
             return (f"engine {self.name} runs context parallelism (cp {layout.cp}) only inside a fused attention "
                     "kernel; use --attention fused or --cp 1")
@@ -357,7 +362,8 @@ ENGINES: dict[str, Engine] = {
                                               tp_overlap_sms=TE_UB_DEFAULT),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
                                     inplace_loss_backward=True, **_PUBLISHED_MEMORY),
-                       executes=False, fp8=TE_FP8, partial_recompute=True, eager_time=MEGATRON_DEEPSPEED_2022,
+                       executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
+                       eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
@@ -377,6 +383,26 @@ ENGINES: dict[str, Engine] = {
                         MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
 }
 ENGINE_NAMES = tuple(ENGINES)
+
+
+def _recompute_modules_refusal(engine: Engine, model: ModelSpec, layout: Layout,
+                               training: TrainingSpec | None) -> str | None:
+    """Why `layout.recompute_modules` cannot run: an engine without Megatron-Core's module list, or a module
+    Megatron-Core's TransformerConfig refuses for this model (mla_up_proj without MLA, moe_act without the
+    grouped-GEMM experts it is written for)."""
+    modules = layout.recompute_modules
+    if not modules:
+        return None
+    named = f"recompute_modules {','.join(modules)}"
+    if not engine.recompute_modules:
+        return (f"engine {engine.name} has no per-module selective recomputation ({named}); it is Megatron-Core's "
+                "--recompute-modules: plan with --engine megatron, or drop --recompute-modules")
+    if "mla_up_proj" in modules and model.mla is None:
+        return f"{named}: mla_up_proj recomputes MLA's up-projections, and {model.name} has no MLA attention"
+    if "moe_act" in modules and (model.moe is None or (training is not None and not training.moe_grouped_gemm)):
+        why = f"{model.name} has no MoE layers" if model.moe is None else "the experts run without grouped GEMM"
+        return f"{named}: Megatron-Core recomputes moe_act only in grouped-GEMM experts, and {why}"
+    return None
 
 
 

@@ -45,6 +45,11 @@ MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # torchtitan's per-op selective checkpointing (planner.memory.activations);
 # full: whole blocks.
 RECOMPUTE_KINDS = ("none", "selective", "op", "full")
+# Megatron-Core's selective recomputation modules (TransformerConfig.recompute_modules), which
+# planner.memory.activations.recomputed_terms and planner.simulate.compute price; with recompute
+# "selective" and no modules named, Megatron's default ["core_attn"] (SELECTIVE_DEFAULT_MODULES).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+SELECTIVE_DEFAULT_MODULES = ("core_attn",)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.
@@ -82,6 +87,10 @@ class Layout:
     # and backward (Megatron-Core's --cpu-offloading-num-layers, Transformer Engine's CPU offload context);
     # 0: none. Optional plan.json key parallel.activation_offload_layers
     activation_offload_layers: int = 0
+    # Megatron-Core's --recompute-modules under recompute "selective" (RECOMPUTE_MODULES), a list that
+    # replaces Megatron's default; (): its default, the core attention. Optional plan.json key
+    # parallel.recompute_modules
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "etp", "micro_batch_size",
@@ -109,6 +118,7 @@ class Layout:
         if self.recompute_layers and self.recompute != "full":
             raise PlanError(f"layout: recompute_layers ({self.recompute_layers}) applies to recompute 'full', "
                             f"got {self.recompute!r}")
+        _check_recompute_modules(self.recompute_modules, self.recompute)
         if not isinstance(self.activation_offload_layers, int) or isinstance(self.activation_offload_layers, bool) \
                 or self.activation_offload_layers < 0:
             raise PlanError("layout: activation_offload_layers must be an integer >= 0, got "
@@ -200,6 +210,7 @@ class Layout:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)  # parallel.ep and parallel.etp among them
         data["layers_per_stage"] = list(self.layers_per_stage)
+        data["recompute_modules"] = list(self.recompute_modules)
         return data
 
     @classmethod
@@ -211,10 +222,44 @@ class Layout:
             if not isinstance(lps, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in lps):
                 raise PlanError(f"parallel.layers_per_stage must be a list of integers, got {lps!r}")
             kwargs["layers_per_stage"] = tuple(lps)
+        if "recompute_modules" in kwargs:  # optional: plans written before it hold Megatron's default
+            modules = kwargs["recompute_modules"]
+            if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+                raise PlanError(f"parallel.recompute_modules must be a list of module names, got {modules!r}")
+            kwargs["recompute_modules"] = tuple(modules)
         return cls(**kwargs)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)}
+
+
+def _check_recompute_modules(modules: tuple[str, ...], recompute: str) -> None:
+    """Layout's rule for recompute_modules: known names, no repeats, only under recompute "selective"."""
+    if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
+        raise PlanError(f"layout: recompute_modules must be a tuple of module names, got {modules!r}")
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise PlanError(f"layout: unknown recompute_modules {unknown}; Megatron-Core's are "
+                        f"{', '.join(RECOMPUTE_MODULES)}")
+    if len(set(modules)) != len(modules):
+        raise PlanError(f"layout: recompute_modules {list(modules)} names a module twice")
+    if modules and recompute != "selective":
+        raise PlanError(f"layout: recompute_modules {list(modules)} apply to recompute 'selective', got {recompute!r}")
+
+
+def selective_modules(layout: Layout) -> tuple[str, ...]:
+    """The modules recomputation redoes in the backward under recompute "selective" (Megatron-Core's list,
+    its default ["core_attn"] when none is named); () under any other kind."""
+    if layout.recompute != "selective":
+        return ()
+    return layout.recompute_modules or SELECTIVE_DEFAULT_MODULES
+
+
+def recompute_fields(kind: str, recompute_layers: int, modules: tuple[str, ...]) -> dict[str, Any]:
+    """Layout fields of one recompute level of a search: `modules` (the pinned --recompute-modules) ride only
+    on the selective level."""
+    return {"recompute": kind, "recompute_layers": recompute_layers,
+            "recompute_modules": modules if kind == "selective" else ()}
 
 
 def recomputed_fraction(layout: Layout, n_layers: int) -> float:

@@ -112,6 +112,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from planner.layout import SELECTIVE_DEFAULT_MODULES
 from planner.model.spec import ModelSpec
 from planner.training import DTYPE_BYTES
 
@@ -145,10 +146,12 @@ def layer_activation_terms(
 ) -> dict[str, float]:
     """Bytes of each saved tensor of one layer for one micro-batch (no recomputation).
 
-    Keys name the tensors of the module docstring; what the attention core
-    keeps (eager scores, or the fused kernel's log-sum-exp) starts with
-    "core_" so selective recomputation can drop it. sp_saves_gathered: see
-    the module docstring (PyTorch's sequence parallel).
+    Keys name the tensors of the module docstring (MLA's attention: `_mla_terms`;
+    MoE layers' pre-MLP norm output: "router_input"); RECOMPUTED_TERMS says
+    which of them each selectively recomputed module drops (what the
+    attention core keeps, eager scores or the fused kernel's log-sum-exp,
+    starts with "core_"). sp_saves_gathered: see the module docstring
+    (PyTorch's sequence parallel).
     """
     d = dtype_bytes
     li = 1 if fp8_inputs else d  # bytes per element of a saved linear input (module docstring: FP8)
@@ -159,13 +162,13 @@ def layer_activation_terms(
     in_div = 1 if sp_saves_gathered else sp_div  # the projections' saved inputs
     h, a = model.hidden, model.n_heads
     drop = model.dropout > 0
-    terms: dict[str, float] = {
-        "norm1_input": r * h / sp_div,
-        "qkv_input": qkv_casts * li * h / in_div,
-        "q_k": d * (model.q_dim + model.kv_dim) / tp,
-        "v": d * model.n_kv_heads * model.v_head_dim / tp,
-        "proj_input": d * model.q_dim / tp,
-    }
+    terms: dict[str, float] = {"norm1_input": r * h / sp_div}
+    if model.mla is None:
+        terms.update({"qkv_input": qkv_casts * li * h / in_div, "q_k": d * (model.q_dim + model.kv_dim) / tp,
+                      "v": d * model.n_kv_heads * model.v_head_dim / tp})
+    else:
+        terms.update(_mla_terms(model, d, li, tp, in_div))
+    terms["proj_input"] = d * model.q_dim / tp
     if fused_attention:
         terms["core_logsumexp"] = FP32_BYTES * a / tp
     else:
@@ -179,7 +182,11 @@ def layer_activation_terms(
         terms["mlp_dropout_mask"] = MASK_BYTES * h / sp_div
     terms["norm2_input"] = r * h / sp_div
     terms["mlp_input"] = mlp_casts * li * h / in_div
-    terms.update(_mlp_terms(model, d, tp))
+    terms.update(_mlp_terms(model, d, tp, fused_swiglu))
+    if model.moe is not None:  # MoE layers: the pre-MLP norm's output feeds the router and shared experts
+        share = model.n_moe_layers / model.n_layers
+        terms["router_input"] = share * d * h / in_div
+        terms["mlp_input"] *= 1 - share
     if fused_swiglu and model.mlp == "swiglu" and model.moe is None:  # fc1's 2f output, the product: 3f
         terms["mlp_inner"] -= d * model.ffn_hidden / tp
     if fp8_inputs and model.moe is None:  # fc2's saved input is one of the f-wide tensors
@@ -187,13 +194,36 @@ def layer_activation_terms(
     return {k: v * tokens for k, v in terms.items()}
 
 
-def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
+def _mla_terms(model: ModelSpec, d: int, li: int, tp: int, in_div: int) -> dict[str, float]:
+    """Per-token bytes MLA's attention keeps before its core (Megatron-Core MLASelfAttention, DeepSeek-V2/V3).
+
+    The input norm is a module of its own (gpt_layer_specs: TENorm ahead of
+    the down projections), whose output the q/kv down projections save
+    ("mla_down_input"); the compressed latents are saved twice by the
+    up projections, which fuse the latent norms (their input and the normed
+    copy), with the rotary key part (64 wide): `mla_latents`, whole on every
+    TP rank. The up projections and RoPE make Q and K (a * (nope + rope))
+    and V (a * v_head_dim), split by t, which the core attention keeps
+    ("mla_q_k", "mla_v").
+    """
+    mla, a = model.mla, model.n_heads
+    latents = 2 * mla.q_lora_rank + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+    return {"mla_down_input": li * model.hidden / in_div, "mla_latents": d * latents,
+            "mla_q_k": d * 2 * a * mla.qk_head_dim / tp, "mla_v": d * a * mla.v_head_dim / tp}
+
+
+def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False) -> dict[str, float]:
     """Per-token bytes of the MLP's inner tensors of an average layer (dense, or MoE experts + router).
 
     MoE layers keep the fp32 router probabilities and the top-k routing map,
     the permuted tokens (top_k copies of the hidden state: the experts'
     input after the dispatch all-to-all), each expert's inner tensors and
     its output kept for the weighted combine; shared experts as a dense MLP.
+    A routed expert's inner tensors are fc1's output (2f with SwiGLU, f with
+    GELU: "experts", with the output) and what its activation saves beyond
+    that input ("expert_act": SwiGLU's silu output and product, 2f, or only
+    the product fc2 keeps, f, when the activation is one fused kernel, as
+    Megatron-Core's weighted_bias_swiglu; GELU's output f).
     Models that mix dense and MoE layers (first dense layers, interleaving)
     are averaged over their layers, as the simulator's average layer is.
     """
@@ -204,12 +234,15 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int) -> dict[str, float]:
     moe = model.moe
     f = model.n_moe_layers / model.n_layers
     shared_ffn = moe.shared_ffn_hidden or moe.expert_ffn_hidden
+    up = 2 if model.mlp == "swiglu" else 1  # fc1's output width, in f
+    expert_f = per_f - (1 if fused_swiglu and model.mlp == "swiglu" else 0)
     terms = {
         "mlp_inner": (1 - f) * dense["mlp_inner"],
         "router_probs": f * (FP32_BYTES + 1) * moe.n_experts,  # fp32 probabilities + boolean routing map
         "moe_permuted": f * d * moe.top_k * model.hidden / tp,  # dispatched copies, the experts' input
-        "experts": f * d * moe.top_k * (model.hidden + per_f * moe.expert_ffn_hidden) / tp,
-        "shared_experts": f * per_f * d * moe.n_shared_experts * shared_ffn / tp,
+        "experts": f * d * moe.top_k * (model.hidden + up * moe.expert_ffn_hidden) / tp,
+        "expert_act": f * d * moe.top_k * (expert_f - up) * moe.expert_ffn_hidden / tp,
+        "shared_experts": f * expert_f * d * moe.n_shared_experts * shared_ffn / tp,
     }
     return {k: v for k, v in terms.items() if v > 0}
 
@@ -234,13 +267,49 @@ def op_saved_terms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1
     return {k: v * tokens for k, v in terms.items()}
 
 
+# Megatron-Core's selective recomputation (TransformerConfig.recompute_modules, --recompute-modules): the
+# saved tensors of `layer_activation_terms` each module drops, read from megatron/core/transformer:
+#   core_attn       the attention core under tensor_parallel.checkpoint / te_checkpoint (attention.py):
+#                   its saved scores (eager) or the fused kernel's log-sum-exp; Q, K, V are its inputs, kept
+#   mla_up_proj     multi_latent_attention.py: the q/kv up projections and RoPE run under
+#                   CheckpointWithoutOutput, whose outputs (Q, K, V, which the core attention saves) are
+#                   freed once the core has run and rebuilt from the kept latents in its backward
+#   layernorm       transformer_layer.py: input_layernorm and pre_mlp_layernorm under
+#                   CheckpointWithoutOutput: the norm's input stays, its output (what the next linear
+#                   saves) is freed. Only norms that are modules of their own: the TE layer specs
+#                   (gpt_layer_specs.py) fuse the norm into the QKV and dense fc1 linears (IdentityOp, nothing
+#                   to drop), so it reaches MLA's input norm and MoE layers' pre-MLP norm
+#   moe_act         moe/experts.py TEGroupedMLP: the activation under CheckpointWithoutOutput; fc1's
+#                   output (the activation's input) stays, the activation's output and internals go
+#   mlp             dense MLP layers under a checkpoint (not MoE layers): the residual input stays, the
+#                   fused norm's output and the MLP's inner tensors go
+#   moe             moe/moe_layer.py: the whole MoE layer under a checkpoint of its input (the norm's output)
+#   shared_experts  moe/moe_layer.py: the shared experts under a checkpoint of the same input
+RECOMPUTED_TERMS: dict[str, tuple[str, ...]] = {
+    "core_attn": ("core_logsumexp", "core_softmax", "core_dropout_mask", "core_dropout_output"),
+    "mla_up_proj": ("mla_q_k", "mla_v"),
+    "layernorm": ("mla_down_input", "router_input"),
+    "moe_act": ("expert_act",),
+    "mlp": ("mlp_input", "mlp_inner"),
+    "moe": ("router_probs", "moe_permuted", "experts", "expert_act", "shared_experts"),
+    "shared_experts": ("shared_experts",),
+}
+
+
+def recomputed_terms(modules: tuple[str, ...]) -> frozenset[str]:
+    """Keys of `layer_activation_terms` that selective recomputation of `modules` drops (RECOMPUTED_TERMS)."""
+    return frozenset(key for module in modules for key in RECOMPUTED_TERMS[module])
+
+
 def layer_activation_bytes(terms: dict[str, float], recompute: str,
-                           op_saved: dict[str, float] | None = None) -> tuple[float, float]:
+                           op_saved: dict[str, float] | None = None,
+                           modules: tuple[str, ...] = SELECTIVE_DEFAULT_MODULES) -> tuple[float, float]:
     """(bytes one layer keeps per micro-batch, transient bytes of recomputing one layer).
 
-    none: every term, nothing recomputed. selective: every term but the
-    attention core's ("core_": eager scores, or the fused kernel's log-sum-exp),
-    which comes back for one layer at a time in the backward.
+    none: every term, nothing recomputed. selective: every term but those
+    the recomputed `modules` drop (RECOMPUTED_TERMS; Megatron's default, the
+    attention core's "core_" terms: eager scores, or the fused kernel's
+    log-sum-exp), which come back for one layer at a time in the backward.
     op: the layer input plus `op_saved` (op_saved_terms); the backward
     rebuilds the rest of one layer.
     full: only the layer input (the norm1 input); the backward rebuilds the
@@ -253,8 +322,9 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
     if recompute == "none":
         return total, 0.0
     if recompute == "selective":
-        core = sum(v for k, v in terms.items() if k.startswith("core_"))
-        return total - core, core
+        dropped_keys = recomputed_terms(modules)
+        dropped = sum(v for k, v in terms.items() if k in dropped_keys)
+        return total - dropped, dropped
     if recompute == "op":
         kept = min(total, terms["norm1_input"] + sum((op_saved or {}).values()))
         return kept, total - kept

@@ -134,7 +134,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from planner.engines import dp_path, get_engine
-from planner.layout import Layout, recomputed_fraction
+from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
     embedding_dropout_bytes,
@@ -274,7 +274,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
                               save_matmuls=eng.op_sac_saves_mm(training)) \
         if layout.recompute == "op" else None
-    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved)
+    per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved, selective_modules(layout))
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())

@@ -59,10 +59,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.layout import Layout, recomputed_fraction
+from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.params import layer_params_split
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.gemm_shapes import (  # gemm_flops, layer_gemms: re-exported for their callers
+    attention_gemms,
+    gemm_flops,  # noqa: F401
+    layer_gemms,  # noqa: F401
+    mlp_gemms,
+    moe_fraction,
+)
+from planner.simulate.recompute import ModuleParts, module_forward_s
 from topologies.hardware import GPUSpec
 
 FUSED_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 matmuls vs 2 in the forward
@@ -160,71 +168,6 @@ def attention_core_times(batch_heads: float, s_q: float, s_kv: float, head_dim: 
     passes = UNFUSED_SCORE_PASSES + (DROPOUT_SCORE_PASSES if dropout > 0 else 0.0)
     scores = memory_time_s(batch_heads * s_q * s_kv * dtype_bytes * passes, gpu, cal)
     return gemms + scores, 2.0 * (gemms + scores)
-
-
-def attention_gemms(model: ModelSpec, m: float, tp: int) -> list[tuple[float, float, float, float]]:
-    """(count, m, n, k) of the attention projections of one layer on one TP rank.
-
-    MLA (DeepSeek-V2/V3): the down projections (q_a, kv_a) are replicated on
-    every TP rank, the up projections (q_b, kv_b) and o are split by heads.
-    """
-    h = model.hidden
-    if model.mla is None:
-        return [(1.0, m, (model.q_dim + 2 * model.kv_dim) / tp, h), (1.0, m, h, model.q_dim / tp)]
-    a, mla = model.n_heads, model.mla
-    out = [(1.0, m, mla.kv_lora_rank + mla.qk_rope_head_dim, h),
-           (1.0, m, a * (mla.qk_nope_head_dim + mla.v_head_dim) / tp, mla.kv_lora_rank),
-           (1.0, m, h, a * mla.v_head_dim / tp)]
-    if mla.q_lora_rank:
-        out += [(1.0, m, mla.q_lora_rank, h), (1.0, m, a * mla.qk_head_dim / tp, mla.q_lora_rank)]
-    else:
-        out.append((1.0, m, a * mla.qk_head_dim / tp, h))
-    return out
-
-
-def moe_fraction(model: ModelSpec) -> float:
-    """Share of the layers whose MLP is the mixture of experts: the simulator's average layer mixes them."""
-    return model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
-
-
-def mlp_gemms(model: ModelSpec, m: float, layout: Layout
-              ) -> tuple[list[tuple[float, float, float, float]], list[tuple[float, float, float, float]]]:
-    """(dense GEMMs, routed-expert GEMMs) of an average layer's MLP on one rank, forward.
-
-    MoE, balanced routing: the MoE block runs on the m/tp tokens of its rank
-    (sequence parallel, as Megatron-Core requires with TP); each token goes to
-    top_k experts, an expert's tokens are gathered over its etp ranks, so a
-    rank runs n_experts/ep experts of m*top_k*etp*ep/(tp*n_experts) tokens,
-    each 1/etp of the expert's width. Shared experts and the router run
-    like the dense MLP. Dense and MoE layers are mixed by `moe_fraction`.
-    """
-    h, tp = model.hidden, layout.tp
-    up = 2 if model.mlp == "swiglu" else 1
-
-    def mlp(count: float, tokens: float, ffn: float) -> list[tuple[float, float, float, float]]:
-        return [(count, tokens, up * ffn, h), (count, tokens, h, ffn)]
-
-    f = moe_fraction(model)
-    dense = mlp(1.0 - f, m, model.ffn_hidden / tp) if f < 1.0 else []
-    if model.moe is None:
-        return dense, []
-    moe = model.moe
-    if moe.n_shared_experts:
-        dense += mlp(f * moe.n_shared_experts, m, (moe.shared_ffn_hidden or moe.expert_ffn_hidden) / tp)
-    dense.append((f, m, moe.n_experts, h))  # router
-    tokens = m * moe.top_k * layout.etp * layout.ep / (tp * moe.n_experts)
-    experts = mlp(f * moe.n_experts / layout.ep, tokens, moe.expert_ffn_hidden / layout.etp)
-    return dense, experts
-
-
-def layer_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
-    """(count, m, n, k) of every forward GEMM of an average layer on one rank (see the module docstring)."""
-    dense, experts = mlp_gemms(model, m, layout)
-    return tuple(attention_gemms(model, m, layout.tp) + dense + experts)
-
-
-def gemm_flops(gemms: tuple[tuple[float, float, float, float], ...]) -> float:
-    return sum(2.0 * count * m * n * k for count, m, n, k in gemms)
 
 
 def tokens_per_micro_batch(seq_len: int, layout: Layout) -> float:
@@ -337,9 +280,23 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
         skipped = _op_recomputed_gemms(model, m, layout) if op_saves_mm else attention_gemms(model, m, tp) + dense
         redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
         recompute = redo + memory_time_s(redo_cast * cast_scale, gpu, cal) + elementwise
+    elif layout.recompute == "selective":  # Megatron-Core's modules (planner.simulate.recompute)
+        squeeze = COMPILE_ELEMENTWISE_FACTOR if compile else 1.0  # as `elementwise` and the casts are priced
+
+        def gemms_s(shapes) -> float:  # GEMMs of one module with their 8-bit casts
+            t, cast, _ = _block_gemms_s(shapes, peak, fp8_peak, cal)
+            return t + memory_time_s(cast * cast_scale, gpu, cal) * squeeze
+
+        def bytes_s(n_bytes: float) -> float:
+            return memory_time_s(n_bytes, gpu, cal) * squeeze
+
+        experts_s = expert_gemms + memory_time_s(expert_cast_f * cast_scale, gpu, cal) * squeeze
+        parts = ModuleParts(core_f, gemms_s, bytes_s, experts_s, moe_memory * squeeze)
+        recompute = sum(module_forward_s(model, module, m, dtype_bytes, layout, parts)
+                        for module in selective_modules(layout))
     else:
         share = recomputed_fraction(layout, model.n_layers)
-        recompute = {"none": 0.0, "selective": core_f, "full": share * forward}[layout.recompute]
+        recompute = {"none": 0.0, "full": share * forward}[layout.recompute]
     # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
     return PassTimes(forward, gemms + cast_b + core_b + 2.0 * elementwise, gemms, recompute)
 

@@ -1,0 +1,89 @@
+"""Selective recomputation of Megatron-Core's named modules: the forward work each redoes in the backward.
+
+Megatron-Core's `--recompute-granularity selective --recompute-modules ...`
+(TransformerConfig.recompute_modules, default ["core_attn"]) wraps modules of a
+layer in checkpoints; what each drops from memory is
+planner.memory.activations.RECOMPUTED_TERMS, what it costs again is here,
+priced with the same GEMM and memory-bound rates as the layer's forward
+(planner.simulate.compute.layer_times adds the sum to the backward's
+recompute time, planner.simulate.step the communication of `recomputed_comm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.layout import Layout, selective_modules
+from planner.model.spec import ModelSpec
+from planner.simulate.gemm_shapes import dense_mlp_gemms, mla_up_gemms, moe_fraction, shared_expert_gemms
+
+
+@dataclass(frozen=True)
+class ModuleParts:
+    """What `layer_times` already priced that `module_forward_s` reuses: the attention core's forward, how a
+    module's GEMMs and memory-bound bytes are priced, and the routed experts' GEMMs (with their casts) and MoE
+    memory-bound work (router, permutation) of the average layer."""
+
+    core_f: float
+    gemms_s: Callable[[list[tuple[float, float, float, float]]], float]
+    bytes_s: Callable[[float], float]
+    experts_s: float
+    moe_memory_s: float
+
+
+def module_forward_s(model: ModelSpec, module: str, m: float, dtype_bytes: int, layout: Layout,
+                     parts: ModuleParts) -> float:
+    """Forward GPU time of one of Megatron-Core's selectively recomputed modules in the average layer, which its
+    recomputation runs again in the backward (what each drops: planner.memory.activations.RECOMPUTED_TERMS).
+
+    core_attn: the attention core. mla_up_proj: the q and kv up projections
+    (RoPE's elementwise pass is left out). layernorm: a read and a write of
+    the hidden state per norm that is a module of its own (MLA's input norm,
+    MoE layers' pre-MLP norm; the others are fused into their linears).
+    moe_act: the routed experts' activation (the same passes per element as
+    the forward's). mlp: the dense layers' MLP (GEMMs, activation, its
+    fused norm). moe: the MoE layers' router, permutation, routed and shared
+    experts. shared_experts: the shared experts' GEMMs and activation. The
+    communication inside a recomputed mlp or moe is priced by
+    planner.simulate.step (`recomputed_comm`).
+    """
+    h, tp, d = model.hidden, layout.tp, dtype_bytes
+    act_passes = 3.0 if model.mlp == "swiglu" else 2.0
+    sp_div = tp if layout.sequence_parallel else 1
+    f = moe_fraction(model)
+    moe = model.moe
+    routed_ffn = f * moe.top_k * moe.expert_ffn_hidden if moe is not None else 0.0
+    shared_ffn = f * moe.n_shared_experts * (moe.shared_ffn_hidden or moe.expert_ffn_hidden) if moe else 0.0
+    if module == "core_attn":
+        return parts.core_f
+    if module == "mla_up_proj":
+        return parts.gemms_s(mla_up_gemms(model, m, tp)) if model.mla is not None else 0.0
+    if module == "layernorm":
+        norms = (1.0 if model.mla is not None else 0.0) + f
+        return parts.bytes_s(norms * 2 * d * m * h / sp_div)
+    if module == "moe_act":
+        return parts.bytes_s(d * m * act_passes * routed_ffn / tp)
+    if module == "mlp":
+        return parts.gemms_s(dense_mlp_gemms(model, m, tp)) + parts.bytes_s(
+            d * m * (1.0 - f) * (act_passes * model.ffn_hidden / tp + 2 * h / sp_div))
+    if module == "shared_experts":
+        return parts.gemms_s(shared_expert_gemms(model, m, tp)) + parts.bytes_s(d * m * act_passes * shared_ffn / tp)
+    if module == "moe":
+        if moe is None:
+            return 0.0
+        router = [(f, m, moe.n_experts, h)]
+        return (parts.gemms_s(shared_expert_gemms(model, m, tp) + router) + parts.experts_s + parts.moe_memory_s
+                + parts.bytes_s(d * m * act_passes * (routed_ffn + shared_ffn) / tp))
+    raise ValueError(f"unknown recompute module {module!r}")
+
+
+def recomputed_comm(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(TP points, expert all-to-all passes) the selectively recomputed modules of the average layer run again
+    in the backward: a recomputed dense MLP repeats its TP point (sequence parallel's all-gather before fc1
+    and reduce-scatter after fc2, or the all-reduce) in the dense layers; a recomputed MoE layer its TP point
+    and its dispatch and combine, whose price `expert_comm_s` already weighs by the MoE layers' share."""
+    modules = selective_modules(layout)
+    f = moe_fraction(model)
+    points = (1.0 - f) * ("mlp" in modules) + f * ("moe" in modules)
+    return points, 1.0 if "moe" in modules and model.moe is not None else 0.0
