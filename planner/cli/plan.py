@@ -11,7 +11,7 @@ import click
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
-from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS
+from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES
 from planner.search.candidates import Pins
 from planner.training import ATTENTION_KINDS, PRECISIONS
 from topologies.errors import InfeasibleError, UsageError
@@ -19,6 +19,13 @@ from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
 SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "zb-v": "zb-v"}
+
+
+def parse_recompute_modules(text: str | None) -> tuple[str, ...] | None:
+    """--recompute-modules core_attn,moe_act -> ("core_attn", "moe_act"); Pins checks the names."""
+    if text is None:
+        return None
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _common(f):
@@ -70,6 +77,9 @@ def _common(f):
 @click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
               help="Pin activation recomputation: selective = attention core (Megatron), op = per-op "
                    "selective checkpointing (torchtitan), full = whole blocks. Default: searched.")
+@click.option("--recompute-modules", "recompute_modules", default=None, metavar="MODULE,...",
+              help="Megatron-Core's selective recomputation modules (--engine megatron): "
+                   f"{', '.join(RECOMPUTE_MODULES)}; implies --recompute selective. Default: core_attn.")
 @click.option("--attention", type=click.Choice(ATTENTION_KINDS), default=None,
               help="Attention kernel: fused (flash/cuDNN) or eager (softmax over materialized scores). "
                    "Default: the engine's.")
@@ -91,7 +101,7 @@ def _common(f):
               help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
          dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
-         recompute, attention, compile_, async_tp, top, output, png, headroom_pct, tokens, price):
+         recompute, recompute_modules, attention, compile_, async_tp, top, output, png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -107,9 +117,12 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
     check_output(png, "--png", image=True)
     gpu_range = parse_gpus(gpus)
     train_tokens = parse_tokens(tokens) if tokens is not None else None
+    modules = parse_recompute_modules(recompute_modules)
+    if modules is not None and recompute is None:  # as Megatron-Bridge: naming modules selects "selective"
+        recompute = "selective"
     pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
                 recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
-                virtual_stages=virtual_stages, ep=ep, etp=etp)
+                virtual_stages=virtual_stages, ep=ep, etp=etp, recompute_modules=modules)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct),
                           TrainingOptions(precision, attention or "", compile_, async_tp))

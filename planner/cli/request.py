@@ -54,6 +54,20 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
         raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
 
 
+def check_recompute_modules(pins: Pins, engine: str, model) -> None:
+    """--recompute-modules the engine or the model cannot run (Engine.refusal's rule) as a UsageError."""
+    from planner.engines import get_engine
+    from planner.layout import Layout
+    from topologies.errors import UsageError
+
+    if not pins.recompute_modules:
+        return
+    layout = Layout(recompute="selective", recompute_modules=pins.recompute_modules)
+    refusal = get_engine(engine).refusal(model, layout, "bf16", True)
+    if refusal:
+        raise UsageError(f"--recompute-modules: {refusal}")
+
+
 def _check_async_tp(options: TrainingOptions, engine: str, gpu) -> None:
     """--async-tp exists in torchtitan (an Inductor pass, so --compile) and Megatron-Core (TE userbuffers)."""
     from planner.engines import ENGINES, get_engine
@@ -115,6 +129,7 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     options = request.options
     check_training_options(options, request.engine, cluster.gpu, request.pins.recompute)
     check_async_tp_pins(options, request.pins)
+    check_recompute_modules(request.pins, request.engine, model)
     result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
                     top or request.top, request.usable_fraction, precision=options.precision,
                     attention=options.attention, compile=options.compile, async_tp=options.async_tp)

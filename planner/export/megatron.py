@@ -168,9 +168,11 @@ def _batch_args(plan: Plan) -> list[Arg]:
 
 
 def _recompute_args(plan: Plan) -> list[Arg]:
-    """selective recomputes the attention core (Megatron's default module core_attn), full every layer."""
+    """selective recomputes the layout's modules (--recompute-modules, space-separated as Megatron's nargs='*'
+    option takes them; none named: Megatron's default core_attn), full every layer."""
     if plan.layout.recompute == "selective":
-        return [("--recompute-granularity", "selective")]
+        modules = [("--recompute-modules", *plan.layout.recompute_modules)] if plan.layout.recompute_modules else []
+        return [("--recompute-granularity", "selective"), *modules]
     if plan.layout.recompute == "full" and plan.layout.recompute_layers:  # the first N layers of each chunk
         return [("--recompute-granularity", "full"), ("--recompute-method", "block"),
                 ("--recompute-num-layers", str(plan.layout.recompute_layers))]

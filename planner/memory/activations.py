@@ -168,7 +168,7 @@ def layer_activation_terms(
                       "v": d * model.n_kv_heads * model.v_head_dim / tp})
     else:
         terms.update(_mla_terms(model, d, li, tp, in_div))
-    terms["proj_input"] = d * model.q_dim / tp
+    terms["proj_input"] = d * model.n_heads * model.v_head_dim / tp  # the core's output: a*d, MLA a*v_head_dim
     if fused_attention:
         terms["core_logsumexp"] = FP32_BYTES * a / tp
     else:

@@ -58,6 +58,7 @@ from planner.layout import (
     Layout,
     balanced_layers,
     rank_chunks,
+    recompute_fields,
     recomputed_fraction,
     recomputed_share,
 )
@@ -76,6 +77,7 @@ from planner.simulate.compute import (
     tokens_per_micro_batch,
 )
 from planner.simulate.host import layer_host_scale
+from planner.simulate.recompute import recomputed_comm
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 
@@ -139,10 +141,11 @@ class StepBound:
     """
 
     def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str,
-                 attention: str = "") -> None:
+                 attention: str = "", recompute_modules: tuple[str, ...] = ()) -> None:
         # Price the bound at the engine's speed, as simulate_step does; a faster
         # base profile would stay a valid bound but prune far less.
         self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
+        self.recompute_modules = recompute_modules  # the search's --recompute-modules, on its selective level
         self.engine = get_engine(engine)
         self.traits = self.engine.time_for(attention)
         self.collectives = StepComm(cluster, Layout(), self.cal).model
@@ -155,8 +158,8 @@ class StepBound:
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
-        return self.for_shape(layout, training).seconds(layout.micro_batch_size,
-                                                        (layout.recompute, layout.recompute_layers))
+        return self.for_shape(layout, training).seconds(
+            layout.micro_batch_size, (layout.recompute, layout.recompute_layers, layout.recompute_modules))
 
     def for_shape(self, shape: Layout, training: TrainingSpec) -> ShapeBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
@@ -296,15 +299,18 @@ class StepBound:
              ) -> tuple[float, float, float, float]:
         """(GPU forward, GPU backward, TP time in F, TP time in B) of one layer and micro-batch.
 
-        recompute: a kind, or (kind, recompute_layers) for partial full recomputation.
+        recompute: a kind, or (kind, recompute_layers) for partial full recomputation, or (kind,
+        recompute_layers, recompute_modules); else the search's recompute_modules ride on "selective".
         """
         kind, n = recompute_level(recompute)
+        modules = recompute[2] if isinstance(recompute, tuple) and len(recompute) > 2 else self.recompute_modules
         key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
-               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n,
+               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n, modules,
                shape.pp * shape.virtual_stages if n else 0, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
-            layout = shape.trusted_replace(micro_batch_size=micro_batch_size, recompute=kind, recompute_layers=n)
+            layout = shape.trusted_replace(micro_batch_size=micro_batch_size,
+                                           **recompute_fields(kind, n, modules))
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
@@ -317,7 +323,8 @@ class StepBound:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
                 point = StepComm(self.cluster, Layout.trusted(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
             hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
-            recomputed = 2 * point * recomputed_fraction(layout, self.model.n_layers)
+            recomputed = point * (2 * recomputed_fraction(layout, self.model.n_layers)
+                                  + recomputed_comm(self.model, layout)[0])
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
                                       recomputed + max(0.0, 2 * point - hidden))
         return hit
@@ -383,7 +390,7 @@ class StepBound:
 
 def recompute_level(recompute: str | tuple[str, int]) -> tuple[str, int]:
     """(kind, recompute_layers) of a search level: a kind alone recomputes every layer it names."""
-    return (recompute, 0) if isinstance(recompute, str) else recompute
+    return (recompute, 0) if isinstance(recompute, str) else (recompute[0], recompute[1])
 
 
 class ShapeBound:

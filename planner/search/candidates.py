@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import gcd
 
-from planner.layout import OFFLOAD_KINDS, PP_SCHEDULES, RECOMPUTE_KINDS, Layout, divisors
+from planner.layout import OFFLOAD_KINDS, PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, Layout, divisors
 from planner.model.spec import ModelSpec
 from topologies.errors import UsageError
 
@@ -86,6 +86,8 @@ class Pins:
     offload: str | None = None
     ep: int | None = None  # expert parallelism (MoE)
     etp: int | None = None  # expert tensor parallelism (MoE)
+    # Megatron-Core's --recompute-modules: on every layout whose recompute is "selective" (Layout.recompute_modules)
+    recompute_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages", "ep", "etp"):
@@ -99,7 +101,21 @@ class Pins:
             value = getattr(self, key)
             if value is not None and value not in allowed:
                 raise UsageError(f"--{key.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
+        self._check_recompute_modules()
         self._check_consistency()
+
+    def _check_recompute_modules(self) -> None:
+        modules = self.recompute_modules
+        if modules is None:
+            return
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown or not modules or len(set(modules)) != len(modules):
+            why = f"unknown {', '.join(unknown)}" if unknown else "a module named twice" if modules else "no module"
+            raise UsageError(f"--recompute-modules {','.join(modules)}: {why}; Megatron-Core's modules are "
+                             f"{', '.join(RECOMPUTE_MODULES)}")
+        if self.recompute != "selective":
+            raise UsageError(f"--recompute-modules {','.join(modules)} names what selective recomputation redoes, "
+                             f"but --recompute is {self.recompute}; use --recompute selective (or leave it out)")
 
     def _check_consistency(self) -> None:
         if self.zero_stage == 0 and self.dp_shard not in (None, 1):

@@ -37,7 +37,8 @@ def describe(layout: Layout) -> str:
     text = " x ".join(parts) + _experts(layout) + f", ZeRO-{layout.zero_stage}, micro-batch {layout.micro_batch_size}"
     if layout.recompute != "none":
         text += f", {layout.recompute} recompute" + (
-            f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "")
+            f" of {layout.recompute_layers} layers per chunk" if layout.recompute_layers else "") + (
+            f" ({', '.join(layout.recompute_modules)})" if layout.recompute_modules else "")
     if layout.pp > 1:
         text += f", {layout.pp_schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     if layout.offload != "none":

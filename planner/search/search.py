@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.engines import get_engine
-from planner.layout import Layout, partial_recompute_options
+from planner.layout import Layout, partial_recompute_options, recompute_fields
 from planner.memory.estimate import default_other_bytes
 from planner.memory.states import model_state_bytes
 from planner.model.spec import ModelSpec
@@ -195,7 +195,9 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine, attention), usable_fraction=usable_memory_fraction,
+                   bound=StepBound(model, cluster, calibration, engine, attention,
+                                   (pins.recompute_modules or ()) if pins else ()),
+                   usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile, async_tp=async_tp)
     offload = offload_option(ctx.pins)
     families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
@@ -293,8 +295,8 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
                 heapq.heappush(queue, (_bound(sh, mb, levels[found]), (1, serial), _CANDIDATE, (sh, mb, found, True)))
                 continue
         layout = with_stage_layers(ctx.model, sh.layout.trusted_replace(
-            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb, recompute=levels[level][0],
-            recompute_layers=levels[level][1]))
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
+            **recompute_fields(*levels[level], ctx.pins.recompute_modules or ())))
         tick = time.perf_counter()
         result = simulate_step(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, engine=ctx.engine)
         ctx.stats.simulate_s += time.perf_counter() - tick
@@ -320,7 +322,7 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
     level = max([level, *smaller])
     while level < len(recomputes):
         layout = sh.layout.trusted_replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
-                                   recompute=recomputes[level][0], recompute_layers=recomputes[level][1])
+                                           **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ()))
         memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:

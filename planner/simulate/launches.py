@@ -61,9 +61,11 @@ how many of those carry gradients.
   activation, fc2 and slice: 4 per expert plus the split and concatenation.
 * shared experts: fc1, activation, fc2 and the add onto the routed output: 4.
 
-Selective recomputation (Megatron's core-attention recompute) runs the
-attention core's forward again inside the backward; full recomputation's
-extra forward is `planner.simulate.host`'s.
+Selective recomputation (Megatron-Core's modules, default the core
+attention: planner.simulate.recompute) runs each recomputed module's forward
+operations again inside the backward (`recompute_ops`; MLA's up projections:
+its projection operations but the two down projections, their norms and the
+output GEMM); full recomputation's extra forward is `planner.simulate.host`'s.
 
 CUDA graphs (a recipe option: `TrainingSpec.cuda_graphs`) replay what was
 captured as one launch per graph. Static shapes are capturable: a whole layer
@@ -79,7 +81,7 @@ per pass in their place, attention, dispatch and experts eager.
 
 from __future__ import annotations
 
-from planner.layout import Layout
+from planner.layout import Layout, selective_modules
 from planner.model.spec import ModelSpec
 
 NORM_OPS = 1
@@ -105,6 +107,8 @@ GROUPED_EXPERT_OPS = 6
 SEQUENTIAL_EXPERT_OPS = 4  # per local expert, plus SEQUENTIAL_MERGE_OPS
 SEQUENTIAL_MERGE_OPS = 2
 SHARED_EXPERT_OPS = 4
+MOE_ACT_OPS = 2  # of GROUPED_EXPERT_OPS: the activation and the probability scaling
+MLA_UP_OPS = MLA_PROJECTION_OPS - 5  # but the q/kv down projections, their norms and the output GEMM
 GRAPH_REPLAY_OPS = 1
 
 DENSE_REFERENCE_OPS = 2 * NORM_OPS + 2 * RESIDUAL_OPS + GQA_PROJECTION_OPS + FUSED_CORE_OPS + DENSE_MLP_OPS
@@ -147,6 +151,25 @@ def attention_ops(model: ModelSpec, fused_attention: bool) -> int:
     return projections + (FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS)
 
 
+def recompute_ops(model: ModelSpec, layout: Layout, fused_attention: bool, grouped_gemm: bool = True,
+                  router_fusion: bool = False) -> float:
+    """Forward operations of the average layer that selective recomputation of Megatron-Core's modules runs
+    again in the backward (module docstring)."""
+    f = model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
+    per_module = {
+        "core_attn": FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS,
+        "mla_up_proj": MLA_UP_OPS if model.mla is not None else 0,
+        "layernorm": NORM_OPS * ((1 if model.mla is not None else 0) + f),
+        "moe_act": f * MOE_ACT_OPS,
+        "mlp": (1.0 - f) * DENSE_MLP_OPS,
+        "shared_experts": f * SHARED_EXPERT_OPS if model.moe is not None and model.moe.n_shared_experts else 0.0,
+    }
+    if model.moe is not None:
+        (static, _), (routed, _) = moe_mlp_ops(model, layout, grouped_gemm, router_fusion)
+        per_module["moe"] = f * (static + routed)
+    return sum(per_module.get(module, 0.0) for module in selective_modules(layout))
+
+
 def moe_mlp_ops(model: ModelSpec, layout: Layout, grouped_gemm: bool = True, router_fusion: bool = False
                 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """One MoE layer's MLP as ((forward, gradient-path) operations static shapes let a CUDA graph
@@ -170,8 +193,8 @@ def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_grap
     f = model.n_moe_layers / model.n_layers if model.moe is not None else 0.0
     dense = common + DENSE_MLP_OPS
     graph = float(GRAPH_REPLAY_OPS)
-    # selective recomputation runs the attention core's forward once more inside the backward
-    redo = (FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS) if layout.recompute == "selective" else 0
+    # selective recomputation runs its modules' forward once more inside the backward
+    redo = recompute_ops(model, layout, fused_attention, grouped_gemm, router_fusion)
     if not f:
         return (graph, graph) if cuda_graphs else (float(dense), 2.0 * dense + redo)
     (static, static_grad), (routed, routed_grad) = moe_mlp_ops(model, layout, grouped_gemm,

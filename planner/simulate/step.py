@@ -59,6 +59,7 @@ from planner.simulate.compute import (
 from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
+from planner.simulate.recompute import recomputed_comm
 from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -134,9 +135,10 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     act = m * model.hidden * d
     comm_f, comm_b = dict.fromkeys(LAYER_COMM_KEYS, 0.0), dict.fromkeys(LAYER_COMM_KEYS, 0.0)
     calls_f = calls_b = 0
+    redo_points, redo_a2a = recomputed_comm(model, layout)  # selectively recomputed mlp / moe modules
     if layout.tp > 1:
         per_point = 2 if layout.sequence_parallel else 1
-        points_b = 2 + 2 * recomputed_fraction(layout, model.n_layers)
+        points_b = 2 + 2 * recomputed_fraction(layout, model.n_layers) + redo_points
         point = comm.tp_point_s(act, layout.sequence_parallel)
         # the backward's own 2 points can hide under tp_hidden_s; recomputed forward points cannot
         comm_f["tp_comm"] = 2 * point
@@ -154,11 +156,12 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         calls_f, calls_b = calls_f + layout.cp - 1, calls_b + 2 * (layout.cp - 1)
     if model.moe is not None and layout.ep * layout.etp > 1:
         ep_s, calls = expert_comm_s(model, layout, comm, act)
-        comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_s
+        ep_b = ep_s * (1.0 + redo_a2a)  # a recomputed MoE layer dispatches and combines again
+        comm_f["ep_comm"], comm_b["ep_comm"] = ep_s, ep_b
         if training.moe_a2a_overlap:  # one micro-batch's forward runs beside another's backward: each
             # pass's all-to-alls hide under the other pass's compute (warm-up and cool-down passes ignored)
-            comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_s - fwd_s)
-        calls_f, calls_b = calls_f + calls, calls_b + calls
+            comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_b - fwd_s)
+        calls_f, calls_b = calls_f + calls, calls_b + round(calls * (1.0 + redo_a2a))
     if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
