@@ -64,8 +64,9 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
 * MoE rows run their Megatron-Bridge preset's MoE options
   (bench/bridge_moe_recipes.py): router fusion, the CUDA graph scope
   (attention + router, or router + dispatch preprocessing only), the expert
-  all-to-all overlap, DeepSeek-V3's own pipeline split; the flex dispatcher
-  (HybridEP/DeepEP) and recompute_modules are listed per row, not modelled.
+  all-to-all overlap, DeepSeek-V3's own pipeline split, the selectively
+  recomputed modules (Layout.recompute_modules); the flex dispatcher
+  (HybridEP/DeepEP) is listed per row, not modelled.
 
 Every expressible row prints its predicted peak memory per GPU against the
 GPU's memory (and the measured peak where the source gives one); the last
@@ -227,6 +228,7 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
                   tflops_per_token=rec["model_tflops_per_gpu"] / tps if rec["model_tflops_per_gpu"] else None,
                   memory_gib=rec.get("memory_gib"), unmodelled=", ".join(unmodelled),
                   ga_mismatch=bool(rec.get("ga")) and rec["ga"] * (gpus // (tp * pp * cp)) * mb != gbs)
+    modules: tuple[str, ...] = ()  # Megatron-Core's selectively recomputed modules, where the recipe names them
     if rec["precision"] == "nvfp4":
         return PerfRow(model_spec=None, training=None, layout=None, reason="NVFP4: no 4-bit GEMM precision", **common)
     model = _model(rec["model"], models, seq, bool(rec.get("no_mtp")))
@@ -247,6 +249,7 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
         training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,
                                     moe_router_graphs=preset.router_only_graphs, moe_a2a_overlap=preset.a2a_overlap)
         common["moe_recipe"] = ", ".join(moe_unmodelled(preset))
+        modules = preset.recompute_modules
     if rec.get("recompute") == "selective-layer":
         return PerfRow(model_spec=model, training=training, layout=None,
                        reason="checkpointing every 2nd block: a partial full recompute torchtitan's engine lacks",
@@ -261,12 +264,15 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
                        reason=f"{model.n_layers} layers over pp*vp = {pp * vp} chunks leaves an empty chunk", **common)
     dp = gpus // (tp * pp * cp)
     recompute = rec.get("recompute") or ("selective" if nemo1 and rec["model"] == "gpt3-175b" else "none")
+    if modules:  # the Bridge preset's selective recomputation (bench/bridge_moe_recipes.py)
+        recompute = "selective"
     try:
         layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, ep=ep, zero_stage=3 if rec["fsdp"] else (1 if dp > 1 else 0),
                         micro_batch_size=mb, grad_accum_steps=gbs // (dp * mb), recompute=recompute,
                         sequence_parallel=tp > 1, pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b",
                         virtual_stages=vp, layers_per_stage=lps,
-                        activation_offload_layers=rec.get("activation_offload_layers") or 0)
+                        activation_offload_layers=rec.get("activation_offload_layers") or 0,
+                        recompute_modules=modules)
         cluster = load_cluster(CLUSTERS[rec["system"]], gpus)
         validate(model, cluster, training, layout)
         refusal = get_engine(common["engine"]).refusal(model, layout, "bf16", True, training)

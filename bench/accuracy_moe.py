@@ -107,13 +107,13 @@ MOE_PARAMETERS = (  # (name, initial, lower, upper)
 TARGET_MAPE = 0.20
 # What each (model, GPU) recipe runs beyond the README's table, from the scripts the rows name
 # (dgxc-benchmarking launch.sh -> NeMo scripts/performance/llm/pretrain_*.py at the pinned commit):
-# DeepSeek-V3 (NeMo 7a8f1cc): selective recompute of core_attn on GB200 (mla_up_proj on H100, not
-# priced); on GB200 the attention is the unfused one: Transformer Engine 2.2-2.4 disables cuDNN's fused
+# DeepSeek-V3 (NeMo 7a8f1cc): selective recompute of core_attn on GB200, of mla_up_proj on H100
+# (Layout.recompute_modules); on GB200 the attention is the unfused one: Transformer Engine 2.2-2.4 disables cuDNN's fused
 # attention on sm100 for head_dim > 128 (MLA's query/key heads are 192 wide) and FlashAttention for
 # head_dim_qk != head_dim_v (fused_attn.cpp, dot_product_attention/utils.py), leaving
 # UnfusedDotProductAttention. Grok-1 (NeMo 6f2c6fd): no recompute, fused attention.
 RECIPES = {
-    ("dsv3", "h100"): {"recompute": "none", "attention": "fused"},
+    ("dsv3", "h100"): {"recompute": "selective", "recompute_modules": ("mla_up_proj",), "attention": "fused"},
     ("dsv3", "gb200"): {"recompute": "selective", "attention": "eager"},
     ("grok1", "h100"): {"recompute": "none", "attention": "fused"},
     ("grok1", "gb200"): {"recompute": "none", "attention": "fused"},
@@ -211,7 +211,8 @@ def _row(rec: dict[str, Any]) -> MoERow:
         layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, zero_stage=1 if dp > 1 else 0, ep=ep, etp=etp,
                         micro_batch_size=mb, grad_accum_steps=gbs // (dp * mb), sequence_parallel=tp > 1,
                         pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
-                        recompute=recipe["recompute"], layers_per_stage=_stage_layers(family, model.n_layers, pp * vp))
+                        recompute=recipe["recompute"], recompute_modules=recipe.get("recompute_modules", ()),
+                        layers_per_stage=_stage_layers(family, model.n_layers, pp * vp))
         training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
                                 attention=recipe["attention"], grad_dtype="bf16",
                                 cuda_graphs=(family, gpu) in CUDA_GRAPHS, moe_grouped_gemm=release not in NO_GROUPED_GEMM,

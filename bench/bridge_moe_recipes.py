@@ -16,9 +16,14 @@ whose batch the table gives) and their *_llm_pretrain.py:
   dispatcher's preprocessing, attention eager (TrainingSpec.moe_router_graphs);
 * moe_a2a_overlap (Megatron-Core --overlap-moe-expert-parallel-comm):
   TrainingSpec.moe_a2a_overlap;
+* recompute_modules ("mla_up_proj", "moe_act", "layernorm"): the
+  performance scripts' set_workload_base_configs turns
+  recompute_granularity "selective" on with them (DeepSeek-V3's common
+  settings set it too), and the list replaces Megatron-Core's default
+  ["core_attn"]: Layout.recompute_modules, priced by
+  planner.memory.activations.RECOMPUTED_TERMS and planner.simulate.recompute;
 * moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
-  dispatcher instead of the all-to-all one) and recompute_modules
-  ("mla_up_proj", "moe_act", "layernorm", "mlp"): listed, not modelled.
+  dispatcher instead of the all-to-all one): listed, not modelled.
 
 GPT-OSS kernels, checked in the sources because its rows are predicted fast:
 attention with learnable sinks (softmax_type "learnable", 128-token window
@@ -53,7 +58,7 @@ class MoeRecipe:
     router_only_graphs: bool = False  # scope moe_router/moe_preprocess only
     a2a_overlap: bool = False
     dispatcher: str = "alltoall"  # alltoall | hybridep | deepep
-    recompute_modules: tuple[str, ...] = ()
+    recompute_modules: tuple[str, ...] = ()  # selective recomputation of these modules (none: no recompute)
 
 
 _HYBRID = "hybridep"
@@ -108,8 +113,6 @@ def unmodelled(r: MoeRecipe) -> list[str]:
     out = []
     if r.dispatcher != "alltoall":
         out.append(f"{r.dispatcher} dispatcher")
-    if r.recompute_modules:
-        out.append(f"recompute {'+'.join(r.recompute_modules)}")
     return out
 
 

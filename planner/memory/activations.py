@@ -185,7 +185,7 @@ def layer_activation_terms(
     terms.update(_mlp_terms(model, d, tp, fused_swiglu))
     if model.moe is not None:  # MoE layers: the pre-MLP norm's output feeds the router and shared experts
         share = model.n_moe_layers / model.n_layers
-        terms["router_input"] = share * d * h / in_div
+        terms["router_input"] = share * terms["mlp_input"]
         terms["mlp_input"] *= 1 - share
     if fused_swiglu and model.mlp == "swiglu" and model.moe is None:  # fc1's 2f output, the product: 3f
         terms["mlp_inner"] -= d * model.ffn_hidden / tp
