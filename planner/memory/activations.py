@@ -187,8 +187,6 @@ def layer_activation_terms(
         share = model.n_moe_layers / model.n_layers
         terms["router_input"] = share * terms["mlp_input"]
         terms["mlp_input"] *= 1 - share
-    if fused_swiglu and model.mlp == "swiglu" and model.moe is None:  # fc1's 2f output, the product: 3f
-        terms["mlp_inner"] -= d * model.ffn_hidden / tp
     if fp8_inputs and model.moe is None:  # fc2's saved input is one of the f-wide tensors
         terms["mlp_inner"] -= (d - li) * model.ffn_hidden / tp
     return {k: v * tokens for k, v in terms.items()}
@@ -227,7 +225,8 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False) ->
     Models that mix dense and MoE layers (first dense layers, interleaving)
     are averaged over their layers, as the simulator's average layer is.
     """
-    per_f = 4 if model.mlp == "swiglu" else 2  # saved tensors of width f per token
+    # saved tensors of width f per token; one fewer when SwiGLU is one fused kernel (fc1's 2f output, the product)
+    per_f = (4 if model.mlp == "swiglu" else 2) - (1 if fused_swiglu and model.mlp == "swiglu" else 0)
     dense = {"mlp_inner": per_f * d * model.ffn_hidden / tp}
     if model.moe is None:
         return dense
@@ -235,14 +234,13 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False) ->
     f = model.n_moe_layers / model.n_layers
     shared_ffn = moe.shared_ffn_hidden or moe.expert_ffn_hidden
     up = 2 if model.mlp == "swiglu" else 1  # fc1's output width, in f
-    expert_f = per_f - (1 if fused_swiglu and model.mlp == "swiglu" else 0)
     terms = {
         "mlp_inner": (1 - f) * dense["mlp_inner"],
         "router_probs": f * (FP32_BYTES + 1) * moe.n_experts,  # fp32 probabilities + boolean routing map
         "moe_permuted": f * d * moe.top_k * model.hidden / tp,  # dispatched copies, the experts' input
         "experts": f * d * moe.top_k * (model.hidden + up * moe.expert_ffn_hidden) / tp,
-        "expert_act": f * d * moe.top_k * (expert_f - up) * moe.expert_ffn_hidden / tp,
-        "shared_experts": f * expert_f * d * moe.n_shared_experts * shared_ffn / tp,
+        "expert_act": f * d * moe.top_k * (per_f - up) * moe.expert_ffn_hidden / tp,
+        "shared_experts": f * per_f * d * moe.n_shared_experts * shared_ffn / tp,
     }
     return {k: v for k, v in terms.items() if v > 0}
 

@@ -49,6 +49,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     for name in FLAGS:
         p.add_argument(f"--{name}", action="store_true")
     p.add_argument("--pipeline-model-parallel-layout")
+    p.add_argument("--recompute-modules", nargs="*", type=str)  # space-separated module names
     return p
 
 

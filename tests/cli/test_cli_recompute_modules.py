@@ -1,0 +1,33 @@
+"""`meshplan plan --recompute-modules`: Megatron-Core's selective recomputation modules, as plan.json keeps them
+and as usage errors (exit 2) name what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.plan import load_plan
+
+
+def test_modules_land_in_plan_json_and_imply_selective(cli, tmp_path):
+    out = tmp_path / "p.json"
+    r = cli("plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--engine", "megatron",
+            "--recompute-modules", "layernorm,moe_act", "--json", "-o", str(out))
+    assert r.code == 0, r.stderr
+    parallel = r.json()["parallel"]
+    assert parallel["recompute"] == "selective" and parallel["recompute_modules"] == ["layernorm", "moe_act"]
+    assert load_plan(out).layout.recompute_modules == ("layernorm", "moe_act")
+    exported = cli("export", str(out), "--to", "megatron")
+    assert exported.code == 0, exported.stderr
+    assert "--recompute-modules layernorm moe_act" in exported.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--engine", "megatron", "--recompute-modules", "core_attn,attention"), "unknown attention"),
+    (("--recompute-modules", "core_attn"), "engine meshplan has no per-module selective recomputation"),
+    (("--engine", "megatron", "--recompute", "full", "--recompute-modules", "mlp"), "but --recompute is full"),
+    (("--engine", "megatron", "--recompute-modules", "mla_up_proj"), "has no MLA attention"),
+    (("--engine", "megatron", "--recompute-modules", "mlp,mlp"), "a module named twice"),
+])
+def test_modules_that_cannot_run_are_usage_errors(cli, args, message):
+    r = cli("plan", "--model", "8B", "--gpus", "8", *args)
+    assert r.code == 2 and message in r.stderr, r.stderr
