@@ -41,7 +41,9 @@ def test_rows_run_their_recipe(rows):
     for r in dsv3:  # 64 // pp per middle stage, one fewer first, two fewer last
         assert sum(r.layout.layers_per_stage) == 61 and r.layout.layers_per_stage[-1] == 64 // r.layout.pp - 2
         gb200 = r.gpu == "gb200"
-        assert (r.training.attention, r.layout.recompute) == (("eager", "selective") if gb200 else ("fused", "none"))
+        # selective recomputation: Megatron's default core_attn on GB200, mla_up_proj on H100
+        assert (r.training.attention, r.layout.recompute, r.layout.recompute_modules) == (
+            ("eager", "selective", ()) if gb200 else ("fused", "selective", ("mla_up_proj",)))
     assert {r.training.precision for r in rows if r.family == "grok1"} == {"bf16", "fp8"}
     # host-side options: CUDA graphs only for Grok-1 on GB200; v25.02's yaml turned grouped GEMM off
     assert all(r.training.cuda_graphs == ((r.family, r.gpu) == ("grok1", "gb200")) for r in rows)
