@@ -90,13 +90,20 @@ before the borrowed memory-bound factor), GB200 3.8% (-0.5%, fitted on);
 Megatron-Bridge TP overlap (--no-tp-overlap): H100 7.7% (-3.4%), B200 9.7%,
 GB300 21.5%, GB200 3.9%, 11.2% (+3.9%) not fitted; the Llama 3 70B rows on
 H100 go from +5..+6% to -1..+0.5%, the H100 405B rows (tp 8, cp 2) from
--4..-7% to -8..-11%. MoE 16.1% (-9.3%) over 34 rows (2 left out: their GA disagrees with the
-batch; 36.0%, +19.4%, without the presets' MoE options; worst H100
+-4..-7% to -8..-11%. MoE 16.3% (-8.2%) over 34 rows (2 left out: their GA disagrees with the
+batch; 16.1%, -9.3%, before the presets' recompute_modules were priced:
+mla_up_proj brings the B200 DeepSeek-V3 rows closer, -7.8 -> -2.5% and
+-21.8 -> -17.4%, and moves the GB200 ones slower, +12.2 -> +21.0% and
++4.0 -> +9.7%, most of it the up projections' host operations on Grace;
+36.0%, +19.4%, without the presets' MoE options; worst H100
 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -20..-36% on all but one GPU).
-Memory: 24 of the 93 expressible rows are predicted above the GPU's memory,
+Memory: 17 of the 93 expressible rows are predicted above the GPU's memory,
 6 dense (Llama 3 70B Megatron FSDP on GB200 by 4%: the recipes' fused TE
 cross entropy, which keeps only the bf16 logits, is not modelled; Llama 3.1
-405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 18 MoE;
+405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 11 MoE
+(18 before the recompute modules and the fused SwiGLU of Megatron's experts:
+DeepSeek-V3 GB300 pp2 vp8 mb2 still 341 of 268 GiB, the Qwen3-30B-A3B rows
+without recomputation 181-294 GiB);
 29 (11 dense) before activation offload, the unsharded fp8 weight copies
 under FSDP, Megatron's in-place loss backward, torchtitan's float8 SAC save
 list and the bf16 gradients of NeMo 24.07. torchtitan's Llama 3.1 8B FP8 on

@@ -60,6 +60,9 @@ experts 0.737 on H100 and 1.0 on GB200; Grok-1 rows within -10..+15%,
 DeepSeek-V3 H100 -0.3 and +5.3%, DeepSeek-V3 GB200 -12%. With Grok-1
 v25.05's TP overlap priced (2026-11-24; --no-tp-overlap gives the figures
 above) the splits are 19.7%, 11.5% and 13.3%; the shipped fit was not redone.
+With DeepSeek-V3's mla_up_proj recomputation on H100 priced (2026-11-24,
+Layout.recompute_modules): its rows +6.1% and +0.4% (were +5.3%, -0.3%),
+splits 19.7%, 10.6% and 12.6% (19.5%, 10.6%, 12.5% just before).
 
     python bench/accuracy_moe.py          # per-row errors, MAPE/bias/worst per source and split
     python bench/accuracy_moe.py --fit    # also write the fit on every fitted row into the H100 and GB200 profiles
