@@ -140,6 +140,9 @@ class CalibrationProfile:
     fp8_expert_efficiency: float = 1.0
     # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
     engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {GPU name: sustained FLOP/s per SM of that member of the family over the fitted GPU's}, where runs on
+    # it measured more than the equal rate per SM `per_sm_transfer` assumes (absent: 1)
+    part_sm_rate: dict[str, float] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
     date: str = ""  # when they were measured or fitted (ISO date)
 
@@ -183,6 +186,11 @@ class CalibrationProfile:
             raise UsageError(f"calibration: other_bytes must be a non-negative integer or null, got {self.other_bytes!r}")
         self._check_engine_factors()
         self._check_shared_core_fields()
+        if not isinstance(self.part_sm_rate, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0.5 <= v <= 2.0
+                for k, v in self.part_sm_rate.items()):
+            raise UsageError(f"calibration: part_sm_rate must map GPU names to factors in [0.5, 2], "
+                             f"got {self.part_sm_rate!r}")
         object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
 
     def _check_engine_factors(self) -> None:
@@ -268,14 +276,14 @@ _GENERIC = {
 # memory enters through the GPU spec (memory-bound work, the optimizer step).
 # No published bf16 H200 training table was found to check it against.
 # H800 is the H100 die with fewer NVLinks: its compute profile is the H100's. B200, B300 and
-# GB300 take GB200's Blackwell fit, carried over per tensor core (`_per_sm_transfer`).
+# GB300 take GB200's Blackwell fit, carried over per tensor core (`per_sm_transfer`).
 _DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
 # Efficiencies whose work runs on the SMs at their clock (tensor-core GEMMs; attention's MMAs and
-# the SFU exponentials), the ones `_per_sm_transfer` carries per SM. Memory-bound work is not among them.
+# the SFU exponentials), the ones `per_sm_transfer` carries per SM. Memory-bound work is not among them.
 _CLOCKED = (("gemm_efficiency", "bf16"), ("attention_efficiency", "bf16"), ("fp8_gemm_efficiency", "fp8"))
 
 
-def _per_sm_transfer(profile: CalibrationProfile, source: GPUSpec, gpu: GPUSpec) -> CalibrationProfile:
+def per_sm_transfer(profile: CalibrationProfile, source: GPUSpec, gpu: GPUSpec) -> CalibrationProfile:
     """`profile`, fitted on `source`, for another member of its family: the same sustained rate per SM.
 
     A spec sheet's peak is SMs x tensor-core FLOPs per clock x the part's rated
@@ -293,22 +301,30 @@ def _per_sm_transfer(profile: CalibrationProfile, source: GPUSpec, gpu: GPUSpec)
     the source's rated FLOP/s per SM over this GPU's: the same FLOP/s per SM.
     Parts with the same rated rate per SM (H200 and H800 against H100) keep the
     profile as fitted; a GPU without catalogued SMs keeps it too.
+
+    Where runs on a part measured a different rate per SM, `part_sm_rate` names
+    it: the GB200 profile's Blackwell Ultra factor (gb300, b300), Ultra's
+    sustained FLOP/s per SM over Blackwell's, is fitted by
+    bench/blackwell_parts.py on the 25.11 GB300 dense rows and scored on the
+    rest (no spec sheet gives it: equal dense peaks, HBM and NVLink).
     """
     if source.name == gpu.name or not (source.sm_count and gpu.sm_count):
         return profile
+    part = profile.part_sm_rate.get(gpu.name, 1.0)
     changes, notes = {}, []
     for key, dtype in _CLOCKED:
         ours, theirs = getattr(gpu, f"{dtype}_flops"), getattr(source, f"{dtype}_flops")
         if not (ours and theirs):
             continue
-        scale = (theirs / source.sm_count) / (ours / gpu.sm_count)
+        scale = (theirs / source.sm_count) / (ours / gpu.sm_count) * part
         if abs(scale - 1.0) > 1e-9:
             changes[key] = min(1.5, getattr(profile, key) * scale)
             notes.append(f"{key} x{scale:.3f}")
     if not changes:
         return profile
+    measured = f", {part:g} its measured rate per SM" if part != 1.0 else ""
     return profile.replace(**changes, source=f"{profile.source}; carried per SM from {source.name} "
-                                             f"({source.sm_count} SMs) to {gpu.name} ({gpu.sm_count}): "
+                                             f"({source.sm_count} SMs) to {gpu.name} ({gpu.sm_count}{measured}): "
                                              f"{', '.join(notes)}")
 
 
@@ -378,7 +394,7 @@ def default_calibration(gpu: GPUSpec) -> CalibrationProfile:
         if profile.gpu and profile.gpu != gpu.name:
             profile = profile.replace(source=f"{profile.source}; fitted on {profile.gpu}, used for {gpu.name}")
         if source is not None:
-            profile = _per_sm_transfer(profile, source, gpu)
+            profile = per_sm_transfer(profile, source, gpu)
         return _resolved(_transferred(profile, family).replace(gpu=gpu.name), gpu)
     generic = CalibrationProfile(gpu=gpu.name, source=f"generic defaults for {family}", **_GENERIC.get(family, {}))
     return _resolved(generic, gpu)
@@ -409,7 +425,7 @@ def load_calibration(path: str | Path | None, gpu: GPUSpec) -> CalibrationProfil
             "calibrate on this GPU (`meshplan calibrate`) or drop --calibration"
         )
     source = _source_gpu(profile)
-    return _resolved(_per_sm_transfer(profile, source, gpu) if source is not None else profile, gpu)
+    return _resolved(per_sm_transfer(profile, source, gpu) if source is not None else profile, gpu)
 
 
 def _read(path: Path) -> CalibrationProfile:
