@@ -107,6 +107,13 @@ class TimeTraits:
     # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
     # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
     recompute_pipe_ends: bool = False
+    # HBM bytes per local parameter per micro-batch that fold a bf16 micro-batch's gradients into
+    # fp32 accumulators outside the GEMMs (0: the fold runs inside the weight-gradient GEMM, or
+    # autograd hands over the first gradient). DeepSpeed's BF16_Optimizer (its bf16 path under
+    # ZeRO 0/1, deepspeed/runtime/bf16_optimizer.py; the pipeline engine calls update_hp_grads
+    # after every backward, clearing the bf16 gradients before the next) adds a materialized
+    # fp32 cast of each bf16 gradient: cast 2 + 4, add 4 + 4 + 4 = 18 B.
+    bf16_grad_fold_bytes: float = 0.0
     # under async TP (TrainingSpec.async_tp), the SMs each overlapped collective takes from its GEMM
     tp_overlap_sms: TpOverlapSms = NO_SMS
 
@@ -313,6 +320,10 @@ _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp
 # release ran it in line). The A100 profile is fitted with these traits
 # (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
 # all-reduce), and `--engine megatron --attention eager` runs on them.
+# DeepSpeed's bf16 gradient fold (TimeTraits.bf16_grad_fold_bytes): MT-NLG trained in bf16 on a
+# DeepSpeed of 2021 with no public bf16 pipeline path; the first one DeepSpeed published
+# (BF16_Optimizer, "bf16+pipeline parallelism", PR 1801, 2022) is priced for that stack too.
+DEEPSPEED_BF16_FOLD_BYTES = 2.0 + 4.0 + 3 * 4.0
 MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
 # Megatron-DeepSpeed on DeepSpeed's PipelineEngine (deepspeed/runtime/pipe), the
 # 2022 release: the same overlap, but the pipeline boundaries are DeepSpeed's
@@ -320,7 +331,7 @@ MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, ov
 # DeepSpeed >= 0.5.4 splits activations and gradients, PartitionedTensor). The
 # `deepspeed` engine runs on it.
 DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True,
-                                 pipe_p2p="exchange")
+                                 pipe_p2p="exchange", bf16_grad_fold_bytes=DEEPSPEED_BF16_FOLD_BYTES)
 # The same stack as MT-NLG 530B ran it in 2021 (Smith et al. 2022): DeepSpeed
 # before 0.5.4 sent gradients whole over 2-rank broadcast groups (the
 # activations already split), and its PipelineModule checkpointed every module
@@ -329,7 +340,8 @@ DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overla
 # the Megatron-DeepSpeed fork ran the backward TP all-reduce in line (Megatron-LM's
 # async all-reduce reached it in its 2021-12-10 sync).
 DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
-                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True)
+                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True,
+                                 bf16_grad_fold_bytes=DEEPSPEED_BF16_FOLD_BYTES)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
