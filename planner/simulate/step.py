@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
+from planner.engines import DDP_BUCKET_BYTES, TimeTraits, bf16_optimizer_runs, get_engine
 from planner.layout import DP_AXES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
@@ -261,7 +261,7 @@ def _add_grad_fold(model: ModelSpec, training: TrainingSpec, layout: Layout, clu
     split over its chunks by layers. Priced at every micro-batch: the first only
     casts (6 of the 18 bytes), within 1/m of the step.
     """
-    if traits.bf16_grad_fold_bytes <= 0 or training.dtype != "bf16" or layout.zero_stage > 1:
+    if traits.bf16_grad_fold_bytes <= 0 or not bf16_optimizer_runs(training.dtype, layout.zero_stage):
         return
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
     for r in range(layout.pp):
