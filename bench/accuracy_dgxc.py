@@ -254,8 +254,9 @@ def score_holdout(gb200: CalibrationProfile) -> dict:
     import accuracy_holdout
 
     fields = {k: getattr(gb200, k) for k in ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency")}
+    overrides = accuracy_holdout.carried(fields, "gb200", BLACKWELL_GPUS)  # per SM, as the shipped profile
     rows = [r for r in accuracy_holdout.load_rows() if not r.moe]
-    figures = accuracy_holdout.summary(rows, show_rows=False, overrides={g: fields for g in BLACKWELL_GPUS})
+    figures = accuracy_holdout.summary(rows, show_rows=False, overrides=overrides)
     return figures
 
 

@@ -31,11 +31,11 @@ on DGX A100 80GB nodes (8 x 200 Gbit/s HDR InfiniBand):
 
     python bench/accuracy_megatron_papers.py   # per-row error and MAPE per source
 
-On 2026-11-24: narayanan-2021 4.5% MAPE, every row within 8.1%;
-korthikanti-2022 2.6% MAPE, every row within 5.1% (with the A100 profile's
+On 2026-11-24: narayanan-2021 4.4% MAPE, every row within 8.1%;
+korthikanti-2022 2.6% MAPE, every row within 5.4% (with the A100 profile's
 collective latency left free in its fit, 22B came out 12-17% slow: its 25 MB
-TP collectives at micro-batch 1 paid ~0.28 ms each); mt-nlg 20.3% / 20.7% /
-22.5% fast, short of the 10% target.
+TP collectives at micro-batch 1 paid ~0.28 ms each); mt-nlg 11.7% / 12.2% /
+14.2% fast (MAPE 12.7%), short of the 10% target.
 
 What DeepSpeed's pipeline engine of 2021 (v0.5.3, deepspeed/runtime/pipe)
 does beyond Megatron-LM's, priced as engine traits: activations cross split
@@ -43,14 +43,16 @@ over tp but gradients whole (8x the bytes on the node-to-node link), every
 schedule step opens with a blocking exchange (its TrainSchedule is otherwise
 exactly 1F1B: tests/unit/test_megatron_papers.py), the embedding and the tied
 output layer are recomputed with the blocks, the TP all-reduce runs in line.
-Together 2.4 points of the 25%. The rest is not in that public code. The
-three rows themselves follow 0.195 s x (micro-batches + 2 (pp - 1)) within 1%:
-a steady state 19% slower per micro-batch than predicted and a bubble of twice
-pp - 1, what micro-batch 2 would give (pinned to 2, the error is a flat -12 to
--13%). vTrain's Megatron-DeepSpeed steps (DeepSpeed >= 0.5.4, fp16), 3 layers
-a stage at pp 32, are predicted 0-12% slow, not fast; and MT-NLG trained in
-bf16, which DeepSpeed's engine only gained in November 2021 (after MT-NLG was
-announced), so its bf16 path is unpublished.
+Together 2.4 points. MT-NLG trained in bf16, which DeepSpeed's public engine
+only gained with BF16_Optimizer (DeepSpeed PR 1801, 2022): it folds every
+micro-batch's bf16 gradients into fp32 copies through a materialized cast, 18
+bytes per local parameter per micro-batch, 34 GB (about 20 ms) on a stage of
+1.9 billion parameters. That fold, priced as the 2021 stack's too
+(TimeTraits.bf16_grad_fold_bytes), is 8-10 points. The rest is not in public
+code. The paper gives no micro-batch; 1 is Korthikanti's for this model, and
+the search, free, picks it too. At micro-batch 2 the rows come out 7-8% fast,
+and their ratios to each other fit 2 slightly better than 1 (relative squared
+error 2.9e-4 against 4.7e-4): a hint, not evidence.
 """
 
 from __future__ import annotations

@@ -107,6 +107,13 @@ class TimeTraits:
     # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
     # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
     recompute_pipe_ends: bool = False
+    # HBM bytes per local parameter per micro-batch that fold a bf16 micro-batch's gradients into
+    # fp32 accumulators outside the GEMMs (0: the fold runs inside the weight-gradient GEMM, or
+    # autograd hands over the first gradient). DeepSpeed's BF16_Optimizer (its bf16 path under
+    # ZeRO 0/1, deepspeed/runtime/bf16_optimizer.py; the pipeline engine calls update_hp_grads
+    # after every backward, clearing the bf16 gradients before the next) adds a materialized
+    # fp32 cast of each bf16 gradient: cast 2 + 4, add 4 + 4 + 4 = 18 B.
+    bf16_grad_fold_bytes: float = 0.0
     # under async TP (TrainingSpec.async_tp), the SMs each overlapped collective takes from its GEMM
     tp_overlap_sms: TpOverlapSms = NO_SMS
 
@@ -159,6 +166,9 @@ class MemoryTraits:
     # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
     # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
     inplace_loss_backward: bool = False
+    # DeepSpeed's BF16_Optimizer (bf16_optimizer_runs) keeps full-size fp32 gradient accumulators beside
+    # the bf16 gradients, unsharded under ZeRO-1 (all-reduced whole, each rank steps its partition)
+    bf16_fp32_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,10 +224,13 @@ class Engine:
     async_tp_option: str = ""
     async_tp_needs_compile: bool = False  # torchtitan applies it as an Inductor pass: torch.compile required
 
-    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES) -> Recipe:
+    def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES,
+               dtype: str = "") -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
-        16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes)."""
-        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes)
+        16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes);
+        dtype: the compute dtype's name (bf16 turns on DeepSpeed's BF16_Optimizer)."""
+        fp32_copy = self.memory.bf16_fp32_grads and bf16_optimizer_runs(dtype, zero_stage)
+        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes, fp32_copy)
 
     def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
                 training: TrainingSpec | None = None) -> str | None:
@@ -265,13 +278,20 @@ class Engine:
         return self.fp8.weight_copy_bytes if training.fp8 else 0.0
 
 
+def bf16_optimizer_runs(dtype: str, zero_stage: int) -> bool:
+    """Whether DeepSpeed trains through its BF16_Optimizer: bf16 with fp32 gradient accumulation
+    (its default) under ZeRO 0 or 1 (DeepSpeedEngine's optimizer choice; ZeRO 2/3 use their own)."""
+    return dtype == "bf16" and zero_stage <= 1
+
+
 @lru_cache(maxsize=256)
 def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int,
-            grad_bytes: int = FP32_BYTES) -> Recipe:
+            grad_bytes: int = FP32_BYTES, fp32_grad_copy: bool = False) -> Recipe:
     moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
     shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
                   shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
     grad = (grad_bytes if not traits.fp32_params else FP32_BYTES) if traits.fp32_grads else dtype_bytes
+    grad += FP32_BYTES if fp32_grad_copy else 0
     if traits.fp32_params:  # the fp32 parameters are the master weights
         return Recipe(FP32_BYTES, grad, moments, **shards)
     master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0
@@ -303,7 +323,8 @@ def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: 
 #
 # deepspeed: Megatron-DeepSpeed on DeepSpeed's PipelineEngine (DEEPSPEED_PIPE_2022:
 # eager attention, gradients reduced after the backward, blocking pipeline
-# exchanges), otherwise Megatron's layout with gradients in the compute dtype.
+# exchanges), otherwise Megatron's layout with gradients in the compute dtype (under bf16 and
+# ZeRO 0/1 also in fp32: BF16_Optimizer, bf16_optimizer_runs).
 _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp_bucket_copy=False,
                          fsdp_root_unit=False, step_phases=False, rope_buffers=False, zero1_whole_tensors=False,
                          sp_saves_gathered=False, fp32_params=False, zero2_shards_params=False)
@@ -318,6 +339,10 @@ _PUBLISHED_MEMORY = dict(vocab_parallel_loss=True, tied_vocab_parallel=True, ddp
 # release ran it in line). The A100 profile is fitted with these traits
 # (bench/accuracy_vtrain.py: 7.6% vs 7.7% multi-node MAPE without the async
 # all-reduce), and `--engine megatron --attention eager` runs on them.
+# DeepSpeed's bf16 gradient fold (TimeTraits.bf16_grad_fold_bytes): MT-NLG trained in bf16 on a
+# DeepSpeed of 2021 with no public bf16 pipeline path; the first one DeepSpeed published
+# (BF16_Optimizer, "bf16+pipeline parallelism", PR 1801, 2022) is priced for that stack too.
+DEEPSPEED_BF16_FOLD_BYTES = 2.0 + 4.0 + 3 * 4.0
 MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True)
 # Megatron-DeepSpeed on DeepSpeed's PipelineEngine (deepspeed/runtime/pipe), the
 # 2022 release: the same overlap, but the pipeline boundaries are DeepSpeed's
@@ -325,7 +350,7 @@ MEGATRON_DEEPSPEED_2022 = TimeTraits(fused_attention=False, overlap_dp=False, ov
 # DeepSpeed >= 0.5.4 splits activations and gradients, PartitionedTensor). The
 # `deepspeed` engine runs on it.
 DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=True,
-                                 pipe_p2p="exchange")
+                                 pipe_p2p="exchange", bf16_grad_fold_bytes=DEEPSPEED_BF16_FOLD_BYTES)
 # The same stack as MT-NLG 530B ran it in 2021 (Smith et al. 2022): DeepSpeed
 # before 0.5.4 sent gradients whole over 2-rank broadcast groups (the
 # activations already split), and its PipelineModule checkpointed every module
@@ -334,7 +359,8 @@ DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overla
 # the Megatron-DeepSpeed fork ran the backward TP all-reduce in line (Megatron-LM's
 # async all-reduce reached it in its 2021-12-10 sync).
 DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
-                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True)
+                                 pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True,
+                                 bf16_grad_fold_bytes=DEEPSPEED_BF16_FOLD_BYTES)
 # Transformer Engine (megatron): the fp8 weight workspace persists between
 # micro-batches and steps (Megatron-Core marks the first micro-batch so the
 # cast is cached), one byte per weight plus a 1-byte scale per 32 elements
@@ -380,7 +406,7 @@ ENGINES: dict[str, Engine] = {
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),
     "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
-                        MemoryTraits(fp32_grads=False, **_PUBLISHED_MEMORY), executes=False),
+                        MemoryTraits(fp32_grads=False, bf16_fp32_grads=True, **_PUBLISHED_MEMORY), executes=False),
 }
 ENGINE_NAMES = tuple(ENGINES)
 

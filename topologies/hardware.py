@@ -132,7 +132,10 @@ def _gpu(name: str, memory_bytes: float, hbm: float, fp32: float, tf32: float, b
 # B200 148 (two dies of 74 enabled SMs, as CUDA reports it; GB200's GPUs are B200s), B300/GB300
 # 160 (NVIDIA technical blog "Inside NVIDIA Blackwell Ultra"), L40S 142 and RTX 4090 128 (NVIDIA
 # Ada GPU architecture whitepaper and L40S datasheet), RTX 3090 82 (GA102 whitepaper), T4 40
-# (Turing whitepaper), V100 80 (Volta whitepaper).
+# (Turing whitepaper), V100 80 (Volta whitepaper). A peak is SMs x FLOPs per SM and clock x the
+# part's rated clock, which follows its form factor (B200 and GB200 share a 148-SM die rated 4.5
+# and 5 PF dense FP8): a profile fitted on one part reaches another of its family per SM
+# (planner.simulate.calibration.per_sm_transfer), since measured runs follow the SMs, not the rating.
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in [

@@ -83,8 +83,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from topologies.errors import UsageError
-from topologies.hardware import GPUSpec
+from topologies.errors import TopologyError, UsageError
+from topologies.hardware import GPUSpec, get_gpu
 
 # Shipped profiles are package data beside this loader; a source checkout and an
 # installed wheel both expose them as a directory on disk.
@@ -140,6 +140,9 @@ class CalibrationProfile:
     fp8_expert_efficiency: float = 1.0
     # engine -> {efficiency field: factor in (0, 1]}: how much slower that engine's kernels run than the base
     engine_factors: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {GPU name: sustained FLOP/s per SM of that member of the family over the fitted GPU's}, where runs on
+    # it measured more than the equal rate per SM `per_sm_transfer` assumes (absent: 1)
+    part_sm_rate: dict[str, float] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
     date: str = ""  # when they were measured or fitted (ISO date)
 
@@ -183,6 +186,11 @@ class CalibrationProfile:
             raise UsageError(f"calibration: other_bytes must be a non-negative integer or null, got {self.other_bytes!r}")
         self._check_engine_factors()
         self._check_shared_core_fields()
+        if not isinstance(self.part_sm_rate, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0.5 <= v <= 2.0
+                for k, v in self.part_sm_rate.items()):
+            raise UsageError(f"calibration: part_sm_rate must map GPU names to factors in [0.5, 2], "
+                             f"got {self.part_sm_rate!r}")
         object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
 
     def _check_engine_factors(self) -> None:
@@ -268,10 +276,66 @@ _GENERIC = {
 # memory enters through the GPU spec (memory-bound work, the optimizer step).
 # No published bf16 H200 training table was found to check it against.
 # H800 is the H100 die with fewer NVLinks: its compute profile is the H100's. B200, B300 and
-# GB300 share GB200's Blackwell tensor cores (B300/GB300 raise FP4, not BF16/FP8; B200 runs at
-# 1,000 W against GB200's 1,200 W, so its profile from GB200 runs is an upper bound) until
-# published runs on them are fitted.
+# GB300 take GB200's Blackwell fit, carried over per tensor core (`per_sm_transfer`).
 _DERIVED = {"h200": "h100", "h800": "h100", "b200": "gb200", "b300": "gb200", "gb300": "gb200"}
+# Efficiencies whose work runs on the SMs at their clock (tensor-core GEMMs; attention's MMAs and
+# the SFU exponentials), the ones `per_sm_transfer` carries per SM. Memory-bound work is not among them.
+_CLOCKED = (("gemm_efficiency", "bf16"), ("attention_efficiency", "bf16"), ("fp8_gemm_efficiency", "fp8"))
+
+
+def per_sm_transfer(profile: CalibrationProfile, source: GPUSpec, gpu: GPUSpec) -> CalibrationProfile:
+    """`profile`, fitted on `source`, for another member of its family: the same sustained rate per SM.
+
+    A spec sheet's peak is SMs x tensor-core FLOPs per clock x the part's rated
+    clock, and the rated clock follows the form factor: the same 148-SM die is
+    rated 4.5 PF dense FP8 as HGX B200 (1,000 W) and 5 PF in GB200 NVL72 (1,200 W);
+    Blackwell Ultra's 160 SMs are rated 4.5 PF in HGX B300 and 5 PF in GB300 NVL72
+    (per-GPU tables of the DGX B200, GB200 NVL72, DGX B300 and GB300 NVL72
+    datasheets; NVIDIA technical blog "Inside NVIDIA Blackwell Ultra", 2025, for
+    the 160 SMs). Training never runs at the rated clock (the GB200 fit reaches
+    0.46-0.50 of it), and the published runs show the sustained rate follows the
+    SMs, not the rating: on the same recipe and layout the x86 B200 ran Llama 3 8B
+    at 96-99% of GB200's tokens/s (rated 90%) and B300 ran Qwen3-30B-A3B at 97%
+    of GB300's (rated 90%; Megatron-Bridge performance summaries, 25.09-26.02,
+    bench/data/nemo_perf_summary.json). So each clocked efficiency is scaled by
+    the source's rated FLOP/s per SM over this GPU's: the same FLOP/s per SM.
+    Parts with the same rated rate per SM (H200 and H800 against H100) keep the
+    profile as fitted; a GPU without catalogued SMs keeps it too.
+
+    Where runs on a part measured a different rate per SM, `part_sm_rate` names
+    it: the GB200 profile's Blackwell Ultra factor (gb300, b300), Ultra's
+    sustained FLOP/s per SM over Blackwell's, is fitted by
+    bench/blackwell_parts.py on the 25.11 GB300 dense rows and scored on the
+    rest (no spec sheet gives it: equal dense peaks, HBM and NVLink).
+    """
+    if source.name == gpu.name or not (source.sm_count and gpu.sm_count):
+        return profile
+    part = profile.part_sm_rate.get(gpu.name, 1.0)
+    changes, notes = {}, []
+    for key, dtype in _CLOCKED:
+        ours, theirs = getattr(gpu, f"{dtype}_flops"), getattr(source, f"{dtype}_flops")
+        if not (ours and theirs):
+            continue
+        scale = (theirs / source.sm_count) / (ours / gpu.sm_count) * part
+        if abs(scale - 1.0) > 1e-9:
+            changes[key] = min(1.5, getattr(profile, key) * scale)
+            notes.append(f"{key} x{scale:.3f}")
+    if not changes:
+        return profile
+    measured = f", {part:g} its measured rate per SM" if part != 1.0 else ""
+    return profile.replace(**changes, source=f"{profile.source}; carried per SM from {source.name} "
+                                             f"({source.sm_count} SMs) to {gpu.name} ({gpu.sm_count}{measured}): "
+                                             f"{', '.join(notes)}")
+
+
+def _source_gpu(profile: CalibrationProfile) -> GPUSpec | None:
+    """The catalogued GPU a profile was fitted on, None where it names none or one not in the catalog."""
+    if not profile.gpu:
+        return None
+    try:
+        return get_gpu(profile.gpu)
+    except TopologyError:
+        return None
 
 
 # Engine factors a profile fitted on one stack borrows from another family's profile, per kind of
@@ -326,8 +390,11 @@ def default_calibration(gpu: GPUSpec) -> CalibrationProfile:
     path = CALIBRATION_DIR / f"{family}.json"
     if path.exists():
         profile = _read(path)
+        source = _source_gpu(profile)
         if profile.gpu and profile.gpu != gpu.name:
             profile = profile.replace(source=f"{profile.source}; fitted on {profile.gpu}, used for {gpu.name}")
+        if source is not None:
+            profile = per_sm_transfer(profile, source, gpu)
         return _resolved(_transferred(profile, family).replace(gpu=gpu.name), gpu)
     generic = CalibrationProfile(gpu=gpu.name, source=f"generic defaults for {family}", **_GENERIC.get(family, {}))
     return _resolved(generic, gpu)
@@ -357,7 +424,8 @@ def load_calibration(path: str | Path | None, gpu: GPUSpec) -> CalibrationProfil
             f"calibration {str(path)!r} was measured on {profile.gpu!r}, but the cluster has {gpu.name!r}: "
             "calibrate on this GPU (`meshplan calibrate`) or drop --calibration"
         )
-    return _resolved(profile, gpu)
+    source = _source_gpu(profile)
+    return _resolved(per_sm_transfer(profile, source, gpu) if source is not None else profile, gpu)
 
 
 def _read(path: Path) -> CalibrationProfile:

@@ -83,9 +83,13 @@ def test_zero_paper_worked_example(zero, paper_gb):
     m = _zero_paper_model()
     assert m.total_params == pytest.approx(7.5e9, rel=1e-6)
     layout = Layout(dp_replicate=64) if zero == 0 else Layout(dp_shard=64, zero_stage=zero)
-    training = TrainingSpec(seq_len=2048, global_batch_size=64)
+    training = TrainingSpec(seq_len=2048, global_batch_size=64, dtype="fp16", precision="fp16")  # the paper's
     got = model_state_bytes(m, training, layout, engine="deepspeed")
     assert got / 1e9 == pytest.approx(paper_gb, abs=0.05)
+    # bf16 under ZeRO 0/1 runs DeepSpeed's BF16_Optimizer: full-size fp32 gradients beside the bf16 ones
+    bf16 = model_state_bytes(m, dataclasses.replace(training, dtype="bf16", precision="bf16"), layout,
+                             engine="deepspeed")
+    assert bf16 - got == (4 * m.total_params if zero <= 1 else 0)
 
 
 def test_megatron_is_18_bytes_per_parameter_and_distributed_optimizer_shards_12():

@@ -206,10 +206,18 @@ def test_new_parts_take_their_familys_fitted_profile():
 
     h100, gb200 = default_calibration(get_gpu("h100-sxm")), default_calibration(get_gpu("gb200"))
     assert "accuracy_dgxc" in gb200.source and gb200.fp8_gemm_efficiency < 1.0
-    for part, family in (("h800", h100), ("h200", h100), ("gb300", gb200), ("b300", gb200), ("b200", gb200)):
-        profile = default_calibration(get_gpu(part))
-        assert (profile.gemm_efficiency, profile.fp8_gemm_efficiency) == \
-            (family.gemm_efficiency, family.fp8_gemm_efficiency), part
+    for part, family, source in (("h800", h100, "h100-sxm"), ("h200", h100, "h100-sxm"), ("gb300", gb200, "gb200"),
+                                 ("b300", gb200, "gb200"), ("b200", gb200, "gb200")):
+        gpu, fitted = get_gpu(part), get_gpu(source)
+        profile = default_calibration(gpu)
+        # the sustained FLOP/s per SM of the part the family was fitted on (calibration.per_sm_transfer), times
+        # the part's measured rate per SM where the profile names one (Blackwell Ultra on the GB200 profile)
+        measured = family.part_sm_rate.get(part, 1.0)
+        assert (measured > 1.0) == (part in ("gb300", "b300"))
+        for key, dtype in (("gemm_efficiency", "bf16"), ("fp8_gemm_efficiency", "fp8")):
+            ours = getattr(profile, key) * getattr(gpu, f"{dtype}_flops") / gpu.sm_count
+            theirs = getattr(family, key) * getattr(fitted, f"{dtype}_flops") / fitted.sm_count
+            assert ours == pytest.approx(theirs * measured, rel=1e-9), (part, key)
 
 
 def test_torchtitan_has_no_optimizer_only_sharding():

@@ -13,6 +13,7 @@ from planner.simulate.calibration import (
     CalibrationProfile,
     default_calibration,
     load_calibration,
+    per_sm_transfer,
 )
 from planner.simulate.step import simulate_step
 from planner.training import TrainingSpec
@@ -38,6 +39,29 @@ def test_shipped_a100_profile_is_the_a100_default():
     b200 = default_calibration(get_gpu("b200"))
     assert "used for b200" in b200.source  # GB200's profile (tests/unit/test_accuracy_dgxc.py)
     assert default_calibration(get_gpu("l40s")).source.startswith("generic")  # no shipped profile
+
+
+def test_a_family_fit_carries_per_sm_to_its_other_parts(tmp_path):
+    """B200 (148 SMs, rated 2.25 PF bf16) sustains GB200's FLOP/s per SM, not GB200's share of its own rating;
+    GB300's 160 SMs at GB200's rating sustain 160/148 of GB200's rate; memory-bound work is not scaled."""
+    gb200, b200, gb300 = get_gpu("gb200"), get_gpu("b200"), get_gpu("gb300")
+    fitted = CalibrationProfile(gpu="gb200", gemm_efficiency=0.5, fp8_gemm_efficiency=0.45, attention_efficiency=0.7,
+                                memory_efficiency=0.8)
+    on_b200, on_gb300 = per_sm_transfer(fitted, gb200, b200), per_sm_transfer(fitted, gb200, gb300)
+    assert on_b200.gemm_efficiency * b200.bf16_flops == pytest.approx(fitted.gemm_efficiency * gb200.bf16_flops)
+    assert on_b200.fp8_gemm_efficiency == pytest.approx(0.45 * 5000 / 4500)
+    assert on_gb300.attention_efficiency == pytest.approx(0.7 * 160 / 148)
+    assert on_b200.memory_efficiency == on_gb300.memory_efficiency == 0.8
+    assert "per SM" in on_gb300.source
+    assert per_sm_transfer(fitted, gb200, gb200) is fitted
+    # same rated FLOP/s per SM: kept as fitted (H200 is the H100 die)
+    h100 = CalibrationProfile(gpu="h100-sxm", gemm_efficiency=0.7)
+    assert per_sm_transfer(h100, get_gpu("h100-sxm"), get_gpu("h200")) == h100
+    # a profile file measured on a family member takes the same road as the shipped one
+    path = tmp_path / "gb200.json"
+    fitted.save(path)
+    assert load_calibration(path, b200).gemm_efficiency == pytest.approx(on_b200.gemm_efficiency)
+    assert default_calibration(b200).gemm_efficiency > default_calibration(gb200).gemm_efficiency
 
 
 def test_a_profile_from_another_gpu_family_is_refused(tmp_path):
