@@ -94,11 +94,15 @@ Ultra factor: B200 8.8%, GB300 20.7%, 10.8% over the 44 rows then not
 fitted. Without the Megatron-Bridge TP overlap (--no-tp-overlap): H100 7.7%
 (-3.4%), B200 4.0%, GB300 6.0%, GB200 3.9%, 7.5% (-1.2%) not fitted; the
 Llama 3 70B rows on H100 go from +5..+6% to -1..+0.5%, the H100 405B rows
-(tp 8, cp 2) from -4..-7% to -8..-11%. MoE 17.6% (-13.0%) over 34 rows (2
+(tp 8, cp 2) from -4..-7% to -8..-11%. MoE 17.3% (-11.6%) over 34 rows (2
 left out: their GA disagrees with the batch; 16.1%, -9.3%, by rated peaks;
-worst H100 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B -24..-36% on all but one
-GPU).
-Memory: 24 of the 93 expressible rows are predicted above the GPU's memory,
+17.6%, -13.0%, before the presets' recompute_modules were priced: the
+recomputed forwards make every such row slower, which brings the B200
+DeepSeek-V3 rows closer and moves the GB200 ones, +12.2 -> +21.0% and
++4.0 -> +9.7%, further off, most of it the up projections' host
+operations on Grace; worst H100 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B
+-24..-36% on all but one GPU).
+Memory: 17 of the 93 expressible rows are predicted above the GPU's memory,
 6 dense (Llama 3 70B Megatron FSDP on GB200 by 4%: the recipes' fused TE
 cross entropy, which keeps only the bf16 logits, is not modelled; Llama 3.1
 405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 11 MoE
