@@ -134,6 +134,19 @@ def test_recomputed_time_is_the_modules_forward():
     assert both.recompute_s == pytest.approx(up.recompute_s + act.recompute_s)
 
 
+def test_recomputing_a_dense_mlp_costs_its_gemms_activation_and_fused_norm():
+    dense = dataclasses.replace(SMALL, moe=None, mla=None)
+    cluster = load_cluster("dgx-h100", 8)
+    cal = load_calibration(None, cluster.gpu)
+    layout = Layout(dp_shard=8, zero_stage=1, micro_batch_size=B, recompute="selective", recompute_modules=("mlp",))
+    peak = cluster.gpu.peak_flops("bf16")
+    got = layer_times(dense, S, D, layout, cluster.gpu, peak, cal).recompute_s
+    m = TOKENS
+    gemms = gemm_time_s(m, 2 * F, H, peak, cal) + gemm_time_s(m, H, F, peak, cal)  # SwiGLU fc1 (2f), fc2
+    elementwise = memory_time_s(D * m * (3 * F + 2 * H), cluster.gpu, cal)  # SwiGLU's 3 passes, the norm's 2
+    assert got == pytest.approx(gemms + elementwise)
+
+
 def test_recomputing_the_moe_layer_costs_its_forward():
     moe, *_ = _times(("moe",))
     none = _times(("core_attn",))[0]
