@@ -102,13 +102,15 @@ DeepSeek-V3 rows closer and moves the GB200 ones, +12.2 -> +21.0% and
 +4.0 -> +9.7%, further off, most of it the up projections' host
 operations on Grace; worst H100 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B
 -24..-36% on all but one GPU).
-Memory: 17 of the 93 expressible rows are predicted above the GPU's memory,
+Memory: 9 of the 93 expressible rows are predicted above the GPU's memory,
 6 dense (Llama 3 70B Megatron FSDP on GB200 by 4%: the recipes' fused TE
 cross entropy, which keeps only the bf16 logits, is not modelled; Llama 3.1
-405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 11 MoE
-(18 before the recompute modules and the fused SwiGLU of Megatron's experts:
-DeepSeek-V3 GB300 pp2 vp8 mb2 still 341 of 268 GiB, the Qwen3-30B-A3B rows
-without recomputation 181-294 GiB);
+405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 3 MoE
+(DeepSeek-V3 GB300 pp2 vp8 mb2 284 of 268 GiB, Qwen3-30B-A3B and the
+inconsistent GPT-OSS row on H100); 18 MoE before the recipes' recompute
+modules, Megatron's fused SwiGLU in the experts and its probabilities
+applied in the experts' activation (no expert output kept for the combine);
+24 in all then;
 29 (11 dense) before activation offload, the unsharded fp8 weight copies
 under FSDP, Megatron's in-place loss backward, torchtitan's float8 SAC save
 list and the bf16 gradients of NeMo 24.07. torchtitan's Llama 3.1 8B FP8 on

@@ -138,6 +138,9 @@ class MemoryTraits:
     fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
     zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
     fused_swiglu: bool = False  # one fused SwiGLU kernel saves its 2f-wide input only (Megatron): 3f kept, not 4f
+    # the router's probabilities weigh the experts' activation (Megatron-Core >= 0.13 TEGroupedMLP, permuted_probs),
+    # so the combine only unpermutes and no expert output is kept for it (planner.memory.activations)
+    moe_probs_in_experts: bool = False
     shard_over_cp: bool = False  # ZeRO/FSDP shards over dp_shard * cp (Megatron's dp-cp group, torchtitan's dp_shard_cp)
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
@@ -386,7 +389,8 @@ ENGINES: dict[str, Engine] = {
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True,
                                               tp_overlap_sms=TE_UB_DEFAULT),
-                       MemoryTraits(fp32_grads=True, fused_swiglu=True, shard_over_cp=True, activation_offload=True,
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, moe_probs_in_experts=True, shard_over_cp=True,
+                                    activation_offload=True,
                                     inplace_loss_backward=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
                        eager_time=MEGATRON_DEEPSPEED_2022,

@@ -67,8 +67,10 @@ same bytes); Megatron-Core and torch run cp only inside fused kernels
 MoE layers replace the MLP terms: the router input (D*h, sp), fp32 router
 probabilities (4*E per token), and for each of top_k routed copies of a token
 the expert input (D*h), the expert MLP (2 or 4 * D*f_e) and the expert output
-kept for the weighted combine (D*h), all split by t; shared experts as a dense
-MLP. EP moves tokens between ranks but keeps the per-rank average.
+kept for the weighted combine (D*h; not where the probabilities weigh the
+experts' activation, as in Megatron-Core: `_mlp_terms`), all split by t;
+shared experts as a dense MLP. EP moves tokens between ranks but keeps the
+per-rank average.
 
 torch.autocast (meshplan's DDP and single-GPU paths run fp32 parameters under
 autocast): the embedding output and every residual add stay fp32, so the two
@@ -143,6 +145,7 @@ def layer_activation_terms(
     sp_saves_gathered: bool = False,
     fp8_inputs: bool = False,
     fused_swiglu: bool = False,
+    moe_probs_in_experts: bool = False,
 ) -> dict[str, float]:
     """Bytes of each saved tensor of one layer for one micro-batch (no recomputation).
 
@@ -182,7 +185,7 @@ def layer_activation_terms(
         terms["mlp_dropout_mask"] = MASK_BYTES * h / sp_div
     terms["norm2_input"] = r * h / sp_div
     terms["mlp_input"] = mlp_casts * li * h / in_div
-    terms.update(_mlp_terms(model, d, tp, fused_swiglu))
+    terms.update(_mlp_terms(model, d, tp, fused_swiglu, moe_probs_in_experts))
     if model.moe is not None:  # MoE layers: the pre-MLP norm's output feeds the router and shared experts
         share = model.n_moe_layers / model.n_layers
         terms["router_input"] = share * terms["mlp_input"]
@@ -210,15 +213,19 @@ def _mla_terms(model: ModelSpec, d: int, li: int, tp: int, in_div: int) -> dict[
             "mla_q_k": d * 2 * a * mla.qk_head_dim / tp, "mla_v": d * a * mla.v_head_dim / tp}
 
 
-def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False) -> dict[str, float]:
+def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False,
+               probs_in_experts: bool = False) -> dict[str, float]:
     """Per-token bytes of the MLP's inner tensors of an average layer (dense, or MoE experts + router).
 
     MoE layers keep the fp32 router probabilities and the top-k routing map,
     the permuted tokens (top_k copies of the hidden state: the experts'
     input after the dispatch all-to-all), each expert's inner tensors and
     its output kept for the weighted combine; shared experts as a dense MLP.
-    A routed expert's inner tensors are fc1's output (2f with SwiGLU, f with
-    GELU: "experts", with the output) and what its activation saves beyond
+    Where the router's probabilities weigh the experts' activation instead of
+    the combine (probs_in_experts: Megatron-Core since 0.13, TEGroupedMLP's
+    permuted_probs; its unpermute takes no probabilities) no expert output is
+    kept ("expert_output" absent). A routed expert's inner tensors are fc1's
+    output (2f with SwiGLU, f with GELU: "experts") and what its activation saves beyond
     that input ("expert_act": SwiGLU's silu output and product, 2f, or only
     the product fc2 keeps, f, when the activation is one fused kernel, as
     Megatron-Core's weighted_bias_swiglu; GELU's output f).
@@ -238,7 +245,8 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False) ->
         "mlp_inner": (1 - f) * dense["mlp_inner"],
         "router_probs": f * (FP32_BYTES + 1) * moe.n_experts,  # fp32 probabilities + boolean routing map
         "moe_permuted": f * d * moe.top_k * model.hidden / tp,  # dispatched copies, the experts' input
-        "experts": f * d * moe.top_k * (model.hidden + up * moe.expert_ffn_hidden) / tp,
+        "expert_output": 0.0 if probs_in_experts else f * d * moe.top_k * model.hidden / tp,
+        "experts": f * d * moe.top_k * up * moe.expert_ffn_hidden / tp,
         "expert_act": f * d * moe.top_k * (per_f - up) * moe.expert_ffn_hidden / tp,
         "shared_experts": f * per_f * d * moe.n_shared_experts * shared_ffn / tp,
     }
@@ -289,7 +297,7 @@ RECOMPUTED_TERMS: dict[str, tuple[str, ...]] = {
     "layernorm": ("mla_down_input", "router_input"),
     "moe_act": ("expert_act",),
     "mlp": ("mlp_input", "mlp_inner"),
-    "moe": ("router_probs", "moe_permuted", "experts", "expert_act", "shared_experts"),
+    "moe": ("router_probs", "moe_permuted", "experts", "expert_act", "expert_output", "shared_experts"),
     "shared_experts": ("shared_experts",),
 }
 

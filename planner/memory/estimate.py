@@ -270,7 +270,8 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
                                    autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
-                                   fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu)
+                                   fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu,
+                                   moe_probs_in_experts=traits.moe_probs_in_experts)
     op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
                               save_matmuls=eng.op_sac_saves_mm(training)) \
         if layout.recompute == "op" else None

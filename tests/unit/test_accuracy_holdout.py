@@ -137,7 +137,7 @@ def test_moe_rows_run_their_preset_recipe(rows, figures):
     assert moe["mb-26.02-gb300-qwen3-235b-a22b-256g-mxfp8"].layout.recompute == "none"
     assert not any("recompute" in r.moe_recipe for r in moe.values())
     over, dense_over, _ = figures["memory/over capacity"]
-    assert over - dense_over <= 12  # MoE rows that ran but are predicted above the GPU's memory (18 before)
+    assert over - dense_over <= 5  # MoE rows that ran but are predicted above the GPU's memory (18 before)
     # DeepSeek-V3 over 16 chunks: the recipe's split, embedding + 4 layers first, 1 layer + MTP + loss last
     assert moe["mb-26.02-b200-deepseek-v3-256g-mxfp8"].layout.layers_per_stage == (4,) * 15 + (1,)
     # bias -13%: the Blackwell MoE rows run faster compute since the per-SM carry-over and the Ultra factor, and

@@ -136,7 +136,7 @@ def test_fp32_activations_cost_twice_bf16():
 def test_moe_terms_scale_with_top_k():
     mixtral = load_model("mixtral-8x7b")
     top1 = dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, top_k=1))
-    routed = ("experts", "expert_act", "moe_permuted")
+    routed = ("experts", "expert_act", "expert_output", "moe_permuted")
     two = sum(layer_activation_terms(mixtral, 1024, 1)[k] for k in routed)
     one = sum(layer_activation_terms(top1, 1024, 1)[k] for k in routed)
     assert two == pytest.approx(2 * one)

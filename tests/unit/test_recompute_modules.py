@@ -39,7 +39,8 @@ MOE_SHARE = 3 / 4  # three of the four layers are MoE
 
 
 def _terms(**kw) -> dict[str, float]:
-    return layer_activation_terms(SMALL, S, B, dtype_bytes=D, fused_swiglu=True, **kw)
+    """Megatron-Core's saved tensors: fused SwiGLU, router probabilities applied in the experts' activation."""
+    return layer_activation_terms(SMALL, S, B, dtype_bytes=D, fused_swiglu=True, moe_probs_in_experts=True, **kw)
 
 
 def _dropped(modules: tuple[str, ...], **kw) -> float:
@@ -65,8 +66,9 @@ def _dropped(modules: tuple[str, ...], **kw) -> float:
     ("mlp", (1 - MOE_SHARE) * D * (H + 3 * F)),
     # the shared expert's inner tensors (3f)
     ("shared_experts", MOE_SHARE * D * 3 * FE),
-    # router probabilities and map, permuted tokens, routed experts (output h, fc1 2f, product f), shared expert
-    ("moe", MOE_SHARE * ((4 + 1) * E + D * K * H + D * K * (H + 3 * FE) + D * 3 * FE)),
+    # router probabilities and map, permuted tokens, routed experts (fc1 2f, product f; the probabilities weigh
+    # the activation, so no expert output is kept for the combine), shared expert
+    ("moe", MOE_SHARE * ((4 + 1) * E + D * K * H + D * K * 3 * FE + D * 3 * FE)),
 ])
 def test_each_module_drops_what_megatron_frees(module, per_token):
     assert _dropped((module,)) == pytest.approx(per_token * TOKENS)
@@ -81,6 +83,13 @@ def test_modules_drop_the_union_of_their_tensors_and_default_to_core_attention()
     both = _dropped(("mla_up_proj", "moe_act"))
     assert both == pytest.approx(_dropped(("mla_up_proj",)) + _dropped(("moe_act",)))
     assert set(RECOMPUTED_TERMS) == set(RECOMPUTE_MODULES)
+
+
+def test_a_weighted_combine_keeps_the_expert_outputs():
+    """Where the combine weighs the experts' outputs by the probabilities (meshplan's executor, Megatron-Core
+    before 0.13) each routed copy's output (h) stays saved; Megatron-Core now weighs the activation instead."""
+    weighted = layer_activation_terms(SMALL, S, B, dtype_bytes=D, fused_swiglu=True)
+    assert sum(weighted.values()) - sum(_terms().values()) == pytest.approx(MOE_SHARE * D * K * H * TOKENS)
 
 
 def test_layernorm_drops_nothing_where_te_fuses_the_norms():
