@@ -1,203 +1,30 @@
-"""Engines: everything engine-specific, one object per engine, asked by search, memory and simulation.
+"""The engines: one Engine per stack (meshplan, megatron, torchtitan, deepspeed) and what each refuses.
 
-An engine is the software that runs the step: meshplan's own executor
-(PyTorch FSDP2/DDP/DTensor), Megatron-Core (Megatron-LM, NeMo), torchtitan
-(PyTorch FSDP2/HSDP, DTensor TP with loss parallel, per-op SAC, torchao float8)
-or DeepSpeed.
-What differs between them and changes a prediction lives here and nowhere
-else, as torchtitan keeps parallel degrees in one ParallelDims:
-- `TimeTraits`: the attention kernel and what overlaps (planner.simulate);
-- `MemoryTraits`: how tensors are laid out and kept (planner.memory);
-- the precision recipe: bytes per parameter of weights, gradients, optimizer,
-  and what 8-bit GEMMs change (`Fp8Recipe`);
-- the recompute kinds it implements and whether it compiles blocks;
-- for meshplan, the data-parallel path its executor takes (`dp_path`) and the
-  layouts it refuses (`executor_refusal`): the executor imports both, so a plan
-  for `--engine meshplan` is one `meshplan execute` runs.
-
-Why the executor refuses what it refuses, rule by rule:
-- MoE layers stay replicated over tp, so sequence parallel (which would cut
-  their output back to sequence shards) is refused with them;
-- offload is only FSDP2's CPUOffloadPolicy (optimizer+params under ZeRO-3).
-(fp16 on GPUs runs with dynamic loss scaling: executor.components.optim.build_scaler.)
+Engine bundles a stack's traits (planner.engines.traits) with the recompute
+kinds and options it implements; the releases older steps ran on (the 2021-22
+Megatron-LM and DeepSpeed pipelines) are TimeTraits constants here beside the
+engines that use them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from planner.engines.refusals import fp8_refusal, recompute_modules_refusal, unbuilt_features
+from planner.engines.traits import (
+    FP32_BYTES,
+    TE_UB_DEFAULT,
+    Fp8Recipe,
+    MemoryTraits,
+    Recipe,
+    TimeTraits,
+    bf16_optimizer_runs,
+    precision_recipe,
+)
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
-from planner.training import DTYPE_BYTES, TrainingSpec
+from planner.training import TrainingSpec
 from topologies.errors import PlanError
-
-FP32_BYTES = DTYPE_BYTES["fp32"]
-# torch DDP's bucket_cap_mb default (25 MiB): gradients are reduced bucket by
-# bucket, and the last bucket cannot overlap any backward compute.
-DDP_BUCKET_BYTES = 25 << 20
-
-
-PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
-
-
-@dataclass(frozen=True)
-class CommSms:
-    """One overlapped TP collective's claim on the GPU's SMs (Transformer Engine userbuffers).
-
-    `sms`: streaming multiprocessors its communication kernel runs on.
-    `margin`: the GEMM it overlaps is launched on the other SMs for its whole
-    run (TE's set_sm_margin); otherwise the two share the GPU and the GEMM
-    loses the SMs only while the communication kernel runs.
-    """
-
-    sms: int
-    margin: bool
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.sms, int) or isinstance(self.sms, bool) or self.sms < 0:
-            raise PlanError(f"CommSms.sms must be an integer >= 0, got {self.sms!r}")
-
-
-@dataclass(frozen=True)
-class TpOverlapSms:
-    """SMs each overlapped TP collective takes from its GEMM, per TP point (attention, MLP).
-
-    Transformer Engine's userbuffers overlap (Megatron --tp-comm-overlap) runs
-    the forward all-gathers and the backward gradient all-gathers as
-    ring_exchange over the copy engines (qkv/fc1 fprop, proj/fc2 dgrad: no
-    SMs, no margin), and gives SMs to the others: the forward reduce-scatters
-    (proj_fprop, fc2_fprop: pipeline or ring_exchange), the backward's bulk
-    all-gather of the saved input under the input-gradient GEMM (qkv_dgrad,
-    fc1_dgrad) and bulk reduce-scatter of the input gradient under the
-    weight-gradient GEMM (qkv_wgrad, fc1_wgrad).
-    """
-
-    fprop_rs: tuple[CommSms, CommSms]  # proj_fprop, fc2_fprop
-    dgrad_ag: tuple[CommSms, CommSms]  # qkv_dgrad, fc1_dgrad
-    wgrad_rs: tuple[CommSms, CommSms]  # qkv_wgrad, fc1_wgrad
-
-
-# Transformer Engine's initialize_ub defaults (transformer_engine/pytorch/module/base.py,
-# get_default_config, TE 2.x): ring_exchange num_sm 1 without margin, pipeline and bulk num_sm 16
-# with set_sm_margin; what a recipe without its own userbuffers config runs.
-_TE16 = CommSms(16, True)
-TE_UB_DEFAULT = TpOverlapSms((_TE16, _TE16), (_TE16, _TE16), (_TE16, _TE16))
-# torchtitan's async TP (symmetric-memory micro-pipelining) moves chunks with copy-engine p2p copies
-NO_SMS = TpOverlapSms((CommSms(0, False),) * 2, (CommSms(0, False),) * 2, (CommSms(0, False),) * 2)
-
-
-@dataclass(frozen=True)
-class TimeTraits:
-    """How an engine runs a step, where that changes the time."""
-
-    fused_attention: bool  # FlashAttention-style kernel; else softmax over materialized scores
-    overlap_dp: bool  # gradient reduction overlapped with the last micro-batch's backward
-    overlap_tp_backward: bool = False  # backward TP all-reduces overlap the weight-gradient GEMMs
-    # How activations and their gradients cross a pipeline boundary (PIPE_P2P):
-    # "overlapped": one transfer per direction that only delays its consumer (Megatron's batched
-    #   isend/irecv, torch.distributed.pipelining);
-    # "exchange": DeepSpeed's PipelineEngine. Every step of its TrainSchedule opens with a blocking
-    #   exchange with one neighbour (send the activation then receive the gradient, or the
-    #   reverse), which holds both stages; with tp > 1 each tensor crosses split over the tp ranks
-    #   (PartitionedTensor, 1/t per rank) and is all-gathered over tp where it is used;
-    # "exchange-whole-grads": the same before DeepSpeed 0.5.4 (2021-09-29): gradients cross whole
-    #   (t times the bytes of a split one) and the sender all-gathers its split output back for the backward.
-    pipe_p2p: str = "overlapped"
-    # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
-    # PipelineModule checkpoints every module that has parameters (activation_checkpoint_interval)
-    recompute_pipe_ends: bool = False
-    # HBM bytes per local parameter per micro-batch that fold a bf16 micro-batch's gradients into
-    # fp32 accumulators outside the GEMMs (0: the fold runs inside the weight-gradient GEMM, or
-    # autograd hands over the first gradient). DeepSpeed's BF16_Optimizer (its bf16 path under
-    # ZeRO 0/1, deepspeed/runtime/bf16_optimizer.py; the pipeline engine calls update_hp_grads
-    # after every backward, clearing the bf16 gradients before the next) adds a materialized
-    # fp32 cast of each bf16 gradient: cast 2 + 4, add 4 + 4 + 4 = 18 B.
-    bf16_grad_fold_bytes: float = 0.0
-    # under async TP (TrainingSpec.async_tp), the SMs each overlapped collective takes from its GEMM
-    tp_overlap_sms: TpOverlapSms = NO_SMS
-
-    def __post_init__(self) -> None:
-        if self.pipe_p2p not in PIPE_P2P:
-            raise PlanError(f"pipe_p2p must be one of {PIPE_P2P}, got {self.pipe_p2p!r}")
-
-
-@dataclass(frozen=True)
-class MemoryTraits:
-    """How an engine lays tensors out, where that changes memory (not time: see TimeTraits)."""
-
-    vocab_parallel_loss: bool  # logits stay split by t into the loss; else gathered to V per rank
-    tied_vocab_parallel: bool  # a tied embedding/output matrix is split by t like an untied one
-    ddp_bucket_copy: bool  # DDP buckets duplicate the gradients (gradient_as_bucket_view=False)
-    fsdp_root_unit: bool  # embedding, final norm and output form one FSDP unit with the stage root
-    step_phases: bool  # gradients freed between steps: the peak is the largest phase of a step
-    rope_buffers: bool  # fp32 RoPE tables of the full context as buffers; blocks keep compute-dtype copies
-    zero1_whole_tensors: bool  # ZeRO-1 hands whole tensors, largest first, to the least-loaded rank
-    sp_saves_gathered: bool  # sequence parallel saves the all-gathered projection inputs (PyTorch DTensor)
-    fp32_params: bool  # parameters stored in fp32 and cast for compute (autocast / FSDP2 mixed precision)
-    fp32_grads: bool  # gradients kept in fp32 whatever the compute dtype
-    zero2_shards_params: bool  # ZeRO-2 already keeps parameters sharded between steps (FSDP2)
-    fused_swiglu: bool = False  # one fused SwiGLU kernel saves its 2f-wide input only (Megatron): 3f kept, not 4f
-    # the router's probabilities weigh the experts' activation (Megatron-Core >= 0.13 TEGroupedMLP, permuted_probs),
-    # so the combine only unpermutes and no expert output is kept for it (planner.memory.activations)
-    moe_probs_in_experts: bool = False
-    shard_over_cp: bool = False  # ZeRO/FSDP shards over dp_shard * cp (Megatron's dp-cp group, torchtitan's dp_shard_cp)
-    # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
-    # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
-    dtensor_loss_parallel: bool = False
-    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
-    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
-    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
-    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
-    executor_experts: bool = False
-    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
-    # its backward, and a non-last stage receives one output gradient; the boundary tensor is the residual
-    # stream, fp32 under autocast (planner.memory.estimate; validate-memory, pp 2 1F1B)
-    pp_stage_outputs: bool = False
-    # context parallel all-gathers the K/V of the whole sequence before attention (torch's
-    # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
-    # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
-    cp_all_gather: bool = False
-    # autograd saves the all-gathered K/V for the attention's backward (meshplan's executor:
-    # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
-    # local shards and gathers again in the backward
-    cp_saves_gathered: bool = False
-    activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
-    # per-op SAC saves float8 GEMM outputs: meshplan's executor lists aten._scaled_mm with aten.mm; torchtitan's
-    # _op_sac_save_list names aten.mm only, so its float8 projections (aten._scaled_mm) are all recomputed
-    op_sac_saves_fp8_mm: bool = True
-    # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
-    # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
-    inplace_loss_backward: bool = False
-    # DeepSpeed's BF16_Optimizer (bf16_optimizer_runs) keeps full-size fp32 gradient accumulators beside
-    # the bf16 gradients, unsharded under ZeRO-1 (all-reduced whole, each rank steps its partition)
-    bf16_fp32_grads: bool = False
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Bytes per parameter of one engine's precision recipe, before sharding."""
-
-    param: int  # stored parameters (the master weights when fp32_params)
-    grad: int
-    optimizer: int  # master copy (when separate) + moments
-    shard_params: bool  # parameter storage sharded over dp_shard
-    shard_grads: bool
-    shard_optimizer: bool
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """What an engine changes when its block GEMMs run in fp8/mxfp8 (TrainingSpec.precision).
-
-    Every engine keeps the attention core, norms, embedding, output layer,
-    gradients' reduction and the optimizer in the 16/32-bit recipe; only the
-    linear layers of the transformer blocks cast their operands to 8 bits.
-    """
-
-    weight_copy_bytes: float  # persistent 8-bit copies per block-linear parameter (beyond the 16/32-bit weights)
-    saves_fp8_inputs: bool  # linear layers save their 8-bit cast input for the backward (else the 16-bit one)
-    fp8_all_gather: bool  # FSDP all-gathers block-linear weights in 8 bits (1 byte, not the dtype's)
 
 
 @dataclass(frozen=True)
@@ -233,7 +60,7 @@ class Engine:
         16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes);
         dtype: the compute dtype's name (bf16 turns on DeepSpeed's BF16_Optimizer)."""
         fp32_copy = self.memory.bf16_fp32_grads and bf16_optimizer_runs(dtype, zero_stage)
-        return _recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes, fp32_copy)
+        return precision_recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes, fp32_copy)
 
     def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
                 training: TrainingSpec | None = None) -> str | None:
@@ -241,7 +68,7 @@ class Engine:
         if layout.recompute not in self.recompute_kinds:
             return (f"engine {self.name} does not implement recompute {layout.recompute!r}; it has "
                     f"{', '.join(self.recompute_kinds)}")
-        modules = _recompute_modules_refusal(self, model, layout, training)
+        modules = recompute_modules_refusal(self.name, self.recompute_modules, model, layout, training)
         if modules:
             return modules
         if layout.cp > 1 and self.cp_needs_fused and training is not None and not self.fused_attention(training):
@@ -279,26 +106,6 @@ class Engine:
     def fp8_weight_bytes(self, training: TrainingSpec) -> float:
         """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
         return self.fp8.weight_copy_bytes if training.fp8 else 0.0
-
-
-def bf16_optimizer_runs(dtype: str, zero_stage: int) -> bool:
-    """Whether DeepSpeed trains through its BF16_Optimizer: bf16 with fp32 gradient accumulation
-    (its default) under ZeRO 0 or 1 (DeepSpeedEngine's optimizer choice; ZeRO 2/3 use their own)."""
-    return dtype == "bf16" and zero_stage <= 1
-
-
-@lru_cache(maxsize=256)
-def _recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int,
-            grad_bytes: int = FP32_BYTES, fp32_grad_copy: bool = False) -> Recipe:
-    moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
-    shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
-                  shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
-    grad = (grad_bytes if not traits.fp32_params else FP32_BYTES) if traits.fp32_grads else dtype_bytes
-    grad += FP32_BYTES if fp32_grad_copy else 0
-    if traits.fp32_params:  # the fp32 parameters are the master weights
-        return Recipe(FP32_BYTES, grad, moments, **shards)
-    master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0
-    return Recipe(dtype_bytes, grad, master + moments, **shards)
 
 
 # meshplan: what executor/parallel/parallelize.py, executor/model.py and
@@ -415,27 +222,6 @@ ENGINES: dict[str, Engine] = {
 ENGINE_NAMES = tuple(ENGINES)
 
 
-def _recompute_modules_refusal(engine: Engine, model: ModelSpec, layout: Layout,
-                               training: TrainingSpec | None) -> str | None:
-    """Why `layout.recompute_modules` cannot run: an engine without Megatron-Core's module list, or a module
-    Megatron-Core's TransformerConfig refuses for this model (mla_up_proj without MLA, moe_act without the
-    grouped-GEMM experts it is written for)."""
-    modules = layout.recompute_modules
-    if not modules:
-        return None
-    named = f"recompute_modules {','.join(modules)}"
-    if not engine.recompute_modules:
-        return (f"engine {engine.name} has no per-module selective recomputation ({named}); it is Megatron-Core's "
-                "--recompute-modules: plan with --engine megatron, or drop --recompute-modules")
-    if "mla_up_proj" in modules and model.mla is None:
-        return f"{named}: mla_up_proj recomputes MLA's up-projections, and {model.name} has no MLA attention"
-    if "moe_act" in modules and (model.moe is None or (training is not None and not training.moe_grouped_gemm)):
-        why = f"{model.name} has no MoE layers" if model.moe is None else "the experts run without grouped GEMM"
-        return f"{named}: Megatron-Core recomputes moe_act only in grouped-GEMM experts, and {why}"
-    return None
-
-
-
 def get_engine(name: str) -> Engine:
     """The engine called `name`; a PlanError naming the choices otherwise."""
     try:
@@ -457,45 +243,14 @@ def dp_path(layout: Layout) -> str:
     return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
 
 
-# Model features executor/model.py and executor/moe.py build: anything else is refused by name.
-_MODEL_DEFAULTS = dict(mla=None, qkv_bias=False, attention_bias=False, attention_sinks=False, qk_norm=False,
-                       norms_per_layer=2, sliding_window=0, sliding_layers=0, mtp_layers=0)
-_MOE_DEFAULTS = dict(first_dense_layers=0, layer_step=1, layer_phase=0, dense_layers=(), router_bias=False,
-                     expert_bias=False, shared_expert_gate=False, capacity_factor=0.0)
-
-
-def _unbuilt_features(model: ModelSpec) -> list[str]:
-    """Names of the model's non-default fields the executor has no module for."""
-    out = [k for k, v in _MODEL_DEFAULTS.items() if getattr(model, k, v) != v]
-    if model.moe is not None:
-        out += [f"moe.{k}" for k, v in _MOE_DEFAULTS.items() if getattr(model.moe, k, v) != v]
-    return out
-
-
-def _fp8_refusal(model: ModelSpec, layout: Layout, training: TrainingSpec, on_gpu: bool) -> str | None:
-    """What the executor's torchao float8 path (executor.components.float8) does not run."""
-    if training.precision != "fp8":
-        return (f"precision {training.precision}: the executor's 8-bit path is torchao's float8 (tensorwise "
-                "scaling); plan with --precision fp8 or bf16, or --engine megatron for mxfp8")
-    if not on_gpu:
-        return ("precision fp8 on CPU ranks: float8 GEMMs (torch._scaled_mm) need a GPU of compute capability "
-                "8.9 or newer (H100, L4, B200...); plan CPU ranks with --precision bf16")
-    if layout.tp > 1:
-        return (f"precision fp8 with tp ({layout.tp}) > 1: the executor does not apply torchao's float8 "
-                "tensor-parallel styles; plan with --tp 1 or --precision bf16")
-    if training.dtype != "bf16":
-        return f"precision fp8 runs on bf16 compute (torchtitan's recipe), not {training.dtype}; plan with --dtype bf16"
-    return None
-
-
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
     if training is not None and training.fp8:
-        reason = _fp8_refusal(model, layout, training, on_gpu)
+        reason = fp8_refusal(model, layout, training, on_gpu)
         if reason:
             return reason
-    unbuilt = _unbuilt_features(model)
+    unbuilt = unbuilt_features(model)
     if unbuilt:
         can = ", ".join(name for name, eng in ENGINES.items() if not eng.executes)
         return (f"model {model.name!r} uses {', '.join(unbuilt)}, which meshplan's executor does not build; plan "
