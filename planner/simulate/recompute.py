@@ -28,6 +28,17 @@ GLU_CLAMP_PASSES_FORWARD = 8.0
 GLU_CLAMP_PASSES_BACKWARD = 10.0
 
 
+# Routed experts with output biases (GPT-OSS) add fc2's bias weighted by each token's routing probability
+# after the GEMM: Megatron-Core 0.15-0.18 TEGroupedMLP builds fc2 with skip_bias_add and _apply_bias splits
+# the output by local expert, forms bias * probability and adds it (per expert, eager), then concatenates
+# the pieces: per routed row of h elements, write h, read 2h and write h, read and write h: 6 passes
+# forward (probabilities in the activations' dtype, the router's without moe_router_dtype). Backward:
+# the product's two gradients (each a multiply, read and write h, and its reduction, read h) and the
+# split's gradient joined again (read and write h): 8.
+EXPERT_BIAS_PASSES_FORWARD = 6.0
+EXPERT_BIAS_PASSES_BACKWARD = 8.0
+
+
 def glu_clamp_passes(model: ModelSpec) -> tuple[float, float]:
     """(forward, backward) memory passes per element of the activation's width that the GLU clamp adds
     (0, 0 without a clamp or a gate)."""

@@ -143,11 +143,28 @@ def test_a_clamped_glu_pays_its_unfused_clamp_passes():
 
     clamped = load_model("gpt-oss-20b")
     plain = dataclasses.replace(clamped, glu_clamp=0.0)
-    layout = Layout(dp_shard=8, zero_stage=1, ep=8, micro_batch_size=2, recompute="selective", recompute_modules=("moe_act",))
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8, micro_batch_size=2, recompute="selective",
+                    recompute_modules=("moe_act",))
     a, b = (layer_times(m, 4096, 2, layout, A100, PEAK, CAL) for m in (clamped, plain))
     width = 2 * 2 * 4096 * clamped.moe.top_k * clamped.moe.expert_ffn_hidden  # bytes of one pass: b*s rows
     assert a.forward_s - b.forward_s == pytest.approx(memory_time_s(8 * width, A100, CAL))
     assert a.backward_input_s - b.backward_input_s == pytest.approx(memory_time_s(10 * width, A100, CAL))
     assert a.recompute_s - b.recompute_s == pytest.approx(memory_time_s(8 * width, A100, CAL))
     assert a.backward_weight_s == b.backward_weight_s
+
+
+def test_expert_output_biases_pay_their_eager_weighted_add():
+    """GPT-OSS's fc2 biases, weighted by the routing probabilities after the GEMM (Megatron-Core's
+    TEGroupedMLP._apply_bias): 6 passes of the hidden width per routed row forward, 8 backward."""
+    import dataclasses
+
+    biased = load_model("gpt-oss-20b")
+    plain = dataclasses.replace(biased, moe=dataclasses.replace(biased.moe, expert_bias=False))
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8, micro_batch_size=2)
+    cal = CAL.replace(moe_imbalance=1.0)
+    a, b = (layer_times(m, 4096, 2, layout, A100, PEAK, cal) for m in (biased, plain))
+    rows = 2 * 4096 * biased.moe.top_k
+    assert a.forward_s - b.forward_s == pytest.approx(memory_time_s(6 * 2 * rows * biased.hidden, A100, cal))
+    assert a.backward_input_s - b.backward_input_s == pytest.approx(
+        memory_time_s(8 * 2 * rows * biased.hidden, A100, cal))
 

@@ -159,3 +159,15 @@ def test_a_clamped_glu_dispatches_its_clamp_and_offset_operations():
     assert launches.recompute_ops(clamped, redo, True) - launches.recompute_ops(plain, redo, True) == \
         launches.GLU_CLAMP_OPS
 
+
+def test_expert_output_biases_dispatch_per_local_expert():
+    """Megatron-Core's _apply_bias: 2 operations per local expert plus 5 around them forward; on the gradient
+    path the per-expert 2 and 3 of the 5; 8 local experts at ep 4 for GPT-OSS 20B's 32."""
+    biased = load_model("gpt-oss-20b")
+    plain = _moe(biased, expert_bias=False)
+    layout = Layout(dp_shard=8, zero_stage=1, ep=4)
+    # router fusion: the same router either way (unfused, a router bias without expert biases reads as DeepSeek's)
+    (f1, b1), (f0, b0) = (launches.layer_ops(m, layout, fused_attention=True, router_fusion=True)
+                          for m in (biased, plain))
+    assert (f1 - f0, b1 - b0) == (2 * 8 + 5, 2 * (2 * 8 + 3))
+
