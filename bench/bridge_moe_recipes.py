@@ -45,12 +45,15 @@ blocking host-to-device copy: one stream synchronisation per MoE layer's
 activation, and per recomputation of it under moe_act). ModelSpec.glu_clamp
 (config.json swiglu_limit) prices the clamp's memory passes and operations
 (planner.simulate.recompute.GLU_CLAMP_PASSES_*, planner.simulate.launches).
+The experts' fc2 biases are not fused either: TEGroupedMLP builds fc2 with
+skip_bias_add and _apply_bias adds bias * probability per local expert in
+eager PyTorch, then concatenates (EXPERT_BIAS_PASSES_*, expert_bias_ops).
 
 What is still unexplained (measured per layer and micro-batch on these rows,
-after the clamp): GPT-OSS runs 1.76 us per token and layer on GB200 at both
-micro-batch 1 x 8192 (25.11) and 4 x 4096 (26.02), so the cost is per token,
-not per micro-batch, and 1.6x what the GEMM, attention and memory-bound
-terms price; B300 (800 Gbit/s NICs) runs the EP64 rows no faster than B200
+after the clamp and the biases): GPT-OSS runs 1.76 us per token and layer
+on GB200 at both micro-batch 1 x 8192 (25.11) and 4 x 4096 (26.02), so the
+cost is per token, not per micro-batch, and 1.4x what the GEMM, attention,
+memory-bound and all-to-all terms price (1.23 us); B300 (800 Gbit/s NICs) runs the EP64 rows no faster than B200
 (400 Gbit/s): 54.5 vs 56.6 ms per layer and micro-batch, as if its network
 all-to-all ran at B200's rate. Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
 token and layer on both releases (mb 2 over 1-layer chunks with the
