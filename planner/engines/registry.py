@@ -42,6 +42,11 @@ class Engine:
     # selective recomputation of named modules (Layout.recompute_modules: Megatron-Core's --recompute-modules)
     recompute_modules: bool = False
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
+    # pipeline schedules it runs with pp > 1 (torch.distributed.pipelining has all four; Megatron-Core's
+    # get_forward_backward_func 1F1B with or without interleaving; DeepSpeed's PipelineEngine its TrainSchedule)
+    pp_schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+    # the highest ZeRO stage it runs with pp > 1 (DeepSpeed's PipelineEngine asserts ZeRO < 2)
+    pipeline_zero_max: int = 3
     # what a step with eager attention runs on, where that is an older release of the engine
     # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
     eager_time: TimeTraits | None = None
@@ -82,6 +87,13 @@ class Engine:
         if layout.activation_offload_layers and not self.memory.activation_offload:
             return (f"engine {self.name} does not offload activations to the host (activation_offload_layers "
                     f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
+        if layout.pp > 1 and layout.pp_schedule not in self.pp_schedules:
+            return (f"engine {self.name} pipelines with {', '.join(self.pp_schedules)} only, got pp_schedule "
+                    f"{layout.pp_schedule!r} (pp {layout.pp}); pin --pp-schedule {self.pp_schedules[-1]} or plan "
+                    "with --engine meshplan or torchtitan")
+        if layout.pp > 1 and layout.zero_stage > self.pipeline_zero_max:
+            return (f"engine {self.name} runs ZeRO 0-{self.pipeline_zero_max} with pipeline parallelism, got "
+                    f"ZeRO-{layout.zero_stage} with pp {layout.pp}; pin --zero {self.pipeline_zero_max} or --pp 1")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -200,6 +212,7 @@ ENGINES: dict[str, Engine] = {
                                     activation_offload=True,
                                     inplace_loss_backward=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
+                       pp_schedules=("1f1b", "interleaved-1f1b"),
                        eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,
@@ -217,7 +230,8 @@ ENGINES: dict[str, Engine] = {
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),
     "deepspeed": Engine("deepspeed", DEEPSPEED_PIPE_2022,
-                        MemoryTraits(fp32_grads=False, bf16_fp32_grads=True, **_PUBLISHED_MEMORY), executes=False),
+                        MemoryTraits(fp32_grads=False, bf16_fp32_grads=True, **_PUBLISHED_MEMORY), executes=False,
+                        pp_schedules=("1f1b",), pipeline_zero_max=1),
 }
 ENGINE_NAMES = tuple(ENGINES)
 
