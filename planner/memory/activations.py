@@ -342,21 +342,6 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
     return terms["norm1_input"], total - terms["norm1_input"]
 
 
-def op_saved_per_token(model: ModelSpec, tp: int, d: int) -> float:
-    """Bytes per token per-op SAC saves in one dense block beyond its input (torchtitan's policy).
-
-    The matmuls run in order q, k, v, output projection, w1, (w3,) w2; the
-    1st, 3rd, 5th... outputs are saved and every second one recomputed; the
-    attention kernel's output and fp32 log-sum-exp are saved.
-    """
-    widths = [model.q_dim / tp, model.kv_dim / tp, model.kv_dim / tp, model.hidden, model.ffn_hidden / tp]
-    if model.mlp == "swiglu":
-        widths.append(model.ffn_hidden / tp)
-    widths.append(model.hidden)
-    saved = sum(widths[0::2])
-    return d * (saved + model.q_dim / tp) + FP32_BYTES * model.n_heads / tp
-
-
 def output_activation_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,

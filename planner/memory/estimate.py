@@ -52,7 +52,11 @@ meshplan's single-GPU row: 4 + ~2 + 8 + 4.
 
 megatron: bf16 parameters, fp32 main gradients, fp32 master weights in the
 optimizer with the two Adam moments: 2 + 4 + 12 = 18 bytes per parameter; its
-distributed optimizer is ZeRO-1 (shards the 12). deepspeed: the ZeRO paper's
+distributed optimizer is ZeRO-1 (shards the 12). Under fp8/mxfp8 the block
+linears add Transformer Engine's cached 8-bit copies (1 B, 2 B with Hopper's
+transpose, 2 x 1.03 B under MXFP8: Fp8Recipe.weight_bytes), or with 8-bit
+parameters (TrainingSpec.fp8_params) hold those instead of the 2 B; Megatron
+FSDP then shards and gathers their row-wise bytes (planner.engines.TE_FP8). deepspeed: the ZeRO paper's
 2 + 2 + K, K = 12 (Rajbhandari et al. 2020, fig. 1): stage 1 shards K, 2 also
 the gradients, 3 also the parameters.
 
