@@ -32,10 +32,34 @@ on every other layer) runs fused. Bridge v0.2.2 pins Transformer Engine
 below TE 2.8; TE 2.9's get_attention_backend drops FlashAttention for a
 non-vanilla softmax but keeps cuDNN's arbitrary-seqlen kernel, which
 fused_attn.cpp accepts for learnable softmax from cuDNN 9.13.1. So the rows
-keep TrainingSpec attention "fused", not the eager model. The clamped GLU
-(quick_gelu, glu_linear_offset 1, clamp 7) is one fused kernel as well:
-Megatron-Core 0.15 TEGroupedMLP calls weighted_bias_quick_geglu_impl under
-bias_activation_fusion, which the provider sets.
+keep TrainingSpec attention "fused", not the eager model (TE 2.9 utils.py:
+sliding windows (left, 0) stay on cuDNN's F16_arbitrary_seqlen backend,
+which Megatron's window (128, 0) is). The clamped GLU (quick_gelu,
+glu_linear_offset 1, clamp 7) is NOT one fused kernel: Megatron-Core
+0.15-0.18 TEGroupedMLP calls weighted_bias_quick_geglu_impl under
+bias_activation_fusion (the provider sets it), and that function
+(megatron/core/fusions/fused_bias_geglu.py) chunks fc1's output, clamps
+each half and concatenates them in eager PyTorch before the fused kernel,
+and builds the offset as torch.tensor(1.0, device=cuda) on every call (a
+blocking host-to-device copy: one stream synchronisation per MoE layer's
+activation, and per recomputation of it under moe_act). ModelSpec.glu_clamp
+(config.json swiglu_limit) prices the clamp's memory passes and operations
+(planner.simulate.recompute.GLU_CLAMP_PASSES_*, planner.simulate.launches).
+The experts' fc2 biases are not fused either: TEGroupedMLP builds fc2 with
+skip_bias_add and _apply_bias adds bias * probability per local expert in
+eager PyTorch, then concatenates (EXPERT_BIAS_PASSES_*, expert_bias_ops).
+
+What is still unexplained (measured per layer and micro-batch on these rows,
+after the clamp and the biases): GPT-OSS runs 1.76 us per token and layer
+on GB200 at both micro-batch 1 x 8192 (25.11) and 4 x 4096 (26.02), so the
+cost is per token, not per micro-batch, and 1.4x what the GEMM, attention,
+memory-bound and all-to-all terms price (1.23 us); B300 (800 Gbit/s NICs) runs the EP64 rows no faster than B200
+(400 Gbit/s): 54.5 vs 56.6 ms per layer and micro-batch, as if its network
+all-to-all ran at B200's rate. Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
+token and layer on both releases (mb 2 over 1-layer chunks with the
+all-to-all dispatcher, mb 1 over 2-layer chunks with DeepEP), 3.3x the model,
+where B200 runs 2.1 at mb 1 (priced right only through the Grace host cost
+it falls back to).
 
 Keys: (release, system, model); a missing key means none of these options.
 

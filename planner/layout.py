@@ -255,6 +255,16 @@ def selective_modules(layout: Layout) -> tuple[str, ...]:
     return layout.recompute_modules or SELECTIVE_DEFAULT_MODULES
 
 
+def recompute_label(layout: Layout) -> str:
+    """How tables name a layout's recomputation: the kind, "full:N" for N layers per chunk, or the named
+    modules of a selective one ("selective:layernorm+moe_act")."""
+    if layout.recompute_layers:
+        return f"{layout.recompute}:{layout.recompute_layers}"
+    if layout.recompute_modules:
+        return f"{layout.recompute}:{'+'.join(layout.recompute_modules)}"
+    return layout.recompute
+
+
 def recompute_fields(kind: str, recompute_layers: int, modules: tuple[str, ...]) -> dict[str, Any]:
     """Layout fields of one recompute level of a search: `modules` (the pinned --recompute-modules) ride only
     on the selective level."""

@@ -84,6 +84,8 @@ def apply_config(ctx: click.Context, param: click.Parameter, value: str | None) 
             if name == "overrides" and isinstance(raw, dict):  # [set] table: nic_gbit_per_s = 200
                 items = [f"{k}={_scalar(k, v, value)}" for k, v in raw.items()]
             defaults[name] = [_scalar(key, v, value) for v in items]
+        elif isinstance(raw, list) and str(getattr(param_obj, "metavar", "") or "").endswith(",..."):
+            defaults[name] = ",".join(str(_scalar(key, v, value)) for v in raw)  # a comma-separated flag
         else:
             defaults[name] = _scalar(key, raw, value)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}

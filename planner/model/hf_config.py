@@ -21,7 +21,8 @@ the transformers modeling code of each family:
                      v_head_dim), first_k_dense_replace, moe_layer_freq,
                      n_shared_experts, noaux_tc's per-expert score bias, MTP
   gpt_oss            biases in attention, router and experts, attention sinks,
-                     layer_types for the sliding layers
+                     layer_types for the sliding layers, swiglu_limit (the
+                     clamp of the GLU's inputs)
   llama4             text_config; interleave_moe_layer_step, a shared expert,
                      intermediate_size_mlp for dense layers, chunked local
                      attention on 3 of 4 layers
@@ -290,6 +291,7 @@ def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
         sliding_window=window,
         sliding_layers=sliding_layers,
         mtp_layers=r.int("num_nextn_predict_layers", 0, low=0),
+        glu_clamp=r.float("swiglu_limit", 0.0) if family == "gpt_oss" else 0.0,
     )
 
 

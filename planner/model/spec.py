@@ -92,6 +92,7 @@ class ModelSpec:
     sliding_window: int = 0  # local attention window of the sliding layers (0: none)
     sliding_layers: int = 0  # how many layers use it (GPT-OSS and Gemma 2: every other one)
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer (DeepSeek-V3)
+    glu_clamp: float = 0.0  # GLU inputs clamped to this limit before the activation (GPT-OSS swiglu_limit 7; 0: none)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -130,6 +131,10 @@ class ModelSpec:
                 raise ModelError(f"model {self.name!r}: {key} must be an integer in [{low}, {high}], got {value!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
             raise ModelError(f"model {self.name!r}: dropout must be a number, got {self.dropout!r}")
+        clamp = self.glu_clamp
+        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0.0 <= clamp < float("inf"):
+            raise ModelError(f"model {self.name!r}: glu_clamp must be a finite number >= 0 (0: no clamp), "
+                             f"got {clamp!r}")
 
     # ---- parameter counts -------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.engines import get_engine
-from planner.layout import Layout
+from planner.layout import Layout, recompute_label
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
 from planner.search.candidates import Pins
@@ -65,7 +65,7 @@ def short(layout: Layout) -> str:
     text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
     text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
-        text += f" rc-{layout.recompute}" + (f":{layout.recompute_layers}" if layout.recompute_layers else "")
+        text += f" rc-{recompute_label(layout)}"
     if layout.pp > 1:
         text += f" {layout.pp_schedule}" + (f"/v{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
     return text

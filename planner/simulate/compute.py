@@ -21,6 +21,10 @@ Three kinds of GPU work, each priced by its own roofline term (parameters in
   dtype_bytes * (11*h/(t if sp else 1) + 2*u'*f/t) -- two norms (read+write),
   two bias-dropout-residual adds (3 passes + mask), the MLP activation
   (GELU: read+write f; SwiGLU: read 2f, write f, so u' = 1.5); backward twice.
+  A clamped GLU (GPT-OSS) adds its unfused clamp passes
+  (planner.simulate.recompute.GLU_CLAMP_PASSES_FORWARD/_BACKWARD), routed
+  experts with output biases the probability-weighted bias added after fc2
+  (EXPERT_BIAS_PASSES_FORWARD/_BACKWARD, `expert_bias_times`).
 
 * FSDP copies (ZeRO-2/3 over dp_shard > 1): every all-gather is followed by a
   copy-out of the gathered flat buffer into the parameters, every
@@ -70,7 +74,13 @@ from planner.simulate.gemm_shapes import (  # gemm_flops, layer_gemms: re-export
     mlp_gemms,
     moe_fraction,
 )
-from planner.simulate.recompute import ModuleParts, module_forward_s
+from planner.simulate.recompute import (
+    EXPERT_BIAS_PASSES_BACKWARD,
+    EXPERT_BIAS_PASSES_FORWARD,
+    ModuleParts,
+    glu_clamp_passes,
+    module_forward_s,
+)
 from topologies.hardware import GPUSpec
 
 FUSED_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 matmuls vs 2 in the forward
@@ -232,6 +242,20 @@ def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak
             imbalance * cast_b)
 
 
+def expert_bias_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
+                      cal: CalibrationProfile) -> tuple[float, float]:
+    """(forward, backward) memory-bound time of the routed experts' output biases in the average layer on the
+    busiest rank: fc2's bias times each routed row's probability, added after the GEMM
+    (planner.simulate.recompute.EXPERT_BIAS_PASSES_*); rows as `moe_times` permutes them."""
+    moe = model.moe
+    if moe is None or not moe.expert_bias:
+        return 0.0, 0.0
+    imbalance = min(cal.moe_imbalance, moe.capacity_factor) if moe.capacity_factor else cal.moe_imbalance
+    row_bytes = moe_fraction(model) * imbalance * (m / layout.tp) * moe.top_k * model.hidden * dtype_bytes
+    return (memory_time_s(EXPERT_BIAS_PASSES_FORWARD * row_bytes, gpu, cal),
+            memory_time_s(EXPERT_BIAS_PASSES_BACKWARD * row_bytes, gpu, cal))
+
+
 def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
     """Keys per query of the average layer, as the causal core prices them: s, or ~2*window on sliding layers."""
     if not model.sliding_window or not model.sliding_layers:
@@ -271,15 +295,19 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
     act_passes = 3.0 if model.mlp == "swiglu" else 2.0
     replicated = NORM_RESIDUAL_PASSES * h / (tp if layout.sequence_parallel else 1)
     elementwise = memory_time_s(dtype_bytes * m * (replicated + act_passes * act_ffn / tp), gpu, cal) + moe_memory
+    clamp_f, clamp_b = (memory_time_s(p * dtype_bytes * m * act_ffn / tp, gpu, cal) for p in glu_clamp_passes(model))
+    bias_f, bias_b = expert_bias_times(model, m, dtype_bytes, layout, gpu, cal)
+    clamp_f, clamp_b = clamp_f + bias_f, clamp_b + bias_b  # eager passes around the expert GEMMs
     cast_scale = cast_bytes / FP8_CAST_BYTES  # the GEMM helpers count casts at FP8_CAST_BYTES per element
     cast_f, cast_b = memory_time_s(cast_f * cast_scale, gpu, cal), memory_time_s(cast_b * cast_scale, gpu, cal)
-    if compile:  # Inductor fuses the casts into the kernels around them as well
-        elementwise, cast_f, cast_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in (elementwise, cast_f, cast_b))
-    forward = gemms + cast_f + core_f + elementwise
+    if compile:  # Inductor fuses the casts (and a GLU clamp) into the kernels around them as well
+        elementwise, cast_f, cast_b, clamp_f, clamp_b = (x * COMPILE_ELEMENTWISE_FACTOR for x in
+                                                         (elementwise, cast_f, cast_b, clamp_f, clamp_b))
+    forward = gemms + cast_f + core_f + elementwise + clamp_f
     if layout.recompute == "op":
         skipped = _op_recomputed_gemms(model, m, layout) if op_saves_mm else attention_gemms(model, m, tp) + dense
         redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
-        recompute = redo + memory_time_s(redo_cast * cast_scale, gpu, cal) + elementwise
+        recompute = redo + memory_time_s(redo_cast * cast_scale, gpu, cal) + elementwise + clamp_f
     elif layout.recompute == "selective":  # Megatron-Core's modules (planner.simulate.recompute)
         squeeze = COMPILE_ELEMENTWISE_FACTOR if compile else 1.0  # as `elementwise` and the casts are priced
 
@@ -291,14 +319,14 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
             return memory_time_s(n_bytes, gpu, cal) * squeeze
 
         experts_s = expert_gemms + memory_time_s(expert_cast_f * cast_scale, gpu, cal) * squeeze
-        parts = ModuleParts(core_f, gemms_s, bytes_s, experts_s, moe_memory * squeeze)
+        parts = ModuleParts(core_f, gemms_s, bytes_s, experts_s, (moe_memory + bias_f) * squeeze)
         recompute = sum(module_forward_s(model, module, m, dtype_bytes, layout, parts)
                         for module in selective_modules(layout))
     else:
         share = recomputed_fraction(layout, model.n_layers)
         recompute = {"none": 0.0, "full": share * forward}[layout.recompute]
     # B: input-gradient GEMMs, attention core backward, elementwise backward; W: weight GEMMs.
-    return PassTimes(forward, gemms + cast_b + core_b + 2.0 * elementwise, gemms, recompute)
+    return PassTimes(forward, gemms + cast_b + core_b + 2.0 * elementwise + clamp_b, gemms, recompute)
 
 
 def _op_recomputed_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:

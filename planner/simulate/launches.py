@@ -60,6 +60,21 @@ how many of those carry gradients.
   (Megatron-Core's SequentialMLP) each local expert runs its own fc1,
   activation, fc2 and slice: 4 per expert plus the split and concatenation.
 * shared experts: fc1, activation, fc2 and the add onto the routed output: 4.
+* routed experts with output biases (GPT-OSS; Megatron-Core 0.15-0.18
+  TEGroupedMLP._apply_bias): per local expert the bias times the routing
+  probabilities and its add onto fc2's output (2), around them the splits of
+  the output and the probabilities, the concatenation, a view and the cast
+  back (5); on the gradient path both per-expert operations, the two splits
+  and the concatenation.
+* a clamped GLU (GPT-OSS; Megatron-Core 0.15-0.18 weighted_bias_quick_geglu_impl):
+  the chunk of fc1's output, two clamps, their concatenation and the
+  offset's scalar tensor built on the GPU at every call: 5 more, 4 of them on
+  the gradient path (the scalar is not). Building that tensor from a Python
+  float copies it host to device without non_blocking, which PyTorch ends
+  with a stream synchronisation: the host waits for the GPU once per MoE
+  activation (and once more where moe_act is recomputed). Not priced beyond
+  its operation: where the GPU is the bottleneck the host catches up within
+  the next kernels.
 
 Selective recomputation (Megatron-Core's modules, default the core
 attention: planner.simulate.recompute) runs each recomputed module's forward
@@ -108,6 +123,11 @@ SEQUENTIAL_EXPERT_OPS = 4  # per local expert, plus SEQUENTIAL_MERGE_OPS
 SEQUENTIAL_MERGE_OPS = 2
 SHARED_EXPERT_OPS = 4
 MOE_ACT_OPS = 2  # of GROUPED_EXPERT_OPS: the activation and the probability scaling
+GLU_CLAMP_OPS = 5  # chunk, two clamps, concatenation, the offset's scalar tensor
+GLU_CLAMP_GRAD_OPS = 4
+EXPERT_BIAS_OPS = 2  # per local expert: bias * probability, the add
+EXPERT_BIAS_MERGE_OPS = 5  # split output and probabilities, concatenate, view, cast back
+EXPERT_BIAS_MERGE_GRAD_OPS = 3
 MLA_UP_OPS = MLA_PROJECTION_OPS - 5  # but the q/kv down projections, their norms and the output GEMM
 GRAPH_REPLAY_OPS = 1
 
@@ -160,7 +180,7 @@ def recompute_ops(model: ModelSpec, layout: Layout, fused_attention: bool, group
         "core_attn": FUSED_CORE_OPS if fused_attention else UNFUSED_CORE_OPS,
         "mla_up_proj": MLA_UP_OPS if model.mla is not None else 0,
         "layernorm": NORM_OPS * ((1 if model.mla is not None else 0) + f),
-        "moe_act": f * MOE_ACT_OPS,
+        "moe_act": f * (MOE_ACT_OPS + (GLU_CLAMP_OPS if model.glu_clamp else 0)),
         "mlp": (1.0 - f) * DENSE_MLP_OPS,
         "shared_experts": f * SHARED_EXPERT_OPS if model.moe is not None and model.moe.n_shared_experts else 0.0,
     }
@@ -180,7 +200,18 @@ def moe_mlp_ops(model: ModelSpec, layout: Layout, grouped_gemm: bool = True, rou
     router, router_grad = router_ops(model, router_fusion)
     shared = SHARED_EXPERT_OPS if moe.n_shared_experts else 0
     experts = expert_ops(model, layout, grouped_gemm)
-    return (router + shared, router_grad + shared), (DISPATCH_OPS + experts, DISPATCH_GRAD_OPS + experts)
+    clamp, clamp_grad = (GLU_CLAMP_OPS, GLU_CLAMP_GRAD_OPS) if model.glu_clamp else (0, 0)
+    bias, bias_grad = expert_bias_ops(model, layout)
+    return (router + shared, router_grad + shared), (DISPATCH_OPS + experts + clamp + bias,
+                                                      DISPATCH_GRAD_OPS + experts + clamp_grad + bias_grad)
+
+
+def expert_bias_ops(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(forward operations, those on the gradient path) of the routed experts' output biases on one rank."""
+    if model.moe is None or not model.moe.expert_bias:
+        return 0, 0
+    local = max(1, model.moe.n_experts // layout.ep)
+    return EXPERT_BIAS_OPS * local + EXPERT_BIAS_MERGE_OPS, EXPERT_BIAS_OPS * local + EXPERT_BIAS_MERGE_GRAD_OPS
 
 
 def layer_ops(model: ModelSpec, layout: Layout, fused_attention: bool, cuda_graphs: bool = False,

@@ -18,6 +18,34 @@ from planner.layout import Layout, selective_modules
 from planner.model.spec import ModelSpec
 from planner.simulate.gemm_shapes import dense_mlp_gemms, mla_up_gemms, moe_fraction, shared_expert_gemms
 
+# A clamped GLU (ModelSpec.glu_clamp, GPT-OSS's swiglu_limit) runs its clamp outside the fused activation:
+# Megatron-Core 0.15-0.18 (megatron/core/fusions/fused_bias_geglu.py, weighted_bias_quick_geglu_impl)
+# chunks fc1's output, clamps each half (read f, write f each) and concatenates them again (read 2f,
+# write 2f) before the fused kernel: 8 passes of f elements forward. Backward: each clamp's masked
+# gradient (read the saved input and the gradient, write: 3f each) and the halves' gradients joined
+# again for fc1's backward (read 2f, write 2f): 10. Hugging Face's reference experts clamp unfused too.
+GLU_CLAMP_PASSES_FORWARD = 8.0
+GLU_CLAMP_PASSES_BACKWARD = 10.0
+
+
+# Routed experts with output biases (GPT-OSS) add fc2's bias weighted by each token's routing probability
+# after the GEMM: Megatron-Core 0.15-0.18 TEGroupedMLP builds fc2 with skip_bias_add and _apply_bias splits
+# the output by local expert, forms bias * probability and adds it (per expert, eager), then concatenates
+# the pieces: per routed row of h elements, write h, read 2h and write h, read and write h: 6 passes
+# forward (probabilities in the activations' dtype, the router's without moe_router_dtype). Backward:
+# the product's two gradients (each a multiply, read and write h, and its reduction, read h) and the
+# split's gradient joined again (read and write h): 8.
+EXPERT_BIAS_PASSES_FORWARD = 6.0
+EXPERT_BIAS_PASSES_BACKWARD = 8.0
+
+
+def glu_clamp_passes(model: ModelSpec) -> tuple[float, float]:
+    """(forward, backward) memory passes per element of the activation's width that the GLU clamp adds
+    (0, 0 without a clamp or a gate)."""
+    if not model.glu_clamp or model.mlp != "swiglu":
+        return 0.0, 0.0
+    return GLU_CLAMP_PASSES_FORWARD, GLU_CLAMP_PASSES_BACKWARD
+
 
 @dataclass(frozen=True)
 class ModuleParts:
@@ -42,14 +70,14 @@ def module_forward_s(model: ModelSpec, module: str, m: float, dtype_bytes: int, 
     the hidden state per norm that is a module of its own (MLA's input norm,
     MoE layers' pre-MLP norm; the others are fused into their linears).
     moe_act: the routed experts' activation (the same passes per element as
-    the forward's). mlp: the dense layers' MLP (GEMMs, activation, its
+    the forward's, a GLU clamp's included). mlp: the dense layers' MLP (GEMMs, activation, its
     fused norm). moe: the MoE layers' router, permutation, routed and shared
     experts. shared_experts: the shared experts' GEMMs and activation. The
     communication inside a recomputed mlp or moe is priced by
     planner.simulate.step (`recomputed_comm`).
     """
     h, tp, d = model.hidden, layout.tp, dtype_bytes
-    act_passes = 3.0 if model.mlp == "swiglu" else 2.0
+    act_passes = (3.0 if model.mlp == "swiglu" else 2.0) + glu_clamp_passes(model)[0]
     sp_div = tp if layout.sequence_parallel else 1
     f = moe_fraction(model)
     moe = model.moe

@@ -31,3 +31,12 @@ def test_modules_land_in_plan_json_and_imply_selective(cli, tmp_path):
 def test_modules_that_cannot_run_are_usage_errors(cli, args, message):
     r = cli("plan", "--model", "8B", "--gpus", "8", *args)
     assert r.code == 2 and message in r.stderr, r.stderr
+
+
+def test_config_file_takes_the_modules_as_a_list_and_the_table_names_them(cli, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('model = "qwen3-30b-a3b"\ngpus = 8\nengine = "megatron"\n'
+                      'recompute_modules = ["layernorm", "moe_act"]\n')
+    r = cli("plan", "--config", str(config), "--top", "1")
+    assert r.code == 0, r.stderr
+    assert "selective:layernorm+moe_act" in r.stdout

@@ -5,8 +5,9 @@ bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
 what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
 H100 7.6%, H200 18.9%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.2% (its
 25.11 rows fitted on), A100 8.5%; 7.1% over the 40 rows no profile was
-fitted on; MoE 17.6%, bias -13.0%; 24 of 93 rows predicted above the GPU's
-memory, 6 of them dense). The GB200 profile's fit (bench/accuracy_dgxc.py
+fitted on; MoE 15.9%, bias -9.4% (GPT-OSS 21.6% with Megatron-Core's unfused
+GLU clamp and expert biases priced, 27.4% without); 9 of 93 rows predicted
+above the GPU's memory). The GB200 profile's fit (bench/accuracy_dgxc.py
 --fit --blackwell both) includes this source's GB200 rows; B200, B300 and
 GB300 take it per SM (planner.simulate.calibration.per_sm_transfer), with
 Blackwell Ultra's factor fitted on the 25.11 GB300 dense rows
@@ -142,8 +143,21 @@ def test_moe_rows_run_their_preset_recipe(rows, figures):
     assert moe["mb-26.02-b200-deepseek-v3-256g-mxfp8"].layout.layers_per_stage == (4,) * 15 + (1,)
     # bias -13%: the Blackwell MoE rows run faster compute since the per-SM carry-over and the Ultra factor, and
     # GPT-OSS (-24..-36% on all but one part) and B300's Qwen3-235B (slower than B200's) were already fast
-    assert figures["moe/ALL"][2] == 34 and figures["moe/ALL"][0] < 0.30 and abs(figures["moe/ALL"][1]) < 0.16
-    assert figures["moe/gb200"][0] < 0.20
+    assert figures["moe/ALL"][2] == 34 and figures["moe/ALL"][0] < 0.20 and abs(figures["moe/ALL"][1]) < 0.14
+    assert figures["moe/gb200"][0] < 0.15
+
+
+def test_gpt_oss_rows_pay_megatron_cores_unfused_glu_clamp(rows):
+    """GPT-OSS's swiglu_limit reaches the rows (ModelSpec.glu_clamp) and its unfused clamp in Megatron-Core's
+    weighted_bias_quick_geglu_impl slows every row; GPT-OSS MAPE 21.6% over its 8 consistent rows (27.4% without the clamp and the
+    expert biases' eager add; loose pin)."""
+    oss = [r for r in rows if r.expressible and r.model == "gpt-oss-120b"
+           and r.id != "mb-25.11-h100-gpt-oss-120b-64g-bf16"]  # the inconsistent row (its GA disagrees)
+    assert len(oss) == 8 and all(r.model_spec.glu_clamp == 7.0 for r in oss)
+    with_clamp = bench.errors(oss)
+    without = bench.errors([replace(r, model_spec=replace(r.model_spec, glu_clamp=0.0)) for r in oss])
+    assert all(with_clamp[k][0] > without[k][0] for k in with_clamp)
+    assert sum(abs(e) for e, _ in with_clamp.values()) / len(oss) < 0.24
 
 
 def test_bridge_rows_run_the_tp_overlap_their_scripts_set(rows):

@@ -133,3 +133,38 @@ def test_a_bigger_micro_batch_is_never_less_efficient_per_token():
     per_token = [layer_times(model, 2048, 2, Layout(micro_batch_size=b, tp=8), A100, PEAK, CAL).forward_s / b
                  for b in (1, 2, 4, 8)]
     assert per_token == sorted(per_token, reverse=True)
+
+
+def test_a_clamped_glu_pays_its_unfused_clamp_passes():
+    """GPT-OSS's clamp (Megatron-Core's weighted_bias_quick_geglu_impl clamps both halves and concatenates
+    them outside the fused kernel): 8 passes of the experts' activation width forward, 10 backward, and
+    8 more where moe_act is recomputed; nothing else in the layer changes."""
+    import dataclasses
+
+    clamped = load_model("gpt-oss-20b")
+    plain = dataclasses.replace(clamped, glu_clamp=0.0)
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8, micro_batch_size=2, recompute="selective",
+                    recompute_modules=("moe_act",))
+    a, b = (layer_times(m, 4096, 2, layout, A100, PEAK, CAL) for m in (clamped, plain))
+    width = 2 * 2 * 4096 * clamped.moe.top_k * clamped.moe.expert_ffn_hidden  # bytes of one pass: b*s rows
+    assert a.forward_s - b.forward_s == pytest.approx(memory_time_s(8 * width, A100, CAL))
+    assert a.backward_input_s - b.backward_input_s == pytest.approx(memory_time_s(10 * width, A100, CAL))
+    assert a.recompute_s - b.recompute_s == pytest.approx(memory_time_s(8 * width, A100, CAL))
+    assert a.backward_weight_s == b.backward_weight_s
+
+
+def test_expert_output_biases_pay_their_eager_weighted_add():
+    """GPT-OSS's fc2 biases, weighted by the routing probabilities after the GEMM (Megatron-Core's
+    TEGroupedMLP._apply_bias): 6 passes of the hidden width per routed row forward, 8 backward."""
+    import dataclasses
+
+    biased = load_model("gpt-oss-20b")
+    plain = dataclasses.replace(biased, moe=dataclasses.replace(biased.moe, expert_bias=False))
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8, micro_batch_size=2)
+    cal = CAL.replace(moe_imbalance=1.0)
+    a, b = (layer_times(m, 4096, 2, layout, A100, PEAK, cal) for m in (biased, plain))
+    rows = 2 * 4096 * biased.moe.top_k
+    assert a.forward_s - b.forward_s == pytest.approx(memory_time_s(6 * 2 * rows * biased.hidden, A100, cal))
+    assert a.backward_input_s - b.backward_input_s == pytest.approx(
+        memory_time_s(8 * 2 * rows * biased.hidden, A100, cal))
+

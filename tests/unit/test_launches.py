@@ -145,3 +145,29 @@ def test_router_graphs_replay_the_router_and_leave_the_rest_eager():
     # cuda_graphs' wider scope takes precedence
     assert launches.layer_ops(qwen, layout, True, cuda_graphs=True, router_graphs=True) == \
         launches.layer_ops(qwen, layout, True, cuda_graphs=True)
+
+
+def test_a_clamped_glu_dispatches_its_clamp_and_offset_operations():
+    """GPT-OSS's clamp: chunk, two clamps, concatenation and the offset's scalar tensor forward (5); all but
+    the scalar carry gradients (2 backward operations each); recomputing moe_act runs the 5 again."""
+    clamped = load_model("gpt-oss-20b")
+    plain = dataclasses.replace(clamped, glu_clamp=0.0)
+    layout = Layout(dp_shard=8, zero_stage=1, ep=8)
+    (f1, b1), (f0, b0) = (launches.layer_ops(m, layout, fused_attention=True) for m in (clamped, plain))
+    assert (f1 - f0, b1 - b0) == (launches.GLU_CLAMP_OPS, 2 * launches.GLU_CLAMP_GRAD_OPS)
+    redo = Layout(dp_shard=8, zero_stage=1, ep=8, recompute="selective", recompute_modules=("moe_act",))
+    assert launches.recompute_ops(clamped, redo, True) - launches.recompute_ops(plain, redo, True) == \
+        launches.GLU_CLAMP_OPS
+
+
+def test_expert_output_biases_dispatch_per_local_expert():
+    """Megatron-Core's _apply_bias: 2 operations per local expert plus 5 around them forward; on the gradient
+    path the per-expert 2 and 3 of the 5; 8 local experts at ep 4 for GPT-OSS 20B's 32."""
+    biased = load_model("gpt-oss-20b")
+    plain = _moe(biased, expert_bias=False)
+    layout = Layout(dp_shard=8, zero_stage=1, ep=4)
+    # router fusion: the same router either way (unfused, a router bias without expert biases reads as DeepSeek's)
+    (f1, b1), (f0, b0) = (launches.layer_ops(m, layout, fused_attention=True, router_fusion=True)
+                          for m in (biased, plain))
+    assert (f1 - f0, b1 - b0) == (2 * 8 + 5, 2 * (2 * 8 + 3))
+

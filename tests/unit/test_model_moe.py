@@ -85,6 +85,10 @@ def test_gpt_oss_sliding_layers_sinks_and_biases():
     m = load_model(str(CONFIGS / "gpt-oss-20b.json"))
     assert (m.sliding_window, m.sliding_layers) == (128, 12)
     assert m.attention_sinks and m.attention_bias and m.moe.router_bias and m.moe.expert_bias
+    assert m.glu_clamp == 7.0 and load_model("gpt-oss-120b").glu_clamp == 7.0  # config.json swiglu_limit
+    assert load_model("qwen3-30b-a3b").glu_clamp == 0.0
+    with pytest.raises(ModelError, match="glu_clamp"):
+        ModelSpec.from_json({**m.to_json(), "glu_clamp": -7.0})
     full = ModelSpec.from_json({**m.to_json(), "sliding_window": 0, "sliding_layers": 0})
     # half the layers see 128 keys instead of 4096
     assert m.attention_flops_per_token(4096) / full.attention_flops_per_token(4096) == pytest.approx((4096 + 128) / 8192)
