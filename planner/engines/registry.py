@@ -35,7 +35,7 @@ class Engine:
     time: TimeTraits
     memory: MemoryTraits
     executes: bool  # `meshplan execute` runs its plans; others are exported
-    fp8: Fp8Recipe = Fp8Recipe(0.0, False, False)
+    fp8: Fp8Recipe = Fp8Recipe(False, False, False)
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
