@@ -94,7 +94,7 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     # recipes); its 8-bit parameters are sharded row-wise bytes (a uint8 buffer) instead of 16-bit ones.
     # The gathered unit is counted in comm_buffers
     linear = sp.block * sp.layers
-    if eng.fp8_primary_weights(training):
+    if eng.fp8_primary_weights(training) and params:  # (parameters offloaded to the host: nothing to replace)
         if recipe.shard_params:
             params -= ceil_div(int((recipe.param - fp8_rowwise_bytes(training.precision)) * linear), n)
         else:
