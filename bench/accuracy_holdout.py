@@ -102,12 +102,21 @@ DeepSeek-V3 rows closer and moves the GB200 ones, +12.2 -> +21.0% and
 +4.0 -> +9.7%, further off, most of it the up projections' host
 operations on Grace; worst H100 Qwen3-30B-A3B FP8 -66%, GPT-OSS 120B
 -24..-36% on all but one GPU).
-Memory: 9 of the 93 expressible rows are predicted above the GPU's memory,
-6 dense (Llama 3 70B Megatron FSDP on GB200 by 4%: the recipes' fused TE
-cross entropy, which keeps only the bf16 logits, is not modelled; Llama 3.1
-405B TP4 PP16 VP4 on GB200 and Nemotron-4 340B on H100 by 2.5-3%), 3 MoE
-(DeepSeek-V3 GB300 pp2 vp8 mb2 284 of 268 GiB, Qwen3-30B-A3B and the
-inconsistent GPT-OSS row on H100); 18 MoE before the recipes' recompute
+Memory: 6 of the 93 expressible rows are predicted above the GPU's memory,
+4 dense: Llama 3 70B Megatron FSDP fp8 on GB200 (25.09, 25.11, 26.02) at
+175.2 of 173 GiB (+1.3%), and Nemotron-4 340B of NeMo 24.07 on H100 at 86.4
+of 80 GiB (its launcher config, conf/training/nemotron/nemotron_340b.yaml,
+runs Apex's distributed_fused_adam with optim.dtype bf16: optimizer state in
+bf16, which the planner has no recipe for; 12 B per parameter are counted);
+2 MoE (DeepSeek-V3 GB300 pp2 vp8 mb2 275 of 268 GiB, the inconsistent
+GPT-OSS row on H100). 9 (6 dense) before the Megatron-Bridge recipes'
+8-bit parameters (fp8_param_gather), Transformer Engine's cross entropy
+(bf16 logits, gradient in place), one micro-batch of logits on the last
+stage of interleaved 1F1B and the fp8 copies by GPU layout (Hopper's
+transposes; the output projection's own 8-bit input, which adds memory):
+then Llama 3 70B GB200 FSDP 180.6, Llama 3.1 405B GB200 TP4 PP16 VP4 177.5
+(now 170.3), Nemotron-4 340B 82.2 (one fp8 weight copy instead of TE 1.8's
+data and transpose). 18 MoE before the recipes' recompute
 modules, Megatron's fused SwiGLU in the experts and its probabilities
 applied in the experts' activation (no expert output kept for the combine);
 24 in all then;
@@ -255,9 +264,14 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     bf16_grads = rec.get("engine", "megatron") == "megatron"
     bridge = rec["source"] == "megatron-bridge"
     overlapped = bridge and rec["model"] in BRIDGE_TP_OVERLAP_MODELS and tp > 1 and tp_overlap
+    # Megatron-Bridge's performance scripts: fp8 and mxfp8 recipes with fp8_param_gather=True (8-bit parameters,
+    # src/megatron/bridge/training/mixed_precision.py), Transformer Engine's cross entropy for every model
+    # (scripts/performance/utils/overrides.py: cross_entropy_fusion_impl="te", the provider's
+    # cross_entropy_loss_fusion=True)
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
-                            compile=bool(rec.get("compile")), async_tp=overlapped)
+                            compile=bool(rec.get("compile")), async_tp=overlapped,
+                            fp8_params=bridge and rec["precision"] in ("fp8", "mxfp8"), fused_cross_entropy=bridge)
     if overlapped:  # the script's fp8 userbuffers config (every row here is fp8 or mxfp8)
         common["ub_sms"] = BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)]
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)

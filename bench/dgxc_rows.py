@@ -186,9 +186,14 @@ def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
     jax = source != "nemo"
     nemo2 = not jax and not rec["id"].startswith("dgxc-v24")
     overlapped = not jax and tp > 1  # the NeMo recipes' tp_comm_overlap (module docstring)
+    # NeMo 2's performance recipes (v25.04, v25.05) build their fp8 and mxfp8 precision from
+    # nemo.collections.llm.recipes.precision.mixed_precision (bf16_with_fp8_mixed, bf16_with_mxfp8_mixed:
+    # fp8_param_gather=True): 8-bit parameters, no bf16 weights (planner.engines.TE_FP8)
+    nemo2_recipes = not jax and rec["id"].startswith(("dgxc-v25.04", "dgxc-v25.05"))
     training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
                             attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32",
-                            async_tp=tp_overlap and overlapped)
+                            async_tp=tp_overlap and overlapped,
+                            fp8_params=nemo2_recipes and precision in ("fp8", "mxfp8"))
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
                   training=training, engine="meshplan" if jax else "megatron", gpus=rec["gpus"],
                   measured_s=rec["step_time_s"], tp_comm_overlap=overlapped,

@@ -22,7 +22,10 @@ under another's compute (planner.simulate.step). `async_tp` pipelines the tensor
 all-gathers and reduce-scatters of sequence parallelism with the GEMMs that
 consume or produce them (torchtitan's enable_async_tensor_parallel under
 torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
-userbuffers; planner.simulate.tp_overlap).
+userbuffers; planner.simulate.tp_overlap). `fp8_params` and
+`fused_cross_entropy` change only memory: 8-bit parameters instead of 16-bit
+weights with 8-bit copies, and a loss that keeps only the compute-dtype
+logits (planner.memory).
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ MAX_SIZE = 1 << 24
 # Tokens per optimizer step: 256x the largest published batch (16M tokens, Llama 3
 # 405B); beyond it the search would enumerate millions of data-parallel shapes.
 MAX_TOKENS_PER_STEP = 1 << 32
-# Execution options of the training stack that change only the host time (planner.simulate.launches).
+# Recipe options of the training stack, optional in plan.json: the first six change the host time or
+# the overlap (planner.simulate), the last two only memory (planner.memory).
 _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
-                  "moe_router_graphs": False, "moe_a2a_overlap": False}
+                  "moe_router_graphs": False, "moe_a2a_overlap": False, "fp8_params": False,
+                  "fused_cross_entropy": False}
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -73,6 +78,14 @@ class TrainingSpec:
     moe_router_graphs: bool = False  # only the router + dispatch preprocessing as CUDA graphs (--cuda-graph-scope)
     # expert all-to-alls of one micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm)
     moe_a2a_overlap: bool = False
+    # the block-linear weights are stored as 8-bit tensors, no 16-bit copy (Transformer Engine's
+    # quantized_model_init; Megatron-Core --fp8-param-gather, which Megatron-Bridge's fp8 and mxfp8
+    # recipes turn on): needs precision fp8 or mxfp8 and an engine whose Fp8Recipe has primary_weights
+    fp8_params: bool = False
+    # the loss is one kernel that writes the logits' gradient into the compute-dtype logits in its
+    # forward (Transformer Engine's parallel_cross_entropy: Megatron-Core --cross-entropy-loss-fusion
+    # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits
+    fused_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -100,6 +113,9 @@ class TrainingSpec:
                             "precision is the dtype itself; set both alike (--precision sets both)")
         if self.precision in FP8_PRECISIONS and self.dtype == "fp32":
             raise PlanError(f"training: precision {self.precision} runs around a bf16 or fp16 model, got dtype fp32")
+        if self.fp8_params is True and not self.fp8:
+            raise PlanError(f"training: fp8_params keeps the weights in 8 bits, which needs precision fp8 or mxfp8, "
+                            f"got {self.precision}; drop fp8_params or set the precision")
         if self.attention not in ("", *ATTENTION_KINDS):
             raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         for key in ("compile", *_OPTIONAL_KEYS):

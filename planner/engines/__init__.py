@@ -49,9 +49,10 @@ from planner.engines.traits import (
     TimeTraits,
     TpOverlapSms,
     bf16_optimizer_runs,
+    fp8_rowwise_bytes,
 )
 
 __all__ = ["DDP_BUCKET_BYTES", "DEEPSPEED_BF16_FOLD_BYTES", "DEEPSPEED_PIPE_2021", "DEEPSPEED_PIPE_2022",
            "ENGINES", "ENGINE_NAMES", "FP32_BYTES", "MEGATRON_DEEPSPEED_2022", "NO_SMS", "PIPE_P2P", "TE_FP8",
            "TE_UB_DEFAULT", "TORCHAO_FP8", "CommSms", "Engine", "Fp8Recipe", "MemoryTraits", "Recipe", "TimeTraits",
-           "TpOverlapSms", "bf16_optimizer_runs", "dp_path", "executor_refusal", "get_engine"]
+           "TpOverlapSms", "bf16_optimizer_runs", "dp_path", "fp8_rowwise_bytes", "executor_refusal", "get_engine"]

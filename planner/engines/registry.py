@@ -35,7 +35,7 @@ class Engine:
     time: TimeTraits
     memory: MemoryTraits
     executes: bool  # `meshplan execute` runs its plans; others are exported
-    fp8: Fp8Recipe = Fp8Recipe(0.0, False, False)
+    fp8: Fp8Recipe = Fp8Recipe(False, False, False)
     recompute_kinds: tuple[str, ...] = ("none", "selective", "full")  # lightest first
     compiles: bool = False  # --compile (torch.compile per block) means something for this engine
     partial_recompute: bool = False  # full recomputation of N layers per chunk (Layout.recompute_layers)
@@ -94,6 +94,12 @@ class Engine:
         if layout.pp > 1 and layout.zero_stage > self.pipeline_zero_max:
             return (f"engine {self.name} runs ZeRO 0-{self.pipeline_zero_max} with pipeline parallelism, got "
                     f"ZeRO-{layout.zero_stage} with pp {layout.pp}; pin --zero {self.pipeline_zero_max} or --pp 1")
+        if training is not None and training.fp8_params and not self.fp8.primary_weights:
+            return (f"engine {self.name} keeps 16-bit weights under {training.precision} (fp8_params asks for "
+                    "8-bit parameters, Transformer Engine's); plan without fp8_params, or with --engine megatron")
+        if training is not None and training.fused_cross_entropy and not self.memory.fused_cross_entropy:
+            return (f"engine {self.name} has no fused cross entropy that keeps only the compute-dtype logits "
+                    "(fused_cross_entropy); plan without it, or with --engine megatron")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -115,9 +121,14 @@ class Engine:
         """Whether per-op SAC saves the block GEMMs this training runs (memory keeps them, time skips them)."""
         return self.memory.op_sac_saves_fp8_mm or not training.fp8
 
-    def fp8_weight_bytes(self, training: TrainingSpec) -> float:
-        """Persistent 8-bit weight-copy bytes per block-linear parameter under this training's precision."""
-        return self.fp8.weight_copy_bytes if training.fp8 else 0.0
+    def fp8_weight_bytes(self, training: TrainingSpec, any_layout: bool = True) -> float:
+        """Persistent 8-bit weight bytes per block-linear parameter under this training's precision, on a GPU
+        whose FP8 GEMMs take any operand layout or not (GPUSpec.fp8_any_layout; Fp8Recipe.weight_bytes)."""
+        return self.fp8.weight_bytes(training.precision, any_layout) if training.fp8 else 0.0
+
+    def fp8_primary_weights(self, training: TrainingSpec) -> bool:
+        """The block-linear parameters are the 8-bit tensors themselves (no 16-bit weights kept)."""
+        return training.fp8 and training.fp8_params and self.fp8.primary_weights
 
 
 # meshplan: what executor/parallel/parallelize.py, executor/model.py and
@@ -183,20 +194,24 @@ DEEPSPEED_PIPE_2022 = TimeTraits(fused_attention=False, overlap_dp=False, overla
 DEEPSPEED_PIPE_2021 = TimeTraits(fused_attention=False, overlap_dp=False, overlap_tp_backward=False,
                                  pipe_p2p="exchange-whole-grads", recompute_pipe_ends=True,
                                  bf16_grad_fold_bytes=DEEPSPEED_BF16_FOLD_BYTES)
-# Transformer Engine (megatron): the fp8 weight workspace persists between
-# micro-batches and steps (Megatron-Core marks the first micro-batch so the
-# cast is cached), one byte per weight plus a 1-byte scale per 32 elements
-# for MXFP8; the transposed copy the backward needs is counted as transient.
-# Two persistent copies would put NVIDIA's Nemotron-4 15B FP8 run (tp 2, DGX
-# Cloud v25.04) at 82.6 GiB, above the 80 GB it ran on; one gives 76.6 GiB.
-# te.Linear saves its fp8-cast input for the backward. Without
-# --fp8-param-gather (off by default) the distributed optimizer gathers bf16.
-# torchao float8 (torchtitan): Float8Linear casts in the forward and saves the
+# Transformer Engine (megatron), read in TE 1.8 and 2.8 (module/linear.py, module/base.py
+# get_weight_workspace): without 8-bit parameters the weight is cast into a workspace cached
+# under the name "weight" whenever Megatron-Core passes is_first_microbatch (TELinear does unless
+# disable_parameter_transpose_cache), so it lives between micro-batches and steps beside the bf16
+# weight, with the usages the backward needs: the row-wise data, and a column-wise copy for the
+# input-gradient GEMM on TN-only GPUs (Hopper) and always under MXFP8 (Fp8Recipe.weight_bytes).
+# With --fp8-param-gather (Megatron-Bridge's fp8 and mxfp8 recipes, NeMo 2.0's
+# bf16_with_fp8_mixed: TrainingSpec.fp8_params) those 8-bit tensors are the parameters: the
+# distributed optimizer's parameter buffer is uint8 (param_and_grad_buffer.group_params_for_buffers),
+# the fp32 master stays in the optimizer, and no bf16 weight exists; on Hopper TE keeps the
+# transpose on the parameter after each all-gather (post_all_gather_processing). te.Linear saves
+# its fp8-cast input for the backward (column-wise usage only: linear.py drops the row-wise data
+# before saving). torchao float8 (torchtitan): Float8Linear casts in the forward and saves the
 # high-precision input and weight, recasting in the backward (no persistent
 # copy); with FSDP2 torchtitan gathers the weights in float8
 # (enable_fsdp_float8_all_gather, which its float8 recipes turn on).
-TE_FP8 = Fp8Recipe(weight_copy_bytes=1.0 + 1.0 / 32, saves_fp8_inputs=True, fp8_all_gather=False)
-TORCHAO_FP8 = Fp8Recipe(weight_copy_bytes=0.0, saves_fp8_inputs=False, fp8_all_gather=True)
+TE_FP8 = Fp8Recipe(weight_copy=True, saves_fp8_inputs=True, fp8_all_gather=False, primary_weights=True)
+TORCHAO_FP8 = Fp8Recipe(weight_copy=False, saves_fp8_inputs=False, fp8_all_gather=True)
 ENGINES: dict[str, Engine] = {
     "meshplan": Engine(
         "meshplan", TimeTraits(fused_attention=True, overlap_dp=True),
@@ -210,7 +225,7 @@ ENGINES: dict[str, Engine] = {
                                               tp_overlap_sms=TE_UB_DEFAULT),
                        MemoryTraits(fp32_grads=True, fused_swiglu=True, moe_probs_in_experts=True, shard_over_cp=True,
                                     activation_offload=True,
-                                    inplace_loss_backward=True, **_PUBLISHED_MEMORY),
+                                    inplace_loss_backward=True, fused_cross_entropy=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
                        pp_schedules=("1f1b", "interleaved-1f1b"),
                        eager_time=MEGATRON_DEEPSPEED_2022,

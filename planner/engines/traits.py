@@ -149,6 +149,9 @@ class MemoryTraits:
     # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
     # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
     inplace_loss_backward: bool = False
+    # the engine can run the loss as Transformer Engine's parallel_cross_entropy (TrainingSpec.fused_cross_entropy),
+    # whose forward writes the gradient into the compute-dtype logits it saves: D bytes per local logit, no fp32
+    fused_cross_entropy: bool = False
     # DeepSpeed's BF16_Optimizer (bf16_optimizer_runs) keeps full-size fp32 gradient accumulators beside
     # the bf16 gradients, unsharded under ZeRO-1 (all-reduced whole, each rank steps its partition)
     bf16_fp32_grads: bool = False
@@ -175,9 +178,33 @@ class Fp8Recipe:
     linear layers of the transformer blocks cast their operands to 8 bits.
     """
 
-    weight_copy_bytes: float  # persistent 8-bit copies per block-linear parameter (beyond the 16/32-bit weights)
+    weight_copy: bool  # keeps 8-bit copies of the block-linear weights between micro-batches and steps
     saves_fp8_inputs: bool  # linear layers save their 8-bit cast input for the backward (else the 16-bit one)
     fp8_all_gather: bool  # FSDP all-gathers block-linear weights in 8 bits (1 byte, not the dtype's)
+    # the 8-bit copies can be the parameters themselves (TrainingSpec.fp8_params: Transformer Engine's
+    # quantized_model_init under Megatron-Core's --fp8-param-gather), with no 16-bit weights beside them
+    primary_weights: bool = False
+
+    def weight_bytes(self, precision: str, any_layout: bool) -> float:
+        """Bytes of 8-bit weight data per block-linear parameter (0 without copies).
+
+        A row-wise copy for the forward GEMM (1 B; MXFP8 adds an E8M0 scale per
+        32 elements) and, where the backward's GEMMs need the other layout, a
+        column-wise one: always under MXFP8 (its scales run along the other
+        axis), and for per-tensor fp8 on GPUs whose FP8 GEMMs take only the TN
+        layout (Hopper: Transformer Engine's Float8Tensor keeps a transpose
+        beside its data; quantizer.cpp makes none where
+        nvte_is_non_tn_fp8_gemm_supported, sm_100 on).
+        """
+        if not self.weight_copy:
+            return 0.0
+        rowwise = fp8_rowwise_bytes(precision)
+        return rowwise + (rowwise if precision == "mxfp8" or not any_layout else 0.0)
+
+
+def fp8_rowwise_bytes(precision: str) -> float:
+    """Bytes per element of one 8-bit copy: 1, plus MXFP8's E8M0 scale per 32-element block."""
+    return 1.0 + (1.0 / 32 if precision == "mxfp8" else 0.0)
 
 
 def bf16_optimizer_runs(dtype: str, zero_stage: int) -> bool:

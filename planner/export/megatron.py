@@ -209,6 +209,10 @@ def _precision_args(plan: Plan, notes: list[str]) -> list[Arg]:
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "delayed")]
     elif tr.precision == "mxfp8":
         args += [("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")]
+    if tr.fp8_params:  # 8-bit parameters, the memory the plan assumed (planner.engines.TE_FP8)
+        args.append(("--fp8-param-gather",))
+    if tr.fused_cross_entropy:  # Transformer Engine's loss kernel (Megatron-Core >= 0.12): only the bf16 logits kept
+        args += [("--cross-entropy-loss-fusion",), ("--cross-entropy-fusion-impl", "te")]
     if tr.attention == "eager":
         notes.append("attention eager: the plan assumed unfused softmax attention (the 2021-22 Megatron-LM); "
                      "select Megatron's unfused attention backend to match it")

@@ -101,9 +101,12 @@ log-sum-exp (4a/t). Eager attention's math ops are not in the list: nothing
 of the core is kept. `op_saved_terms`.
 
 FP8 with Transformer Engine (Fp8Recipe.saves_fp8_inputs): te.Linear saves
-the 8-bit cast of its input, so the QKV, fc1 and fc2 inputs cost 1 byte per
-element (the output projection's input is also the attention output, kept
-by the attention at D); torchao's float8 saves the 16-bit input (no change).
+the 8-bit cast of its input (its column-wise usage: one byte per element on
+every GPU), so the QKV, fc1 and fc2 inputs cost 1 byte per element; the
+output projection saves its 8-bit cast of the attention output beside the
+D-byte output the fused attention keeps for its own backward (TE's
+FusedAttnFunc saves q, k, v and out): "proj_fp8_input", 1 byte more per
+element. torchao's float8 saves the 16-bit input (no change).
 
 Norms are assumed fused (they save their input only, plus an fp32 statistic per
 token that is ignored). The logits of the output layer are counted by the
@@ -172,6 +175,8 @@ def layer_activation_terms(
     else:
         terms.update(_mla_terms(model, d, li, tp, in_div))
     terms["proj_input"] = d * model.n_heads * model.v_head_dim / tp  # the core's output: a*d, MLA a*v_head_dim
+    if fp8_inputs:  # the output projection's own 8-bit cast of it (module docstring: FP8)
+        terms["proj_fp8_input"] = li * model.n_heads * model.v_head_dim / tp
     if fused_attention:
         terms["core_logsumexp"] = FP32_BYTES * a / tp
     else:
@@ -337,21 +342,6 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
     return terms["norm1_input"], total - terms["norm1_input"]
 
 
-def op_saved_per_token(model: ModelSpec, tp: int, d: int) -> float:
-    """Bytes per token per-op SAC saves in one dense block beyond its input (torchtitan's policy).
-
-    The matmuls run in order q, k, v, output projection, w1, (w3,) w2; the
-    1st, 3rd, 5th... outputs are saved and every second one recomputed; the
-    attention kernel's output and fp32 log-sum-exp are saved.
-    """
-    widths = [model.q_dim / tp, model.kv_dim / tp, model.kv_dim / tp, model.hidden, model.ffn_hidden / tp]
-    if model.mlp == "swiglu":
-        widths.append(model.ffn_hidden / tp)
-    widths.append(model.hidden)
-    saved = sum(widths[0::2])
-    return d * (saved + model.q_dim / tp) + FP32_BYTES * model.n_heads / tp
-
-
 def output_activation_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
@@ -415,6 +405,20 @@ def embedding_dropout_bytes(model: ModelSpec, seq_len: int, micro_batch: int, tp
         return 0.0
     sp_div = tp if sequence_parallel else 1
     return MASK_BYTES * model.hidden * seq_len * micro_batch / cp / sp_div
+
+
+def output_in_flight(schedule: str, pp: int) -> float:
+    """Micro-batches whose output-layer tensors the last stage holds at its peak; 0: as many as its layers'.
+
+    Interleaved 1F1B (Megatron-Core's forward_backward_pipelining_with_interleaving,
+    get_model_chunk_id; torch's ScheduleInterleaved1F1B alike): the last rank's
+    warm-up ends before its last chunk, and from then on each forward of that
+    chunk is followed by the backward of the same micro-batch, so the logits of
+    one micro-batch are alive at a time, though the rank's other chunks hold
+    (v - 1) pp more. The other schedules hold the output with their layers
+    (1F1B's last rank: one micro-batch already).
+    """
+    return 1.0 if schedule == "interleaved-1f1b" and pp > 1 else 0.0
 
 
 def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: int, virtual_stages: int) -> float:

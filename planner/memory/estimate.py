@@ -52,7 +52,11 @@ meshplan's single-GPU row: 4 + ~2 + 8 + 4.
 
 megatron: bf16 parameters, fp32 main gradients, fp32 master weights in the
 optimizer with the two Adam moments: 2 + 4 + 12 = 18 bytes per parameter; its
-distributed optimizer is ZeRO-1 (shards the 12). deepspeed: the ZeRO paper's
+distributed optimizer is ZeRO-1 (shards the 12). Under fp8/mxfp8 the block
+linears add Transformer Engine's cached 8-bit copies (1 B, 2 B with Hopper's
+transpose, 2 x 1.03 B under MXFP8: Fp8Recipe.weight_bytes), or with 8-bit
+parameters (TrainingSpec.fp8_params) hold those instead of the 2 B; Megatron
+FSDP then shards and gathers their row-wise bytes (planner.engines.TE_FP8). deepspeed: the ZeRO paper's
 2 + 2 + K, K = 12 (Rajbhandari et al. 2020, fig. 1): stage 1 shards K, 2 also
 the gradients, 3 also the parameters.
 
@@ -133,7 +137,7 @@ from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
 
-from planner.engines import dp_path, get_engine
+from planner.engines import dp_path, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
@@ -144,6 +148,7 @@ from planner.memory.activations import (
     layer_backward_transient,
     op_saved_terms,
     output_activation_bytes,
+    output_in_flight,
 )
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
@@ -294,13 +299,19 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     logits_grad = logits_saved / FP32_BYTES * d
     if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
         logits_transient = logits_grad
+    loss_hole = logits_grad if d < FP32_BYTES and traits.step_phases else 0.0
+    if training.fused_cross_entropy and traits.fused_cross_entropy:
+        # Transformer Engine's parallel_cross_entropy (cross_entropy.py, triton/cross_entropy.py): the forward
+        # stores each logit's gradient over the D-byte logits and saves them; the backward scales them in place
+        logits_saved, logits_transient, logits_grad, loss_hole = logits_saved / FP32_BYTES * d, 0.0, 0.0, 0.0
     stage_output = 0.0
     if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
-                       logits_grad, logits_grad if d < FP32_BYTES and traits.step_phases else 0.0, stage_output,
-                       layout.activation_offload_layers * layout.virtual_stages)
+                       logits_grad, loss_hole, stage_output,
+                       layout.activation_offload_layers * layout.virtual_stages,
+                       output_in_flight(layout.pp_schedule, layout.pp))
 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
@@ -340,6 +351,8 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     if phased:
         build = partial(meshplan_stage_bytes, experts_outside_fsdp=eng.memory.executor_experts,
                         fp8_all_gather=eng.fp8.fp8_all_gather)
+    elif eng.fp8_primary_weights(training):  # ZeRO-3 gathers the blocks' 8-bit parameters
+        build = partial(published_stage_bytes, block_gather_bytes=fp8_rowwise_bytes(training.precision))
     params = pipeline_params(model, layout, engine)
     in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
                                         layout.virtual_stages) for rank in range(layout.pp)]
@@ -355,7 +368,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
     for key, rank in busiest.items():
         sp = params[rank]
-        states = stage_states(model, training, layout, sp, engine)
+        states = stage_states(model, training, layout, sp, engine, gpu.fp8_any_layout)
         built[key] = sb = build(model, training, layout, sp, states, comm)
         offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
         host_bytes = max(host_bytes, states.host + int(offloaded))

@@ -113,6 +113,9 @@ class Activations(NamedTuple):
     loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
     stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
     offloaded_layers: int = 0  # layers per rank whose kept activations sit in host memory (activation offload)
+    # micro-batches whose output-layer tensors (final norm and output inputs, logits) the last stage holds at
+    # once; 0: as many as its layers' (planner.memory.activations.output_in_flight)
+    output_flight: float = 0.0
 
 
 def on_gpu_layers(sp: StageParams, acts: Activations) -> int:
@@ -164,7 +167,7 @@ def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: f
         (in_flight * acts.embedding if sp.has_embedding else 0.0)
     if not sp.has_output:  # each in-flight micro-batch's output, and the output gradient received for one
         kept += (in_flight + 1) * acts.stage_output
-    out = in_flight * (acts.output + acts.logits_saved) if sp.has_output else 0.0
+    out = (acts.output_flight or in_flight) * (acts.output + acts.logits_saved) if sp.has_output else 0.0
     fwd = sb.params + sb.copy
     base = sb.buckets + sb.comm
     start_act = kept + out + (acts.loss_transient if sp.has_output else 0.0)
@@ -229,7 +232,7 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
     if sp.has_embedding:
         act += in_flight * acts.embedding
     if sp.has_output:
-        act += in_flight * (acts.output + acts.logits_saved) + acts.loss_transient
+        act += (acts.output_flight or in_flight) * (acts.output + acts.logits_saved) + acts.loss_transient
     return {"backward_start": (sb.params + sb.copy, sb.grads, sb.optimizer, int(act), sb.buckets + sb.comm)}
 
 
@@ -327,11 +330,16 @@ def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, lar
 
 
 def published_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                          states: ModelStates, comm: int) -> StageBytes:
-    """megatron / deepspeed: their data-parallel buffers (planner.memory.estimate docstring), all counted at once."""
+                          states: ModelStates, comm: int, block_gather_bytes: float = 0.0) -> StageBytes:
+    """megatron / deepspeed: their data-parallel buffers (planner.memory.estimate docstring), all counted at once.
+
+    block_gather_bytes: bytes per parameter of a gathered block under ZeRO-3 where they are not the
+    compute dtype's (8-bit parameters: Megatron FSDP all-gathers their uint8 row-wise data).
+    """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
+    w = block_gather_bytes or d
     if layout.zero_stage <= 1:
         dp = DDP_BUCKET_BYTES if layout.dp > 1 else 0
     else:
-        dp = (d + g) * sp.block + (d * (max(sp.root, sp.block) + 2 * sp.block) if layout.zero_stage == 3 else 0)
+        dp = (d + g) * sp.block + (int(d * max(sp.root, sp.block) + w * 2 * sp.block) if layout.zero_stage == 3 else 0)
     return StageBytes(states.params, states.compute_copy, states.grads, states.optimizer, dp, comm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.engines import FP32_BYTES, dp_path, get_engine
+from planner.engines import FP32_BYTES, dp_path, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
 from planner.model.spec import ModelSpec
@@ -50,8 +50,12 @@ def _compute_copy(engine: str, layout: Layout, sp: StageParams, d: int) -> int:
 
 
 def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                 engine: str) -> ModelStates:
-    """The model states of one rank of the stage holding `sp` (module docstring table)."""
+                 engine: str, fp8_any_layout: bool = True) -> ModelStates:
+    """The model states of one rank of the stage holding `sp` (module docstring table).
+
+    fp8_any_layout: the GPU's FP8 GEMMs take any operand layout (GPUSpec.fp8_any_layout); True, the
+    smaller figure, where no GPU is known (the pruning lower bound).
+    """
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
                         DTYPE_BYTES[training.grad_dtype], training.dtype)
@@ -82,13 +86,21 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             params, copy = 0, (0 if layout.zero_stage == 3 else d * total)
             if recipe.shard_grads:
                 host, grads = host + grads, 0
-    # 8-bit weight copies kept between steps (Transformer Engine's fp8 workspaces), for every block
-    # weight this rank multiplies with: the blocks' parameters, unsharded (planner.engines.Fp8Recipe).
-    # Not with sharded parameters (ZeRO-3): a rank holds a block's weights only while that unit is
-    # gathered, and Megatron FSDP drops the 8-bit copies with them (its keep_fp8_transpose_cache, off by
-    # default, would keep one byte per parameter); the gathered unit is counted in comm_buffers
-    if not recipe.shard_params:
-        params += int(eng.fp8_weight_bytes(training) * sp.block * sp.layers)
+    # 8-bit weights kept between steps (planner.engines.Fp8Recipe.weight_bytes), for every block weight
+    # this rank multiplies with: Transformer Engine's cached workspaces beside the 16-bit weights, or,
+    # with 8-bit parameters (fp8_params), in their place. Unsharded parameters: the stage's blocks.
+    # Sharded (ZeRO-3): a rank holds a block's weights only while that unit is gathered, and Megatron
+    # FSDP drops the workspaces with them (its keep_fp8_transpose_cache, off in Megatron-Bridge's
+    # recipes); its 8-bit parameters are sharded row-wise bytes (a uint8 buffer) instead of 16-bit ones.
+    # The gathered unit is counted in comm_buffers
+    linear = sp.block * sp.layers
+    if eng.fp8_primary_weights(training) and params:  # (parameters offloaded to the host: nothing to replace)
+        if recipe.shard_params:
+            params -= ceil_div(int((recipe.param - fp8_rowwise_bytes(training.precision)) * linear), n)
+        else:
+            params += int((eng.fp8_weight_bytes(training, fp8_any_layout) - recipe.param) * linear)
+    elif not recipe.shard_params:
+        params += int(eng.fp8_weight_bytes(training, fp8_any_layout) * linear)
     if traits.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)

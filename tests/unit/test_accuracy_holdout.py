@@ -6,8 +6,8 @@ what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
 H100 7.6%, H200 18.9%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.2% (its
 25.11 rows fitted on), A100 8.5%; 7.1% over the 40 rows no profile was
 fitted on; MoE 15.9%, bias -9.4% (GPT-OSS 21.6% with Megatron-Core's unfused
-GLU clamp and expert biases priced, 27.4% without); 9 of 93 rows predicted
-above the GPU's memory). The GB200 profile's fit (bench/accuracy_dgxc.py
+GLU clamp and expert biases priced, 27.4% without); 6 of 93 rows predicted
+above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/accuracy_dgxc.py
 --fit --blackwell both) includes this source's GB200 rows; B200, B300 and
 GB300 take it per SM (planner.simulate.calibration.per_sm_transfer), with
 Blackwell Ultra's factor fitted on the 25.11 GB300 dense rows
@@ -103,12 +103,14 @@ def test_attention_fitted_on_one_blackwell_part_carries_to_another(rows):
 
 def test_published_layouts_fit_and_measured_memory(figures):
     """Rows that ran must not be called infeasible: 29 of 93 were before activation offload, the sharded fp8
-    weights, Megatron's in-place loss backward, torchtitan's float8 SAC list and NeMo 24.07's bf16 gradients
-    (2026-11-24: 24, 6 dense: Llama 3 70B FSDP on GB200 4% over, 405B TP4 PP16 VP4 on GB200 2.5% over,
-    Nemotron-4 340B on H100 2.7% over; the other 18 are MoE rows)."""
+    weights, Megatron's in-place loss backward, torchtitan's float8 SAC list and NeMo 24.07's bf16 gradients;
+    9 (6 dense) before the Megatron-Bridge recipes' 8-bit parameters and Transformer Engine's cross entropy,
+    one micro-batch of logits on interleaved 1F1B's last stage and the fp8 copies by GPU layout
+    (2026-11-24: 6, 4 dense: Llama 3 70B Megatron FSDP on GB200 1.3% over on three releases, Nemotron-4 340B
+    of NeMo 24.07, whose bf16 optimizer state is not modelled, 8% over; 2 MoE)."""
     over, dense_over, expressible = figures["memory/over capacity"]
     assert expressible == 93
-    assert over <= 26 and dense_over <= 6
+    assert over <= 8 and dense_over <= 5
     # torchtitan's measured peak (max reserved) on H200, Llama 3.1 8B FP8, FSDP 32 and 64: -10% and -12%
     mae, bias, measured = figures["memory/measured"]
     assert measured == 2 and mae < 0.15 and abs(bias) < 0.15

@@ -203,3 +203,15 @@ def test_megatron_exports_the_host_recipe_options_the_prediction_assumed():
     assert "--overlap-moe-expert-parallel-comm" in export_plan(fused, "megatron").text
     router = dataclasses.replace(moe, training=moe.training.replace(moe_router_graphs=True))
     assert "--cuda-graph-scope moe_router moe_preprocess" in export_plan(router, "megatron").text
+
+
+def test_megatron_exports_the_memory_recipe_options_the_prediction_assumed():
+    """8-bit parameters and Transformer Engine's cross entropy (planner.memory counts them) become their flags."""
+    import dataclasses
+
+    base = plan_13b()
+    assert "--fp8-param-gather" not in export_plan(base, "megatron").text
+    fp8 = dataclasses.replace(base, training=base.training.replace(precision="fp8", fp8_params=True,
+                                                                   fused_cross_entropy=True))
+    text = export_plan(fp8, "megatron").text
+    assert "--fp8-param-gather" in text and "--cross-entropy-fusion-impl te" in text

@@ -196,9 +196,20 @@ def test_transformer_engine_keeps_fp8_weight_copies_torchao_does_not():
         fp8, bf16 = (estimate_memory(model, training_for(4096, 8, p), layout, gpu, engine).per_stage[0]["params"]
                      for p in ("fp8", "bf16"))
         assert (fp8 > bf16) is copies
-    fp8, bf16 = (estimate_memory(model, training_for(4096, 8, p), layout, gpu, "megatron").per_stage[0]["params"]
-                 for p in ("fp8", "bf16"))
-    assert fp8 - bf16 == pytest.approx(get_engine("megatron").fp8.weight_copy_bytes / 2 * bf16, rel=0.1)
+    # Transformer Engine's cached workspace beside the bf16 weights: data and transpose on Hopper (TN-only FP8
+    # GEMMs), the data alone on Blackwell, row- and column-wise block-scaled copies under MXFP8; with 8-bit
+    # parameters (fp8_params) those copies replace the bf16 weights
+    cases = (("h100-sxm", "fp8", False, 2.0), ("b200", "fp8", False, 1.0), ("b200", "mxfp8", False, 2 * 33 / 32),
+             ("h100-sxm", "fp8", True, 0.0), ("b200", "fp8", True, -1.0), ("b200", "mxfp8", True, 2 * 33 / 32 - 2))
+    for part, precision, primary, extra_per_param in cases:
+        gpu = get_gpu(part)
+        bf16 = estimate_memory(model, training_for(4096, 8, "bf16"), layout, gpu, "megatron").per_stage[0]["params"]
+        fp8 = estimate_memory(model, training_for(4096, 8, precision, fp8_params=primary), layout, gpu,
+                              "megatron").per_stage[0]["params"]
+        assert get_engine("megatron").fp8_weight_bytes(training_for(4096, 8, precision), gpu.fp8_any_layout) == \
+            pytest.approx(extra_per_param + (2 if primary else 0))
+        # the stage's parameters are nearly all block linears (2 B each in bf16)
+        assert fp8 - bf16 == pytest.approx(extra_per_param / 2 * bf16, rel=0.1, abs=0.02 * bf16), (part, precision)
 
 
 def test_new_parts_take_their_familys_fitted_profile():
