@@ -181,7 +181,7 @@ class PipelineStep:
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         with _autocast(self.pm, self.device), _loss_parallel(self.pm):
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, return_outputs=False, **kwargs)  # the last stage keeps no logits
         if not self.has_last:
             return None
         mean = torch.stack([loss_value(v) for v in losses]).mean()

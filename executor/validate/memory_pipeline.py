@@ -1,23 +1,39 @@
-"""One pipeline rank's step for `validate-memory`: the 1F1B order run on the rank's own stage module.
+"""One pipeline rank's step for `validate-memory`: torch's schedule order run on the rank's own stage modules.
 
 torch.distributed.pipelining cannot run under a fake process group: before
 its first step the stages exchange shapes and a warm-up vote whose values a
-fake collective never delivers. So the harness runs, on the stage module the
+fake collective never delivers. So the harness runs, on the stage modules the
 executor built and parallelized (executor.parallel.pipeline.split_stage,
-parallelize), what Schedule1F1B runs on that rank, in its order: pp - r
-forwards before the first backward (the warm-up), then one forward and one
-backward in turn, then the remaining backwards (the cool-down); each
-micro-batch's stage input is a fresh buffer (the activation received from
-the previous stage, kept until its backward), each non-last stage's backward
-starts from a fresh gradient buffer (the one received from the next stage),
-the last stage's from its loss, scaled by 1 / micro-batches as
-`scale_grads=True` does. Gradients accumulate over the micro-batches, then
-clipping and the optimizer step run as in any step.
+parallelize), the forwards and backwards torch's schedule runs on that rank,
+in its order (`rank_order`):
 
-Only 1F1B over one stage per rank (no interleaving, no zb-v) and gradient
-sync "none" or "replicate"-free layouts (dp 1) are emulated; others are
-refused with the reason. The order per rank is the one tests/unit/test_pipeline.py
-pins against torch's schedule.
+  1f1b              Schedule1F1B's step loop: pp - r forwards (the warm-up),
+                    then one backward and one forward in turn, then the
+                    remaining backwards (`order_1f1b`; its pipeline_order is
+                    only a description, tests/unit/test_schedule_torch.py);
+  interleaved-1f1b  ScheduleInterleaved1F1B's own pipeline_order for this
+                    rank, read from the schedule the executor builds
+                    (executor.parallel.pipeline.build_schedule) over
+                    stand-in stages on the plan's pp group: the rank's
+                    chunks r, r + pp, ... in torch's depth-first order.
+
+What each action allocates follows torch 2.13's PipelineStage (stage.py):
+a non-first stage receives its input into one buffer per micro-batch,
+allocated at the first step and reused by every later one
+(`_setup_forward_recv_info`), a non-last stage its output gradient likewise
+(`_setup_backward_recv_info`); the boundary tensor is the residual stream
+(fp32 under autocast, else the compute dtype). The input gradient a backward
+leaves on the received buffer is taken off it at once (`stage_backward` sets
+`.grad = None`) and lives until it is sent. The last stage's loss backward
+starts from its loss; its outputs (the logits) are not kept for the step's
+return value, because the executor steps with `return_outputs=False`
+(executor.train.PipelineStep). Gradients accumulate over the micro-batches
+(scaled by 1 / micro-batches as `scale_grads=True` does), then clipping and
+the optimizer step run as in any step.
+
+Only 1F1B with one stage per rank and interleaved 1F1B, with no data or
+context parallelism (dp x cp 1), are emulated; others are refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from planner.layout import Layout
 from planner.plan import Plan
 from topologies.errors import PlanError
 
@@ -33,13 +50,15 @@ from topologies.errors import PlanError
 def check_emulated(plan: Plan) -> None:
     """Refuse the pipeline layouts this emulation does not reproduce."""
     layout = plan.layout
-    if layout.pp_schedule != "1f1b" or layout.virtual_stages != 1 or layout.dp * layout.cp > 1:
+    schedule_ok = (layout.pp_schedule == "1f1b" and layout.virtual_stages == 1) or \
+        layout.pp_schedule == "interleaved-1f1b"
+    if not schedule_ok or layout.dp * layout.cp > 1:
         raise PlanError(
-            f"validate-memory runs pipeline plans as 1F1B with one stage per rank and no data parallelism "
-            f"(got schedule {layout.pp_schedule}, virtual_stages {layout.virtual_stages}, dp x cp "
+            f"validate-memory runs pipeline plans as 1F1B (one stage per rank) or interleaved 1F1B with no data "
+            f"parallelism (got schedule {layout.pp_schedule}, virtual_stages {layout.virtual_stages}, dp x cp "
             f"{layout.dp * layout.cp}): torch.distributed.pipelining exchanges real shapes and votes between "
-            "stages, which a fake process group cannot deliver; check the 1F1B dp 1 layout, or measure with "
-            "`meshplan execute`"
+            "stages, which a fake process group cannot deliver; check a dp 1 layout with one of those schedules, "
+            "or measure with `meshplan execute`"
         )
 
 
@@ -57,30 +76,67 @@ def order_1f1b(pp_rank: int, pp: int, n_micro: int) -> list[tuple[str, int]]:
     return ops
 
 
-def pipeline_micro_steps(plan: Plan, pm, tokens: torch.Tensor, dtype: torch.dtype,  # noqa: ANN001
-                         before_forward: Callable[[int], None]) -> None:
-    """Forwards and backwards of this rank's stage in 1F1B order (module docstring); before_forward(i)
-    runs before micro-batch i's forward (the tracker's per-module statistics are reset there)."""
+def rank_order(layout: Layout, pp_rank: int, pp_group) -> list[tuple[str, int, int]]:  # noqa: ANN001
+    """("F" | "B", stage, micro-batch) in the order torch's schedule runs them on pipeline rank `pp_rank`.
+
+    Interleaved 1F1B: the executor's own schedule (build_schedule) over stand-in stages (parameterless
+    modules on the plan's pp group, so nothing is allocated) computes its pipeline_order, the list its
+    runtime executes; the order depends only on pp, the rank's stages and the micro-batch count.
+    """
+    n = layout.grad_accum_steps
+    if layout.pp_schedule == "1f1b":
+        return [(op, pp_rank, i) for op, i in order_1f1b(pp_rank, layout.pp, n)]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    from executor.parallel.pipeline import build_schedule
+
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    n_stages = layout.pp * layout.virtual_stages
+    with unset_fake_temporarily():
+        stages = [PipelineStage(torch.nn.Identity(), s, n_stages, torch.device("cpu"), group=pp_group)
+                  for s in layout.stages_of(pp_rank)]
+        schedule = build_schedule(stages, layout, lambda output, target: output)
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in schedule.pipeline_order[pp_rank] if a is not None and a.computation_type in kinds]
+
+
+def pipeline_micro_steps(plan: Plan, pm, mesh, tokens: torch.Tensor, dtype: torch.dtype,  # noqa: ANN001
+                         before_forward: Callable[[torch.nn.Module], None]) -> None:
+    """Forwards and backwards of this rank's stages in torch's order (module docstring); before_forward(m)
+    runs before each forward of stage module m (the tracker forgets m's statistics of the previous
+    micro-batch there: it refuses a root module's second forward, and another stage's backward may still
+    need that stage's statistics)."""
     from executor.train import _autocast, lm_loss
 
     layout = plan.layout
-    stage = pm.stages[0]
-    last = stage == layout.pp - 1
-    runner = pm.runners[0]
     n = layout.grad_accum_steps
+    last = layout.pp * layout.virtual_stages - 1
+    runners = dict(zip(pm.stages, pm.runners, strict=True))
     inputs = tokens.chunk(n)
     shape = (layout.micro_batch_size, plan.training.seq_len, plan.model.hidden)
-    kept: dict[int, torch.Tensor] = {}
-    for op, i in order_1f1b(stage, layout.pp, n):
+    boundary = torch.float32 if pm.autocast_dtype is not None else dtype  # the residual stream's dtype
+    # PipelineStage's receive buffers: one per micro-batch, kept from the first step on
+    received = {s: [torch.empty(shape, dtype=boundary, requires_grad=True) for _ in range(n)]
+                for s in pm.stages if s != 0}
+    output_grads = {s: [torch.empty(shape, dtype=boundary) for _ in range(n)] for s in pm.stages if s != last}
+    order = rank_order(layout, mesh.get_local_rank("pp"), mesh.get_group("pp"))
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+    for op, stage, i in order:
         if op == "F":
-            before_forward(i)
-            x = inputs[i] if stage == 0 else torch.empty(shape, dtype=dtype, requires_grad=True)
+            before_forward(runners[stage])
+            x = inputs[i] if stage == 0 else received[stage][i]
             with _autocast(pm, torch.device("cpu")):
-                out = runner(x)
-                kept[i] = lm_loss(out, inputs[i]) / n if last else out
+                out = runners[stage](x)
+                kept[stage, i] = lm_loss(out, inputs[i]) / n if stage == last else out
+            del out
             continue
-        out = kept.pop(i)
-        if last:
+        out = kept.pop((stage, i))
+        if stage == last:
             out.backward()
         else:
-            out.backward(torch.empty_like(out))
+            out.backward(output_grads[stage][i])
+        del out
+        if stage != 0:  # stage_backward takes the input gradient off the buffer; it is sent right away
+            received[stage][i].grad = None

@@ -30,9 +30,10 @@ faithful to a real run:
   DDP models with fake CPU tensors rather than on meta (`_fake_model`).
 * RMSNorm saves what CUDA's fused kernel saves, not what the CPU composite
   saves (`_CudaFusedRMSNorm`): the fake world is CPU, the plan is for GPUs.
-* Pipeline plans run their rank's stage in torch's 1F1B order without
-  torch.distributed.pipelining, which exchanges real shapes and votes between
-  stages before its first step (executor.validate.memory_pipeline).
+* Pipeline plans run their rank's stages in torch's schedule order (1F1B,
+  interleaved 1F1B) without torch.distributed.pipelining, which exchanges
+  real shapes and votes between stages before its first step
+  (executor.validate.memory_pipeline).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
                 dtype: torch.dtype = torch.float32) -> None:
     """The executor's own step (executor.train / executor.components.optim): micro-steps, clipping, AdamW.
 
-    Pipeline plans run their rank's stage in 1F1B order (executor.validate.memory_pipeline).
+    Pipeline plans run their rank's stages in torch's schedule order (executor.validate.memory_pipeline).
 
     Clipping ends in `float(norm)`, a value fake tensors do not have; every
     allocation of the clip happens before it and the scaling after it is in
@@ -127,7 +128,11 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
     if plan.layout.pp > 1:
         from executor.validate.memory_pipeline import pipeline_micro_steps
 
-        pipeline_micro_steps(plan, pm, tokens, dtype, next_micro_batch)
+        def forget(stage: torch.nn.Module) -> None:
+            for module in stage.modules():
+                tracker.memory_tracking.pop(module, None)
+
+        pipeline_micro_steps(plan, pm, mesh, tokens, dtype, forget)
     else:
         AccumulationStep(pm, n, torch.device("cpu"), before_micro_batch=next_micro_batch)(tokens, tokens)
     with contextlib.suppress(DataDependentOutputException):

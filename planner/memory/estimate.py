@@ -141,7 +141,9 @@ from planner.engines import dp_path, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
+    boundary_buffers,
     embedding_dropout_bytes,
+    first_stage_alive,
     in_flight_microbatches,
     layer_activation_bytes,
     layer_activation_terms,
@@ -307,11 +309,17 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     stage_output = 0.0
     if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
+    boundary = None  # zb-v: planner.memory.phases' own rule
+    if layout.pp_schedule != "zb-v":  # first rank, a middle one, the last rank
+        m, v, sched = layout.grad_accum_steps, layout.virtual_stages, layout.pp_schedule
+        alive = first_stage_alive(sched, layout.pp, m, v)
+        boundary = tuple(boundary_buffers(sched, layout.pp, m, v, first=first, last=last, first_alive=alive)
+                         for first, last in ((True, False), (False, False), (False, True)))
     return Activations(per_layer, recomputed, layer_backward_transient(model, s, b, t, cp, d),
                        embedding_dropout_bytes(model, s, b, t, cp, sequence_parallel=seq_par), saved, logits_saved, logits_transient,
                        logits_grad, loss_hole, stage_output,
                        layout.activation_offload_layers * layout.virtual_stages,
-                       output_in_flight(layout.pp_schedule, layout.pp))
+                       output_in_flight(layout.pp_schedule, layout.pp), boundary)
 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:

@@ -116,6 +116,9 @@ class Activations(NamedTuple):
     # micro-batches whose output-layer tensors (final norm and output inputs, logits) the last stage holds at
     # once; 0: as many as its layers' (planner.memory.activations.output_in_flight)
     output_flight: float = 0.0
+    # stage outputs and receive buffers kept, in stage outputs, on (the first rank, a middle one, the last rank)
+    # (planner.memory.activations.boundary_buffers); None under zb-v
+    boundary: tuple[float, float, float] | None = (0.0, 0.0, 0.0)
 
 
 def on_gpu_layers(sp: StageParams, acts: Activations) -> int:
@@ -165,7 +168,9 @@ def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: f
     """Bytes by category (no `other`) at each phase of the step this stage goes through (module docstring)."""
     kept = in_flight * on_gpu_layers(sp, acts) * acts.per_layer + \
         (in_flight * acts.embedding if sp.has_embedding else 0.0)
-    if not sp.has_output:  # each in-flight micro-batch's output, and the output gradient received for one
+    if acts.boundary is not None:  # torch.distributed.pipelining's stage outputs and receive buffers
+        kept += acts.boundary[0 if sp.has_embedding else 2 if sp.has_output else 1] * acts.stage_output
+    elif not sp.has_output:  # zb-v: each in-flight micro-batch's output, and the output gradient received for one
         kept += (in_flight + 1) * acts.stage_output
     out = (acts.output_flight or in_flight) * (acts.output + acts.logits_saved) if sp.has_output else 0.0
     fwd = sb.params + sb.copy
