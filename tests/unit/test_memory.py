@@ -214,9 +214,21 @@ def test_estimate_shape_and_json():
 
 def test_1f1b_first_stage_is_worst_for_even_stages():
     m = load_model("llama2-7b")
-    e = estimate_memory(m, BF16, Layout(pp=4, grad_accum_steps=256), H100)
-    acts = [s["activations"] for s in e.per_stage]
-    assert acts[0] > acts[1] > acts[2] and e.worst_stage == 0
+    for engine, n in (("megatron", 256), ("meshplan", 8)):
+        e = estimate_memory(m, BF16, Layout(pp=4, grad_accum_steps=n), H100, engine)
+        acts = [s["activations"] for s in e.per_stage]
+        assert acts[0] > acts[1] > acts[2] and e.worst_stage == 0, engine
+
+
+def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
+    """torch 2.13's PipelineStage allocates one input and one output-gradient receive buffer per micro-batch
+    (planner.memory.activations.boundary_buffers): with many micro-batches a middle stage, which has both,
+    outgrows the first; each micro-batch more adds two fp32 residual-stream buffers (autocast) there."""
+    m = load_model("llama2-7b")
+    few, many = (estimate_memory(m, BF16, Layout(pp=4, grad_accum_steps=n), H100, "meshplan") for n in (8, 256))
+    buffer = BF16.seq_len * m.hidden * 4
+    assert many.per_stage[1]["activations"] - few.per_stage[1]["activations"] == 2 * (256 - 8) * buffer
+    assert many.worst_stage == 1
 
 
 def test_memory_chart_writes_png(tmp_path):

@@ -22,7 +22,8 @@ tracker's peak (tensor bytes: `other` is 0 on both sides):
                    clipping's fp64 copies or AdamW's sqrt(v) list on top
 
 Also expert parallelism (ep 2 over FSDP, balanced routing), context parallelism
-(cp 2 with DDP, cp 2 x FSDP 4) and each stage of a 2-stage 1F1B pipeline.
+(cp 2 with DDP, cp 2 x FSDP 4) and each rank of 2-rank pipelines: 1F1B, and
+interleaved 1F1B with two chunks per rank (tiny, debug, debug-gpt).
 """
 
 from __future__ import annotations
@@ -98,20 +99,70 @@ def test_peak_phase_and_bytes_match_torch_tracker(name):
     assert est.peak_phase == phase
 
 
+def _preset_plan(name: str, seq_len: int, micro_batch: int, layout: dict) -> Plan:
+    model = load_model(name)
+    lay = with_stage_layers(model, Layout(micro_batch_size=micro_batch, **layout))
+    return Plan(model=model, cluster=load_cluster("dgx-h100", lay.world_size),
+                training=TrainingSpec(seq_len=seq_len, global_batch_size=micro_batch * lay.dp * lay.grad_accum_steps),
+                layout=lay)
+
+
+INTERLEAVED = dict(pp=2, grad_accum_steps=4, pp_schedule="interleaved-1f1b", virtual_stages=2)
+# name: the plan of a pp 2 pipeline, 4 micro-batches (one rank of each stage is tracked)
+PIPELINES = {
+    "1f1b": lambda: _plan({}, 512, 2, 2, dict(pp=2, grad_accum_steps=4)),
+    "interleaved": lambda: _plan(dict(n_layers=4), 512, 2, 2, INTERLEAVED),
+    "interleaved_debug": lambda: _preset_plan("debug", 256, 2, INTERLEAVED),
+    "interleaved_debug_gpt": lambda: _preset_plan("debug-gpt", 256, 2, INTERLEAVED),  # tied across stages
+}
+
+
 @pytest.mark.parametrize("rank", [0, 1])
-def test_pipeline_stages_match_torch_tracker(rank):
-    """pp 2 (1F1B, 4 micro-batches): each rank's stage, run in torch's 1F1B order by the harness
-    (executor.validate.memory_pipeline), against the memory model's figure for that stage."""
-    from executor.validate.memory_pipeline import order_1f1b
+@pytest.mark.parametrize("name", PIPELINES)
+def test_pipeline_stages_match_torch_tracker(name, rank):
+    """Each pipeline rank's stages, run in torch's schedule order by the harness (executor.validate.memory_pipeline:
+    Schedule1F1B's loop, ScheduleInterleaved1F1B's pipeline_order), against the memory model's figure for that rank."""
     from executor.validate.memory_step import tracked_peak
 
-    assert order_1f1b(0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
-    plan = _plan({}, 512, 2, 2, dict(pp=2, grad_accum_steps=4))
+    plan = PIPELINES[name]()
     est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
     predicted = sum(v for k, v in est.per_stage[rank].items() if k != "other")  # tensors: no allocator
     tracked = tracked_peak(plan, rank)["Total"]
     error = (predicted - tracked) / tracked
-    assert abs(error) <= TOLERANCE, f"stage {rank}: predicted {predicted:,} vs tracked {tracked:,} ({error:+.1%})"
+    assert abs(error) <= TOLERANCE, f"{name} rank {rank}: predicted {predicted:,} vs tracked {tracked:,} ({error:+.1%})"
+
+
+def test_pipeline_orders_are_torchs():
+    """The harness's 1F1B order is Schedule1F1B's loop; its interleaved order is read from the executor's own
+    ScheduleInterleaved1F1B: the last rank runs each last-stage forward right before that micro-batch's
+    backward (one micro-batch of logits at a time), and rank 0's live stage-0 micro-batches peak where the
+    memory model's first_stage_alive says."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from executor.validate.memory_pipeline import order_1f1b, rank_order
+    from planner.memory.activations import first_stage_alive
+
+    assert order_1f1b(0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    for pp, n in ((2, 4), (2, 8), (4, 8), (4, 16)):
+        layout = Layout(pp=pp, grad_accum_steps=n, pp_schedule="interleaved-1f1b", virtual_stages=2)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+        try:
+            orders = {r: rank_order(layout, r, dist.group.WORLD) for r in (0, pp - 1)}
+        finally:
+            dist.destroy_process_group()
+        last = 2 * pp - 1
+        ops = orders[pp - 1]
+        assert sum(op == "F" for op, _, _ in ops) == sum(op == "B" for op, _, _ in ops) == 2 * n
+        for k, (op, stage, i) in enumerate(ops):
+            if op == "F" and stage == last:
+                assert ops[k + 1] == ("B", last, i)
+        alive: dict[int, set] = {0: set(), pp: set()}
+        best = (0, 0)
+        for op, stage, i in orders[0]:
+            (alive[stage].add if op == "F" else alive[stage].discard)(i)
+            best = max(best, (len(alive[0]) + len(alive[pp]), len(alive[0])))
+        assert first_stage_alive("interleaved-1f1b", pp, n, 2) == best[1], (pp, n)
 
 
 def test_fsdp_accumulation_keeps_only_sharded_gradients():
