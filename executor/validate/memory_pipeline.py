@@ -39,6 +39,7 @@ reason.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -49,16 +50,24 @@ from topologies.errors import PlanError
 
 def check_emulated(plan: Plan) -> None:
     """Refuse the pipeline layouts this emulation does not reproduce."""
+    from planner.engines import dp_path
+
     layout = plan.layout
     schedule_ok = (layout.pp_schedule == "1f1b" and layout.virtual_stages == 1) or \
         layout.pp_schedule == "interleaved-1f1b"
-    if not schedule_ok or layout.dp * layout.cp > 1:
+    if not schedule_ok or layout.cp > 1:
         raise PlanError(
-            f"validate-memory runs pipeline plans as 1F1B (one stage per rank) or interleaved 1F1B with no data "
-            f"parallelism (got schedule {layout.pp_schedule}, virtual_stages {layout.virtual_stages}, dp x cp "
-            f"{layout.dp * layout.cp}): torch.distributed.pipelining exchanges real shapes and votes between "
-            "stages, which a fake process group cannot deliver; check a dp 1 layout with one of those schedules, "
+            f"validate-memory runs pipeline plans as 1F1B (one stage per rank) or interleaved 1F1B without context "
+            f"parallelism (got schedule {layout.pp_schedule}, virtual_stages {layout.virtual_stages}, cp "
+            f"{layout.cp}): torch.distributed.pipelining exchanges real shapes and votes between stages, which a "
+            "fake process group cannot deliver, so the harness replays those two schedules; check such a layout, "
             "or measure with `meshplan execute`"
+        )
+    if layout.virtual_stages > 1 and dp_path(layout) == "fsdp":
+        raise PlanError(
+            f"validate-memory cannot track interleaved 1F1B under FSDP (zero_stage {layout.zero_stage}, dp "
+            f"{layout.dp}): PyTorch's FSDPMemTracker follows one FSDP root and a rank holds {layout.virtual_stages} "
+            "stage roots; check the layout with ZeRO 0/1 replicas or 1F1B, or measure with `meshplan execute`"
         )
 
 
@@ -76,30 +85,56 @@ def order_1f1b(pp_rank: int, pp: int, n_micro: int) -> list[tuple[str, int]]:
     return ops
 
 
-def rank_order(layout: Layout, pp_rank: int, pp_group) -> list[tuple[str, int, int]]:  # noqa: ANN001
-    """("F" | "B", stage, micro-batch) in the order torch's schedule runs them on pipeline rank `pp_rank`.
+def rank_order(layout: Layout, pp_rank: int, pp_group) -> list[tuple[str, int, int | None]]:  # noqa: ANN001
+    """(action, stage, micro-batch) in the order torch's schedule runs them on pipeline rank `pp_rank`.
 
-    Interleaved 1F1B: the executor's own schedule (build_schedule) over stand-in stages (parameterless
-    modules on the plan's pp group, so nothing is allocated) computes its pipeline_order, the list its
-    runtime executes; the order depends only on pp, the rank's stages and the micro-batch count.
+    Actions: "F", "B", and for the stage as a whole (micro-batch None) "UNSHARD", "RESHARD" (FSDP) and
+    "REDUCE" (the gradients' reduction and 1 / micro-batches scaling after the stage's last backward).
+    1F1B: Schedule1F1B's loop, then its reduction. Interleaved 1F1B: the executor's own schedule
+    (build_schedule) over stand-in stages (parameterless modules on the plan's pp group, so nothing is
+    allocated) lowers its pipeline_order to the action list its runtime executes
+    (pipeline_order_with_comms, sends and receives left out); the list depends only on pp, the rank's
+    stages and the micro-batch count.
     """
     n = layout.grad_accum_steps
     if layout.pp_schedule == "1f1b":
-        return [(op, pp_rank, i) for op, i in order_1f1b(pp_rank, layout.pp, n)]
+        return [(op, pp_rank, i) for op, i in order_1f1b(pp_rank, layout.pp, n)] + [("REDUCE", pp_rank, None)]
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _ComputationType
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
     from executor.parallel.pipeline import build_schedule
 
-    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    kinds = {Kind.FORWARD: "F", Kind.FULL_BACKWARD: "B", Kind.UNSHARD: "UNSHARD", Kind.RESHARD: "RESHARD",
+             Kind.REDUCE_GRAD: "REDUCE"}
     n_stages = layout.pp * layout.virtual_stages
     with unset_fake_temporarily():
         stages = [PipelineStage(torch.nn.Identity(), s, n_stages, torch.device("cpu"), group=pp_group)
                   for s in layout.stages_of(pp_rank)]
         schedule = build_schedule(stages, layout, lambda output, target: output)
     return [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
-            for a in schedule.pipeline_order[pp_rank] if a is not None and a.computation_type in kinds]
+            for a in schedule.pipeline_order_with_comms[pp_rank] if a is not None and a.computation_type in kinds]
+
+
+class _StageReduction:
+    """torch's own PipelineStage.perform_reduce_grad (and the scale_grads it calls) on a stage module.
+
+    The harness has no PipelineStage (module docstring); these two methods read only `submod`: FSDP2 /
+    replicate units reduce-scatter or all-reduce what they accumulated over the micro-batches, then the
+    gradients are divided by the micro-batch count in place."""
+
+    def __init__(self, submod: torch.nn.Module) -> None:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        self.submod = submod
+        self.perform_reduce_grad = partial(_PipelineStageBase.perform_reduce_grad, self)
+        self.scale_grads = partial(_PipelineStageBase.scale_grads, self)
+
+
+def _fsdp_units(module: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def pipeline_micro_steps(plan: Plan, pm, mesh, tokens: torch.Tensor, dtype: torch.dtype,  # noqa: ANN001
@@ -124,19 +159,33 @@ def pipeline_micro_steps(plan: Plan, pm, mesh, tokens: torch.Tensor, dtype: torc
     order = rank_order(layout, mesh.get_local_rank("pp"), mesh.get_group("pp"))
     kept: dict[tuple[int, int], torch.Tensor] = {}
     for op, stage, i in order:
-        if op == "F":
-            before_forward(runners[stage])
+        runner = runners[stage]
+        units = _fsdp_units(runner)
+        if op == "UNSHARD":  # the runtime gathers every FSDP unit of the stage ahead of its compute
+            for unit in units:
+                unit.unshard()
+        elif op == "RESHARD":
+            for unit in units:
+                unit.reshard()
+        elif op == "REDUCE":
+            _StageReduction(runner).perform_reduce_grad(n)
+        elif op == "F":
+            before_forward(runner)
             x = inputs[i] if stage == 0 else received[stage][i]
             with _autocast(pm, torch.device("cpu")):
-                out = runners[stage](x)
-                kept[stage, i] = lm_loss(out, inputs[i]) / n if stage == last else out
+                out = runner(x)
+                kept[stage, i] = lm_loss(out, inputs[i]) if stage == last else out
             del out
-            continue
-        out = kept.pop((stage, i))
-        if stage == last:
-            out.backward()
         else:
-            out.backward(output_grads[stage][i])
-        del out
-        if stage != 0:  # stage_backward takes the input gradient off the buffer; it is sent right away
-            received[stage][i].grad = None
+            if units:  # PipelineStage.backward_maybe_with_nosync: accumulate, keep gathered, reduce at the end
+                runner.set_is_last_backward(False)
+                runner.set_reshard_after_backward(False)
+                runner.set_requires_gradient_sync(False)
+            out = kept.pop((stage, i))
+            if stage == last:
+                out.backward()
+            else:
+                out.backward(output_grads[stage][i])
+            del out
+            if stage != 0:  # stage_backward takes the input gradient off the buffer; it is sent right away
+                received[stage][i].grad = None

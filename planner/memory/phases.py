@@ -265,16 +265,21 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     # bytes of one block unit gathered, expressed in compute-dtype elements (float8 weights: 1 byte of d)
     norms = model.norms_per_layer * model.hidden
     gunit = (norms + (unit - norms) / d) if fp8_all_gather and training.fp8 and unit > norms else unit
-    # FSDP2 reduce-scatters every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and
-    # replicate skip the sync and keep every gradient unsharded
-    accumulated = (states.grads if path == "fsdp" else FP32_BYTES * sp.total) if layout.grad_accum_steps > 1 else 0
+    # FSDP2 reduces every micro-batch: earlier ones leave the sharded fp32 gradients; DDP and replicate skip
+    # the sync and keep every gradient unsharded, and so does FSDP2 under torch.distributed.pipelining, whose
+    # stages turn the sync off for every backward and reduce once after the last (PipelineStage
+    # backward_maybe_with_nosync, perform_reduce_grad)
+    nosync = path == "replicate" or (path == "fsdp" and layout.pp > 1)
+    accumulated = (FP32_BYTES * sp.total if nosync else states.grads) if layout.grad_accum_steps > 1 else 0
     # FSDP2 units of executor.parallel.parallelize.apply_fsdp: embeddings, each block, final norm + output
     # (kept gathered from its forward to its backward), an empty root; tied weights stay in the root
     split = path == "fsdp" and not model.tie_embeddings
     head_unit = sp.head + model.norm_params if split and sp.has_output else 0
     root = sp.root - head_unit
-    if path == "fsdp" and accumulated:
+    if path == "fsdp" and accumulated and not nosync:
         last_grads = states.grads
+    elif nosync and accumulated:
+        last_grads = accumulated
     elif sharded:
         last_grads = states.grads - min(states.grads, grad_share(pending)) + \
             (FP32_BYTES * pending if accumulated else 0)
@@ -308,7 +313,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         ag_pool = int(d * max(pairs or units or [0]))
     biggest_unit = max(root, unit, head_unit)
     # FSDP2 reduces every micro-batch and adds the fresh output in; replicate reduces once, after the last
-    reduce_out = grad_share(biggest_unit) if path == "fsdp" and layout.grad_accum_steps > 1 else 0
+    reduce_out = grad_share(biggest_unit) if path == "fsdp" and not nosync and layout.grad_accum_steps > 1 else 0
     return StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
@@ -322,7 +327,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         adamw=_adamw_temp(training, layout, states, largest_grad),
         head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
-        reduce_out=reduce_out if states.grads else 0, accumulated_default=path == "replicate")
+        reduce_out=reduce_out if states.grads else 0, accumulated_default=nosync)
 
 
 def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:

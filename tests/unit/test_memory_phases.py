@@ -22,8 +22,9 @@ tracker's peak (tensor bytes: `other` is 0 on both sides):
                    clipping's fp64 copies or AdamW's sqrt(v) list on top
 
 Also expert parallelism (ep 2 over FSDP, balanced routing), context parallelism
-(cp 2 with DDP, cp 2 x FSDP 4) and each rank of 2-rank pipelines: 1F1B, and
-interleaved 1F1B with two chunks per rank (tiny, debug, debug-gpt).
+(cp 2 with DDP, cp 2 x FSDP 4) and each stage of 2-stage pipelines: 1F1B, and
+interleaved 1F1B with two chunks per rank (tiny, debug, debug-gpt), alone and
+with data parallelism (1F1B x FSDP ZeRO-2/3, interleaved x 2 replicas).
 """
 
 from __future__ import annotations
@@ -114,22 +115,28 @@ PIPELINES = {
     "interleaved": lambda: _plan(dict(n_layers=4), 512, 2, 2, INTERLEAVED),
     "interleaved_debug": lambda: _preset_plan("debug", 256, 2, INTERLEAVED),
     "interleaved_debug_gpt": lambda: _preset_plan("debug-gpt", 256, 2, INTERLEAVED),  # tied across stages
+    # data parallel stages: torch's stages accumulate unsharded gradients and reduce after the last backward
+    "1f1b_fsdp": lambda: _plan({}, 512, 2, 4, dict(pp=2, dp_shard=2, zero_stage=3, grad_accum_steps=4)),
+    "1f1b_zero2": lambda: _plan({}, 512, 2, 4, dict(pp=2, dp_shard=2, zero_stage=2, grad_accum_steps=4)),
+    "interleaved_replicas": lambda: _plan(dict(n_layers=4), 512, 2, 4, dict(INTERLEAVED, dp_replicate=2)),
+    "interleaved_debug_replicas": lambda: _preset_plan("debug", 256, 2, dict(INTERLEAVED, dp_replicate=2)),
 }
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("name", PIPELINES)
-def test_pipeline_stages_match_torch_tracker(name, rank):
+def test_pipeline_stages_match_torch_tracker(name, stage):
     """Each pipeline rank's stages, run in torch's schedule order by the harness (executor.validate.memory_pipeline:
     Schedule1F1B's loop, ScheduleInterleaved1F1B's pipeline_order), against the memory model's figure for that rank."""
     from executor.validate.memory_step import tracked_peak
 
     plan = PIPELINES[name]()
     est = estimate_memory(plan.model, plan.training, plan.layout, plan.cluster.gpu, plan.engine, 0)
-    predicted = sum(v for k, v in est.per_stage[rank].items() if k != "other")  # tensors: no allocator
+    predicted = sum(v for k, v in est.per_stage[stage].items() if k != "other")  # tensors: no allocator
+    rank = stage * plan.world_size // plan.layout.pp  # the stage's first rank
     tracked = tracked_peak(plan, rank)["Total"]
     error = (predicted - tracked) / tracked
-    assert abs(error) <= TOLERANCE, f"{name} rank {rank}: predicted {predicted:,} vs tracked {tracked:,} ({error:+.1%})"
+    assert abs(error) <= TOLERANCE, f"{name} stage {stage}: predicted {predicted:,} vs tracked {tracked:,} ({error:+.1%})"
 
 
 def test_pipeline_orders_are_torchs():
