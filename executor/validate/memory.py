@@ -12,8 +12,8 @@ stage the memory model calls worst), in ONE process and without a GPU:
      when torchao is installed, the rank's pipeline stage), on the CPU in the
      plan's dtype (a bf16 GPU plan keeps bf16: tensors are fake, so no CPU
      kernel ever runs); MoE routing is balanced (fake tensors have no values)
-     and a pipeline stage runs in torch's 1F1B order
-     (executor.validate.memory_pipeline: 1F1B, dp 1);
+     and a pipeline rank's stages run in torch's schedule order
+     (executor.validate.memory_pipeline: 1F1B, interleaved 1F1B);
   3. the optimizer's state is created first (a step on zero gradients), so the
      tracked step is a steady-state one: then forward, backward and optimizer
      step of min(grad_accum_steps, 2) micro-batches (the second one carries the

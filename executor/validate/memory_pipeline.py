@@ -27,13 +27,18 @@ leaves on the received buffer is taken off it at once (`stage_backward` sets
 `.grad = None`) and lives until it is sent. The last stage's loss backward
 starts from its loss; its outputs (the logits) are not kept for the step's
 return value, because the executor steps with `return_outputs=False`
-(executor.train.PipelineStep). Gradients accumulate over the micro-batches
-(scaled by 1 / micro-batches as `scale_grads=True` does), then clipping and
-the optimizer step run as in any step.
+(executor.train.PipelineStep). Data-parallel stages (FSDP2 or replicate
+units) run as `backward_maybe_with_nosync` runs them: no gradient sync, no
+reshard after backward, unsharded gradients accumulated over the
+micro-batches; the interleaved runtime gathers each stage whole before its
+first compute (UNSHARD) and releases it after its last (RESHARD). After a
+stage's last backward torch's own `perform_reduce_grad` reduces its
+gradients and divides them by the micro-batch count (`scale_grads=True`);
+then clipping and the optimizer step run as in any step.
 
-Only 1F1B with one stage per rank and interleaved 1F1B, with no data or
-context parallelism (dp x cp 1), are emulated; others are refused with the
-reason.
+Emulated: 1F1B with one stage per rank and interleaved 1F1B, without
+context parallelism, interleaved not under FSDP (the tracker follows one
+FSDP root); others are refused with the reason.
 """
 
 from __future__ import annotations
