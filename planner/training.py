@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from topologies.errors import PlanError
+from topologies.errors import PlanError, UsageError
 
 DTYPES = ("bf16", "fp16", "fp32")
 PRECISIONS = (*DTYPES, "fp8", "mxfp8")
@@ -52,6 +52,27 @@ MAX_TOKENS_PER_STEP = 1 << 32
 _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
                   "moe_router_graphs": False, "moe_a2a_overlap": False, "fp8_params": False,
                   "fused_cross_entropy": False}
+
+# The recipe options `plan --recipe KEY=true|false` sets (async_tp has its own flag, --async-tp).
+RECIPE_KEYS = tuple(k for k in _OPTIONAL_KEYS if k != "async_tp")
+
+
+def parse_recipe(items: tuple[str, ...] | list[str]) -> dict[str, bool]:
+    """`plan --recipe cuda_graphs=true --recipe fp8_params=true` -> {key: bool}; a UsageError names what is wrong."""
+    out: dict[str, bool] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in RECIPE_KEYS:
+            raise UsageError(f"--recipe {item!r}: expected KEY=true|false with KEY one of {', '.join(RECIPE_KEYS)}")
+        flag = value.strip().lower()
+        if flag not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise UsageError(f"--recipe {item!r}: {key} takes true or false, got {value!r}")
+        if key in out:
+            raise UsageError(f"--recipe {key} given twice; give each option once")
+        out[key] = flag in ("true", "1", "yes", "on")
+    return out
+
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
