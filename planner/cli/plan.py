@@ -87,9 +87,9 @@ def _common(f):
 @click.option("--async-tp", "async_tp", is_flag=True,
               help="Pipeline TP's sequence-parallel all-gathers/reduce-scatters with their GEMMs: torchtitan "
                    "enable_async_tensor_parallel (needs --compile), megatron --tp-comm-overlap.")
-@click.option("--recipe", "recipe", multiple=True, metavar="KEY=true|false",
-              help="A recipe option of the training stack, given, not searched (repeatable): "
-                   f"{', '.join(RECIPE_KEYS)} (plan.json training keys).")
+@click.option("--recipe", "recipe", multiple=True, metavar="KEY=VALUE",
+              help="A recipe option of the training stack, given, not searched (repeatable; plan.json training "
+                   f"keys): {', '.join(RECIPE_KEYS)}; true or false, optimizer_dtype fp32, bf16 or fp16.")
 # ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")

@@ -30,12 +30,24 @@ def test_eight_bit_parameters_need_less_memory_than_sixteen_bit_weights_with_cop
     assert peak("--recipe", "fp8_params=true") < peak()
 
 
+def test_16_bit_moments_export_as_megatrons_precision_aware_optimizer(cli, tmp_path):
+    out = tmp_path / "p.json"
+    r = cli("plan", "--model", "8B", "--gpus", "8", "--engine", "megatron", "--recipe", "optimizer_dtype=bf16",
+            "--json", "-o", str(out))
+    assert r.code == 0, r.stderr
+    assert load_plan(out).training.optimizer_dtype == "bf16"
+    exported = cli("export", str(out), "--to", "megatron")
+    assert "--use-precision-aware-optimizer" in exported.stdout and "--exp-avg-sq-dtype bf16" in exported.stdout
+
+
 @pytest.mark.parametrize("args, message", [
-    (("--recipe", "cuda_graph=true"), "expected KEY=true|false with KEY one of cuda_graphs"),
+    (("--recipe", "cuda_graph=true"), "expected KEY=VALUE with KEY one of cuda_graphs"),
     (("--recipe", "cuda_graphs=maybe"), "cuda_graphs takes true or false, got 'maybe'"),
     (("--recipe", "cuda_graphs=true", "--recipe", "cuda_graphs=false"), "given twice"),
     (("--engine", "megatron", "--recipe", "fp8_params=true"), "needs precision fp8 or mxfp8, got bf16"),
     (("--precision", "fp8", "--recipe", "fp8_params=true"), "engine meshplan keeps 16-bit weights"),
+    (("--recipe", "optimizer_dtype=bf16"), "engine meshplan keeps the optimizer's moments in fp32"),
+    (("--engine", "megatron", "--recipe", "optimizer_dtype=fp8"), "optimizer_dtype takes fp32, bf16, fp16"),
 ])
 def test_recipe_options_that_cannot_run_are_usage_errors(cli, args, message):
     r = cli("plan", "--model", "8B", "--gpus", "8", *args)
