@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from topologies.errors import PlanError
+from topologies.errors import PlanError, UsageError
 
 DTYPES = ("bf16", "fp16", "fp32")
 PRECISIONS = (*DTYPES, "fp8", "mxfp8")
@@ -48,10 +48,40 @@ MAX_SIZE = 1 << 24
 # 405B); beyond it the search would enumerate millions of data-parallel shapes.
 MAX_TOKENS_PER_STEP = 1 << 32
 # Recipe options of the training stack, optional in plan.json: the first six change the host time or
-# the overlap (planner.simulate), the last two only memory (planner.memory).
+# the overlap (planner.simulate), the last three only memory (planner.memory).
 _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
                   "moe_router_graphs": False, "moe_a2a_overlap": False, "fp8_params": False,
-                  "fused_cross_entropy": False}
+                  "fused_cross_entropy": False, "optimizer_dtype": "fp32"}
+# what Adam's moments (SGD's momentum) may be stored in: Megatron-Core's precision-aware optimizer
+# (--use-precision-aware-optimizer --exp-avg-dtype / --exp-avg-sq-dtype, Transformer Engine's FusedAdam)
+OPTIMIZER_DTYPES = ("fp32", "bf16", "fp16")
+
+# The recipe options `plan --recipe KEY=true|false` sets (async_tp has its own flag, --async-tp).
+RECIPE_KEYS = tuple(k for k in _OPTIONAL_KEYS if k != "async_tp")
+
+
+def parse_recipe(items: tuple[str, ...] | list[str]) -> dict[str, bool | str]:
+    """`plan --recipe cuda_graphs=true --recipe optimizer_dtype=bf16` -> {key: value}; a UsageError names what
+    is wrong."""
+    out: dict[str, bool | str] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in RECIPE_KEYS:
+            raise UsageError(f"--recipe {item!r}: expected KEY=VALUE with KEY one of {', '.join(RECIPE_KEYS)}")
+        if key in out:
+            raise UsageError(f"--recipe {key} given twice; give each option once")
+        text = value.strip().lower()
+        if key == "optimizer_dtype":
+            if text not in OPTIMIZER_DTYPES:
+                raise UsageError(f"--recipe {item!r}: optimizer_dtype takes {', '.join(OPTIMIZER_DTYPES)}, got {value!r}")
+            out[key] = text
+        elif text in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            out[key] = text in ("true", "1", "yes", "on")
+        else:
+            raise UsageError(f"--recipe {item!r}: {key} takes true or false, got {value!r}")
+    return out
+
 
 # Default global batch: about one million tokens a step, the order of magnitude
 # Llama 2/3 and GPT-3 trained with (GPT-3 175B: 3.2M; Llama 2: 4M; smaller
@@ -86,6 +116,7 @@ class TrainingSpec:
     # forward (Transformer Engine's parallel_cross_entropy: Megatron-Core --cross-entropy-loss-fusion
     # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits
     fused_cross_entropy: bool = False
+    optimizer_dtype: str = "fp32"  # the optimizer's moments (OPTIMIZER_DTYPES); master weights stay fp32
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -118,7 +149,9 @@ class TrainingSpec:
                             f"got {self.precision}; drop fp8_params or set the precision")
         if self.attention not in ("", *ATTENTION_KINDS):
             raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        for key in ("compile", *_OPTIONAL_KEYS):
+        if self.optimizer_dtype not in OPTIMIZER_DTYPES:
+            raise PlanError(f"training: optimizer_dtype must be one of {OPTIMIZER_DTYPES}, got {self.optimizer_dtype!r}")
+        for key in ("compile", *(k for k, v in _OPTIONAL_KEYS.items() if isinstance(v, bool))):
             if not isinstance(getattr(self, key), bool):
                 raise PlanError(f"training: {key} must be true or false, got {getattr(self, key)!r}")
 

@@ -13,7 +13,7 @@ from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, 
 from planner.engines import ENGINE_NAMES
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, recompute_label
 from planner.search.candidates import Pins
-from planner.training import ATTENTION_KINDS, PRECISIONS
+from planner.training import ATTENTION_KINDS, PRECISIONS, RECIPE_KEYS, parse_recipe
 from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
@@ -87,6 +87,9 @@ def _common(f):
 @click.option("--async-tp", "async_tp", is_flag=True,
               help="Pipeline TP's sequence-parallel all-gathers/reduce-scatters with their GEMMs: torchtitan "
                    "enable_async_tensor_parallel (needs --compile), megatron --tp-comm-overlap.")
+@click.option("--recipe", "recipe", multiple=True, metavar="KEY=VALUE",
+              help="A recipe option of the training stack, given, not searched (repeatable; plan.json training "
+                   f"keys): {', '.join(RECIPE_KEYS)}; true or false, optimizer_dtype fp32, bf16 or fp16.")
 # ----
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
@@ -101,7 +104,8 @@ def _common(f):
               help="Price of one GPU-hour, for the cost of --tokens.")
 def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
          dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
-         recompute, recompute_modules, attention, compile_, async_tp, top, output, png, headroom_pct, tokens, price):
+         recompute, recompute_modules, attention, compile_, async_tp, recipe, top, output, png, headroom_pct, tokens,
+         price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -125,7 +129,8 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
                 virtual_stages=virtual_stages, ep=ep, etp=etp, recompute_modules=modules)
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct),
-                          TrainingOptions(precision, attention or "", compile_, async_tp))
+                          TrainingOptions(precision, attention or "", compile_, async_tp,
+                                          tuple(parse_recipe(recipe).items())))
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep

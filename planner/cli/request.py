@@ -27,6 +27,7 @@ class TrainingOptions(NamedTuple):
     attention: str = ""  # "" = the engine's kernel
     compile: bool = False
     async_tp: bool = False
+    recipe: tuple[tuple[str, bool], ...] = ()  # --recipe KEY=VALUE: TrainingSpec's recipe options
 
 
 def check_training_options(options: TrainingOptions, engine: str, gpu, recompute: str | None) -> None:
@@ -52,6 +53,27 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
         _check_async_tp(options, engine, gpu)
     if recompute is not None and recompute not in eng.recompute_kinds:
         raise UsageError(f"--recompute {recompute}: engine {engine} implements {', '.join(eng.recompute_kinds)}")
+
+
+def check_recipe(options: TrainingOptions, engine: str, model) -> None:
+    """--recipe options the training or the engine refuses (TrainingSpec's and Engine.refusal's rules) as
+    UsageErrors, before a search that would refuse every layout."""
+    from planner.engines import get_engine
+    from planner.layout import Layout
+    from planner.training import TrainingSpec
+    from topologies.errors import PlanError, UsageError
+
+    if not options.recipe:
+        return
+    try:
+        training = TrainingSpec(seq_len=1, global_batch_size=1, precision=options.precision,
+                                dtype=options.precision if options.precision in ("fp16", "fp32") else "bf16",
+                                **dict(options.recipe))
+    except PlanError as exc:
+        raise UsageError(f"--recipe: {str(exc).removeprefix('training: ')}") from None
+    refusal = get_engine(engine).refusal(model, Layout(), training.dtype, True, training)
+    if refusal:
+        raise UsageError(f"--recipe: {refusal}")
 
 
 def check_recompute_modules(pins: Pins, engine: str, model) -> None:
@@ -128,11 +150,13 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
     options = request.options
     check_training_options(options, request.engine, cluster.gpu, request.pins.recompute)
+    check_recipe(options, request.engine, model)
     check_async_tp_pins(options, request.pins)
     check_recompute_modules(request.pins, request.engine, model)
     result = search(model, cluster, seq, request.global_batch, request.pins, request.engine, profile,
                     top or request.top, request.usable_fraction, precision=options.precision,
-                    attention=options.attention, compile=options.compile, async_tp=options.async_tp)
+                    attention=options.attention, compile=options.compile, async_tp=options.async_tp,
+                    recipe=dict(options.recipe))
     return model, cluster, result
 
 

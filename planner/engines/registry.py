@@ -47,6 +47,9 @@ class Engine:
     pp_schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
     # the highest ZeRO stage it runs with pp > 1 (DeepSpeed's PipelineEngine asserts ZeRO < 2)
     pipeline_zero_max: int = 3
+    # what it stores the optimizer's moments in (TrainingSpec.optimizer_dtype): fp32, or 16 bits where
+    # it has a precision-aware optimizer (Megatron-Core's --exp-avg-dtype / --exp-avg-sq-dtype)
+    optimizer_dtypes: tuple[str, ...] = ("fp32",)
     # what a step with eager attention runs on, where that is an older release of the engine
     # whose overlap differs too (megatron: the 2021-22 Megatron-LM); None: `time` with eager attention
     eager_time: TimeTraits | None = None
@@ -60,12 +63,13 @@ class Engine:
     async_tp_needs_compile: bool = False  # torchtitan applies it as an Inductor pass: torch.compile required
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES,
-               dtype: str = "") -> Recipe:
+               dtype: str = "", moment_bytes: int = FP32_BYTES) -> Recipe:
         """grad_bytes: the training's grad_dtype, which sets the gradient buffers of engines that keep
         16-bit parameters with separate main gradients (Megatron's grad_reduce_in_fp32 off: 2 bytes);
-        dtype: the compute dtype's name (bf16 turns on DeepSpeed's BF16_Optimizer)."""
+        dtype: the compute dtype's name (bf16 turns on DeepSpeed's BF16_Optimizer); moment_bytes: the
+        training's optimizer_dtype (16-bit moments under Megatron's precision-aware optimizer)."""
         fp32_copy = self.memory.bf16_fp32_grads and bf16_optimizer_runs(dtype, zero_stage)
-        return precision_recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes, fp32_copy)
+        return precision_recipe(self.memory, dtype_bytes, optimizer, zero_stage, grad_bytes, fp32_copy, moment_bytes)
 
     def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
                 training: TrainingSpec | None = None) -> str | None:
@@ -100,6 +104,10 @@ class Engine:
         if training is not None and training.fused_cross_entropy and not self.memory.fused_cross_entropy:
             return (f"engine {self.name} has no fused cross entropy that keeps only the compute-dtype logits "
                     "(fused_cross_entropy); plan without it, or with --engine megatron")
+        if training is not None and training.optimizer_dtype not in self.optimizer_dtypes:
+            return (f"engine {self.name} keeps the optimizer's moments in {', '.join(self.optimizer_dtypes)}, got "
+                    f"optimizer_dtype {training.optimizer_dtype}; plan with fp32, or with --engine megatron "
+                    "(its precision-aware optimizer)")
         if layout.zero_stage not in self.zero_stages:
             return (f"engine {self.name} does not implement ZeRO-{layout.zero_stage}; it has ZeRO "
                     f"{', '.join(map(str, self.zero_stages))}")
@@ -227,7 +235,7 @@ ENGINES: dict[str, Engine] = {
                                     activation_offload=True,
                                     inplace_loss_backward=True, fused_cross_entropy=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
-                       pp_schedules=("1f1b", "interleaved-1f1b"),
+                       pp_schedules=("1f1b", "interleaved-1f1b"), optimizer_dtypes=("fp32", "bf16", "fp16"),
                        eager_time=MEGATRON_DEEPSPEED_2022,
                        cp_needs_fused=True, async_tp_option="--tp-comm-overlap"),
     # torchtitan (PyTorch-native): FSDP2 fully_shard per block with bf16 params/fp32 reduce,

@@ -216,8 +216,8 @@ def bf16_optimizer_runs(dtype: str, zero_stage: int) -> bool:
 
 @lru_cache(maxsize=256)
 def precision_recipe(traits: MemoryTraits, dtype_bytes: int, optimizer: str, zero_stage: int,
-            grad_bytes: int = FP32_BYTES, fp32_grad_copy: bool = False) -> Recipe:
-    moments = 8 if optimizer == "adamw" else 4  # AdamW: two fp32 moments; SGD: one momentum
+            grad_bytes: int = FP32_BYTES, fp32_grad_copy: bool = False, moment_bytes: int = FP32_BYTES) -> Recipe:
+    moments = moment_bytes * (2 if optimizer == "adamw" else 1)  # AdamW: two moments; SGD: one momentum
     shards = dict(shard_grads=zero_stage >= 2, shard_optimizer=zero_stage >= 1,
                   shard_params=zero_stage >= (2 if traits.zero2_shards_params else 3))
     grad = (grad_bytes if not traits.fp32_params else FP32_BYTES) if traits.fp32_grads else dtype_bytes

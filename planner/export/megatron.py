@@ -65,6 +65,7 @@ def build_args(plan: Plan, version: tuple[int, ...] = (0, 16)) -> tuple[list[Arg
     notes: list[str] = []
     args = _parallel_args(plan, notes, version) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
     args += _precision_args(plan, notes) + _model_args(plan, notes) + _host_args(plan, version)
+    args = list(dict.fromkeys(args))  # a flag two parts need (--use-precision-aware-optimizer) once
     return args, notes
 
 
@@ -211,6 +212,9 @@ def _precision_args(plan: Plan, notes: list[str]) -> list[Arg]:
         args += [("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")]
     if tr.fp8_params:  # 8-bit parameters, the memory the plan assumed (planner.engines.TE_FP8)
         args.append(("--fp8-param-gather",))
+    if tr.optimizer_dtype != "fp32":  # 16-bit moments: Megatron-Core's precision-aware optimizer (TE FusedAdam)
+        args += [("--use-precision-aware-optimizer",), ("--exp-avg-dtype", tr.optimizer_dtype),
+                 ("--exp-avg-sq-dtype", tr.optimizer_dtype)]
     if tr.fused_cross_entropy:  # Transformer Engine's loss kernel (Megatron-Core >= 0.12): only the bf16 logits kept
         args += [("--cross-entropy-loss-fusion",), ("--cross-entropy-fusion-impl", "te")]
     if tr.attention == "eager":

@@ -58,7 +58,7 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     """
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
-                        DTYPE_BYTES[training.grad_dtype], training.dtype)
+                        DTYPE_BYTES[training.grad_dtype], training.dtype, DTYPE_BYTES[training.optimizer_dtype])
     d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
     if eng.memory.shard_over_cp and layout.zero_stage >= 1:  # the sharding group takes in the cp ranks
         n *= layout.cp

@@ -135,6 +135,7 @@ class _Context:
     attention: str = ""  # fused | eager | "" (the engine's)
     compile: bool = False
     async_tp: bool = False  # TrainingSpec.async_tp: given, never searched
+    recipe: dict[str, bool] = field(default_factory=dict)  # TrainingSpec's recipe options (plan --recipe)
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
@@ -166,7 +167,7 @@ class _Context:
             precision = self.precision if self.on_gpu else "fp32"
             self._trainings[batch] = TrainingSpec(seq_len=self.seq_len, global_batch_size=batch, dtype=self.dtype,
                                                   precision=precision, attention=self.attention,
-                                                  compile=self.compile, async_tp=self.async_tp)
+                                                  compile=self.compile, async_tp=self.async_tp, **self.recipe)
         return self._trainings[batch]
 
     def recompute_kinds(self) -> tuple[str, ...]:
@@ -182,7 +183,8 @@ class _Context:
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int | None = None,
            pins: Pins | None = None, engine: str = "meshplan", calibration: CalibrationProfile | None = None,
            top_k: int = 5, usable_memory_fraction: float = USABLE_MEMORY_FRACTION, precision: str = "bf16",
-           attention: str = "", compile: bool = False, async_tp: bool = False) -> SearchResult:
+           attention: str = "", compile: bool = False, async_tp: bool = False,
+           recipe: dict[str, bool] | None = None) -> SearchResult:
     """The top_k layouts for training `model` on `cluster`, best first.
 
     Returns an empty `ranked` when nothing fits (the caller turns `near_miss`
@@ -198,7 +200,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    bound=StepBound(model, cluster, calibration, engine, attention,
                                    (pins.recompute_modules or ()) if pins else ()),
                    usable_fraction=usable_memory_fraction,
-                   precision=precision, attention=attention, compile=compile, async_tp=async_tp)
+                   precision=precision, attention=attention, compile=compile, async_tp=async_tp,
+                   recipe=dict(recipe or {}))
     offload = offload_option(ctx.pins)
     families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
     ranked = _branch_and_bound(ctx, families, bounds, top_k)

@@ -24,6 +24,8 @@ INT_OPTIONS = (
 )
 FLOAT_OPTIONS = ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction")
 CHOICE_OPTIONS = {
+    "exp-avg-dtype": ["fp32", "fp16", "bf16", "fp8"],
+    "exp-avg-sq-dtype": ["fp32", "fp16", "bf16", "fp8"],
     "recompute-granularity": ["full", "selective"],
     "recompute-method": ["uniform", "block"],
     "data-parallel-sharding-strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],

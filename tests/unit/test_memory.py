@@ -101,6 +101,15 @@ def test_megatron_is_18_bytes_per_parameter_and_distributed_optimizer_shards_12(
     assert (s1["params"], s1["grads"], s1["optimizer"]) == (2 * p, 4 * p, -(-12 * p // 8))
 
 
+def test_precision_aware_optimizer_keeps_16_bit_moments():
+    """Megatron-Core's --exp-avg-dtype/--exp-avg-sq-dtype bf16 (TrainingSpec.optimizer_dtype): the two
+    moments take 2 B each, the fp32 master weights stay: 18 -> 14 B per parameter."""
+    m = load_model("llama2-7b")
+    p = m.total_params
+    s = _states(m, dataclasses.replace(BF16, optimizer_dtype="bf16"), Layout(dp_replicate=8), "megatron")
+    assert (s["params"], s["grads"], s["optimizer"]) == (2 * p, 4 * p, 8 * p)
+
+
 def test_sgd_keeps_one_moment():
     m = load_model("llama2-7b")
     sgd = TrainingSpec(seq_len=4096, global_batch_size=256, optimizer="sgd")
