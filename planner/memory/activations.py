@@ -425,25 +425,28 @@ def first_stage_alive(schedule: str, pp: int, grad_accum_steps: int, virtual_sta
     """Most micro-batches of stage 0 pipeline rank 0 holds at once while its in-flight chunks peak.
 
     1f1b / gpipe: its in-flight micro-batches. interleaved-1f1b (torch's
-    ScheduleInterleaved1F1B._calculate_single_rank_operations with pp | m, so
-    micro-batches per round = pp): the k-th forward runs chunk (k // pp) % v, the
-    k-th backward of the 1F1B phase chunk v - 1 - ((k - warm-up) // pp) % v;
-    counted over the rank's F/B order at every moment its live chunks peak.
+    ScheduleInterleaved1F1B._calculate_single_rank_operations): micro-batches
+    run in rounds of g = m // max(1, m // pp) (g = pp when pp divides m, as the
+    planner's layouts have it), the k-th forward runs chunk (k // g) % v, the
+    k-th backward of the 1F1B phase chunk v - 1 - (k // g) % v after
+    (v - 1) g + 2 (pp - 1) warm-up forwards; counted over the rank's F/B order at
+    every moment its live chunks peak.
     """
     m = grad_accum_steps
     if schedule != "interleaved-1f1b":
         return int(in_flight_microbatches(schedule, pp, 0, m, virtual_stages))
     v, total = virtual_stages, m * virtual_stages
-    warmup = min((v - 1) * pp + 2 * (pp - 1), total)
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1), total)
     alive = [0] * v
     best_total = best = 0
     forwards = backwards = 0
     while backwards < total:
         if forwards < total and (forwards < warmup or forwards - warmup == backwards):
-            alive[(forwards // pp) % v] += 1
+            alive[(forwards // per_round) % v] += 1
             forwards += 1
         else:
-            alive[v - 1 - (backwards // pp) % v] -= 1
+            alive[v - 1 - (backwards // per_round) % v] -= 1
             backwards += 1
         if sum(alive) > best_total or (sum(alive) == best_total and alive[0] > best):
             best_total, best = sum(alive), alive[0]

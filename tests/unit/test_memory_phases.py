@@ -151,7 +151,7 @@ def test_pipeline_orders_are_torchs():
     from planner.memory.activations import first_stage_alive
 
     assert order_1f1b(0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
-    for pp, n in ((2, 4), (2, 8), (4, 8), (4, 16)):
+    for pp, n in ((2, 4), (2, 8), (4, 8), (4, 16), (2, 3), (4, 6)):  # the last two: rounds of n, not pp
         layout = Layout(pp=pp, grad_accum_steps=n, pp_schedule="interleaved-1f1b", virtual_stages=2)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
         try:
