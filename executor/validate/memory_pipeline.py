@@ -37,8 +37,8 @@ gradients and divides them by the micro-batch count (`scale_grads=True`);
 then clipping and the optimizer step run as in any step.
 
 Emulated: 1F1B with one stage per rank and interleaved 1F1B, without
-context parallelism, interleaved not under FSDP (the tracker follows one
-FSDP root); others are refused with the reason.
+context or tensor parallelism, interleaved not under FSDP (the tracker
+follows one FSDP root); others are refused with the reason.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def check_emulated(plan: Plan) -> None:
             f"{layout.cp}): torch.distributed.pipelining exchanges real shapes and votes between stages, which a "
             "fake process group cannot deliver, so the harness replays those two schedules; check such a layout, "
             "or measure with `meshplan execute`"
+        )
+    if layout.tp > 1:
+        raise PlanError(
+            f"validate-memory does not replay pipeline stages under tensor parallelism (tp {layout.tp}): the "
+            "stage boundary and the loss-parallel logits are DTensors that torch's PipelineStage rebuilds from its "
+            "local receive buffers, which the harness does not; check the layout with tp 1, or measure with "
+            "`meshplan execute`"
         )
     if layout.virtual_stages > 1 and dp_path(layout) == "fsdp":
         raise PlanError(

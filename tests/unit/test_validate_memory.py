@@ -80,10 +80,12 @@ def test_fsdp_shards_and_bf16_copies_are_what_torch_allocates(cli, tmp_path):
 
 def test_pipeline_plans_the_harness_cannot_replay_are_refused_with_the_reason(cli, tmp_path):
     """1F1B and interleaved 1F1B pipelines run (tests/unit/test_memory_phases.py), but not interleaved under
-    FSDP (PyTorch's FSDPMemTracker follows one FSDP root; the rank holds two stages)."""
+    FSDP (PyTorch's FSDPMemTracker follows one FSDP root; the rank holds two stages), nor with TP."""
     r = cli("validate-memory", _plan_file(tmp_path, pp=2, dp_shard=8, zero_stage=3, grad_accum_steps=2,
                                           pp_schedule="interleaved-1f1b", virtual_stages=2))
     assert r.code == 2 and "FSDPMemTracker" in r.stderr and "Traceback" not in r.stderr
+    r = cli("validate-memory", _plan_file(tmp_path, pp=2, tp=2, dp_shard=4, zero_stage=3, grad_accum_steps=2))
+    assert r.code == 2 and "tensor parallelism (tp 2)" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
