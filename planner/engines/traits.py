@@ -132,7 +132,7 @@ class MemoryTraits:
     executor_experts: bool = False
     # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
     # its backward and one receive buffer per micro-batch for a non-first stage's input and a non-last
-    # stage's output gradient (planner.memory.activations.boundary_buffers); the boundary tensor is the
+    # stage's output gradient (planner.memory.boundary.boundary_buffers); the boundary tensor is the
     # residual stream, fp32 under autocast (validate-memory: pp 2 1F1B and interleaved 1F1B)
     pp_stage_outputs: bool = False
     # context parallel all-gathers the K/V of the whole sequence before attention (torch's

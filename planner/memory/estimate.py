@@ -141,9 +141,7 @@ from planner.engines import dp_path, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
-    boundary_buffers,
     embedding_dropout_bytes,
-    first_stage_alive,
     in_flight_microbatches,
     layer_activation_bytes,
     layer_activation_terms,
@@ -152,6 +150,7 @@ from planner.memory.activations import (
     output_activation_bytes,
     output_in_flight,
 )
+from planner.memory.boundary import boundary_buffers, first_stage_alive
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
     Activations,

@@ -117,7 +117,7 @@ class Activations(NamedTuple):
     # once; 0: as many as its layers' (planner.memory.activations.output_in_flight)
     output_flight: float = 0.0
     # stage outputs and receive buffers kept, in stage outputs, on (the first rank, a middle one, the last rank)
-    # (planner.memory.activations.boundary_buffers); None under zb-v
+    # (planner.memory.boundary.boundary_buffers); None under zb-v
     boundary: tuple[float, float, float] | None = (0.0, 0.0, 0.0)
 
 

@@ -231,7 +231,7 @@ def test_1f1b_first_stage_is_worst_for_even_stages():
 
 def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     """torch 2.13's PipelineStage allocates one input and one output-gradient receive buffer per micro-batch
-    (planner.memory.activations.boundary_buffers): with many micro-batches a middle stage, which has both,
+    (planner.memory.boundary.boundary_buffers): with many micro-batches a middle stage, which has both,
     outgrows the first; each micro-batch more adds two fp32 residual-stream buffers (autocast) there."""
     m = load_model("llama2-7b")
     few, many = (estimate_memory(m, BF16, Layout(pp=4, grad_accum_steps=n), H100, "meshplan") for n in (8, 256))
