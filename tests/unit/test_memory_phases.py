@@ -172,6 +172,40 @@ def test_pipeline_orders_are_torchs():
         assert first_stage_alive("interleaved-1f1b", pp, n, 2) == best[1], (pp, n)
 
 
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_torch_stages_keep_a_receive_buffer_per_micro_batch(n):
+    """What planner.memory.boundary assumes of torch 2.13: a PipelineStage set up for n micro-batches holds n
+    distinct input buffers (not the first stage) and n output-gradient buffers (not the last); a middle stage
+    with no live micro-batch therefore holds 2n boundary tensors, the first n + its live ones, the last n - 1."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.stage import InferenceMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from planner.memory.boundary import boundary_buffers
+
+    x = torch.empty(2, 8, 4, requires_grad=True)
+    held = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        for stage_index in range(3):
+            stage = PipelineStage(nn.Identity(), stage_index, 3, torch.device("cpu"), input_args=x, output_args=x,
+                                  group=dist.group.WORLD)
+            stage._inference_mode = InferenceMode.STATIC  # shapes given: no exchange between stages
+            stage._prepare_forward_infra(n, (x,) if stage_index == 0 else None, has_backward=True)
+            stage._prepare_backward_infra(n)
+            infos = [i for r in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for i in r]
+            held[stage_index] = len({i.buffer.data_ptr() for i in infos if i.buffer is not None})
+    finally:
+        dist.destroy_process_group()
+    assert held == {0: n, 1: 2 * n, 2: n}
+    assert boundary_buffers("1f1b", 3, n, 1, first=False, last=False, first_alive=0) == held[1]
+    assert boundary_buffers("1f1b", 3, n, 1, first=True, last=False, first_alive=2) == held[0] + 2
+    assert boundary_buffers("1f1b", 3, n, 1, first=False, last=True, first_alive=0) == held[2] - 1
+
+
 def test_fsdp_accumulation_keeps_only_sharded_gradients():
     """The executor reduce-scatters every micro-batch under FSDP2 (torchtitan's way): between micro-batches
     only the sharded fp32 gradients stay, 4/N B per parameter, never the unsharded 4 B."""
