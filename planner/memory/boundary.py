@@ -9,9 +9,12 @@ rank 0 holds at its peak follows from the schedule's order (`first_stage_alive`)
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from planner.memory.activations import in_flight_microbatches
 
 
+@lru_cache(maxsize=4096)  # the search asks for the same few schedules thousands of times
 def first_stage_alive(schedule: str, pp: int, grad_accum_steps: int, virtual_stages: int) -> int:
     """Most micro-batches of stage 0 pipeline rank 0 holds at once while its in-flight chunks peak.
 
@@ -30,17 +33,19 @@ def first_stage_alive(schedule: str, pp: int, grad_accum_steps: int, virtual_sta
     per_round = m // max(1, m // pp)
     warmup = min((v - 1) * per_round + 2 * (pp - 1), total)
     alive = [0] * v
-    best_total = best = 0
+    live = best_total = best = 0  # live: sum(alive), kept as the order runs
     forwards = backwards = 0
     while backwards < total:
         if forwards < total and (forwards < warmup or forwards - warmup == backwards):
             alive[(forwards // per_round) % v] += 1
             forwards += 1
+            live += 1
         else:
             alive[v - 1 - (backwards // per_round) % v] -= 1
             backwards += 1
-        if sum(alive) > best_total or (sum(alive) == best_total and alive[0] > best):
-            best_total, best = sum(alive), alive[0]
+            live -= 1
+        if live > best_total or (live == best_total and alive[0] > best):
+            best_total, best = live, alive[0]
     return best
 
 
