@@ -167,7 +167,7 @@ def search_plan_request(request: PlanRequest, gpus: int):
 
     model, cluster, result = search_at(request, gpus)
     if not result.ranked:
-        error = no_layout_error(result, request.pins, cluster.world_size)
+        error = no_layout_error(result, request.pins, cluster.world_size, request.engine)
         if isinstance(error, InfeasibleError):
             error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
         raise error

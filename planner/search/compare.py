@@ -113,7 +113,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         if result.ranked:
             rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best))
             continue
-        error = no_layout_error(result, Pins(), cluster.world_size)
+        error = no_layout_error(result, Pins(), cluster.world_size, engine)
         if not isinstance(error, InfeasibleError):
             raise error
         rows.append(Row(v, cluster.world_size, cluster.gpu.name, error=str(error)))

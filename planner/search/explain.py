@@ -219,7 +219,7 @@ def infeasible_message(near: NearMiss | None, pins: Pins, n_gpus: int) -> str:
             f"memory): {', '.join(fixes)}")
 
 
-def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int) -> MeshplanError:
+def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int, engine: str = "meshplan") -> MeshplanError:
     """Why the search came back empty: memory (InfeasibleError, exit 3) or the pins and batch (PlanError, exit 2)."""
     s = result.stats
     pinned = ", ".join(f"{k}={v}" for k, v in pins.pinned().items()) or "none"
@@ -229,9 +229,12 @@ def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int) -> MeshplanEr
     if result.near_miss is not None:
         return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus))
     if s.shapes == 0 and s.unsupported:
+        if engine != "meshplan":
+            return PlanError(f"no layout of {n_gpus} GPUs with the pinned options ({pinned}) runs on engine "
+                             f"{engine}: {s.unsupported_reason}")
         return PlanError(f"no layout of {n_gpus} GPUs with the pinned options ({pinned}) runs on meshplan's "
-                         f"executor: {s.unsupported_reason}. To plan for another engine, pass --engine megatron "
-                         "or --engine deepspeed")
+                         f"executor: {s.unsupported_reason}. To plan for another engine, pass --engine megatron, "
+                         "torchtitan or deepspeed")
     if s.shapes == 0 and s.batch_rejected == 0:
         return PlanError(f"no layout of {n_gpus} GPUs satisfies the pinned options ({pinned}): unpin some of them")
     if s.shapes == 0:
