@@ -60,15 +60,13 @@ def check_recipe(options: TrainingOptions, engine: str, model) -> None:
     UsageErrors, before a search that would refuse every layout."""
     from planner.engines import get_engine
     from planner.layout import Layout
-    from planner.training import TrainingSpec
+    from planner.training import training_for
     from topologies.errors import PlanError, UsageError
 
     if not options.recipe:
         return
     try:
-        training = TrainingSpec(seq_len=1, global_batch_size=1, precision=options.precision,
-                                dtype=options.precision if options.precision in ("fp16", "fp32") else "bf16",
-                                **dict(options.recipe))
+        training = training_for(1, 1, options.precision, **dict(options.recipe))
     except PlanError as exc:
         raise UsageError(f"--recipe: {str(exc).removeprefix('training: ')}") from None
     refusal = get_engine(engine).refusal(model, Layout(), training.dtype, True, training)

@@ -142,15 +142,14 @@ from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
     embedding_dropout_bytes,
-    in_flight_microbatches,
     layer_activation_bytes,
     layer_activation_terms,
     layer_backward_transient,
     op_saved_terms,
     output_activation_bytes,
-    output_in_flight,
 )
-from planner.memory.boundary import boundary_buffers, first_stage_alive
+from planner.memory.boundary import boundary_buffers
+from planner.memory.in_flight import first_stage_alive, in_flight_microbatches, output_in_flight
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
     Activations,

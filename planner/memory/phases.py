@@ -114,7 +114,7 @@ class Activations(NamedTuple):
     stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
     offloaded_layers: int = 0  # layers per rank whose kept activations sit in host memory (activation offload)
     # micro-batches whose output-layer tensors (final norm and output inputs, logits) the last stage holds at
-    # once; 0: as many as its layers' (planner.memory.activations.output_in_flight)
+    # once; 0: as many as its layers' (planner.memory.in_flight.output_in_flight)
     output_flight: float = 0.0
     # stage outputs and receive buffers kept, in stage outputs, on (the first rank, a middle one, the last rank)
     # (planner.memory.boundary.boundary_buffers); None under zb-v

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.engines import DDP_BUCKET_BYTES, TimeTraits, bf16_optimizer_runs, get_engine
+from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
 from planner.layout import DP_AXES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
@@ -52,12 +52,12 @@ from planner.simulate.compute import (
     gemm_flops,
     layer_gemms,
     layer_times,
-    memory_time_s,
     offloaded_optimizer_time_s,
     optimizer_time_s,
     tokens_per_micro_batch,
 )
 from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
+from planner.simulate.grad_fold import add_grad_fold
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
 from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
 from planner.simulate.recompute import recomputed_comm
@@ -254,32 +254,6 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
     return durations, compute, comm_kinds
 
 
-def _add_grad_fold(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
-                   cal: CalibrationProfile, traits: TimeTraits, engine: str, durations: list[list[float]],
-                   compute: list[float]) -> None:
-    """Add each micro-batch's gradient fold (TimeTraits.bf16_grad_fold_bytes) to its backward.
-
-    The fold streams every parameter a rank holds once per micro-batch, after the
-    backward (DeepSpeed's BF16_Optimizer, bf16 under ZeRO 0/1); a rank's share is
-    split over its chunks by layers. Priced at every micro-batch: the first only
-    casts (6 of the 18 bytes), within 1/m of the step.
-    """
-    if traits.bf16_grad_fold_bytes <= 0 or not bf16_optimizer_runs(training.dtype, layout.zero_stage):
-        return
-    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
-    for r in range(layout.pp):
-        chunks = [c for c in range(len(owner)) if owner[c] == r]
-        fold_s = memory_time_s(stage_params(model, layout, r, engine).total * traits.bf16_grad_fold_bytes,
-                               cluster.gpu, cal)
-        weights = [layout.layers_per_stage[c] for c in chunks]
-        if not sum(weights):  # a rank of no layers folds its ends' gradients in its first chunk
-            weights = [1] + [0] * (len(chunks) - 1)
-        for c, wt in zip(chunks, weights, strict=True):
-            share = fold_s * wt / sum(weights)
-            durations[B][c] += share
-            compute[c] += share
-
-
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
          comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
     """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
@@ -387,7 +361,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
                                           engine)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
-    _add_grad_fold(model, training, layout, cluster, cal, traits, engine, durations, compute)
+    add_grad_fold(model, training, layout, cluster, cal, traits, engine, durations, compute)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)

@@ -12,11 +12,11 @@ import dataclasses
 import pytest
 
 from planner.memory.activations import (
-    in_flight_microbatches,
     layer_activation_bytes,
     layer_activation_terms,
     output_activation_bytes,
 )
+from planner.memory.in_flight import in_flight_microbatches
 from planner.model.load import load_model
 
 # GPT-3 175B (Korthikanti's table 3 model) with dropout on, as the paper assumes.

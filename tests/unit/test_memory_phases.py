@@ -148,7 +148,7 @@ def test_pipeline_orders_are_torchs():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from executor.validate.memory_pipeline import order_1f1b, rank_order
-    from planner.memory.boundary import first_stage_alive
+    from planner.memory.in_flight import first_stage_alive
 
     assert order_1f1b(0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
     for pp, n in ((2, 4), (2, 8), (4, 8), (4, 16), (2, 3), (4, 6)):  # the last two: rounds of n, not pp

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.layout import rank_chunks
-from planner.memory.activations import in_flight_microbatches
+from planner.memory.in_flight import in_flight_microbatches
 from planner.simulate.pipeline import B, F, W, _compiled, _zbv_rank_order
 
 _KINDS = {"F": F, "B": B, "I": B, "W": W}

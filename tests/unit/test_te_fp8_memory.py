@@ -12,8 +12,9 @@ import pytest
 
 from planner.engines import get_engine
 from planner.layout import Layout
-from planner.memory.activations import layer_activation_terms, output_in_flight
+from planner.memory.activations import layer_activation_terms
 from planner.memory.estimate import estimate_memory
+from planner.memory.in_flight import output_in_flight
 from planner.model.load import load_model
 from planner.training import TrainingSpec, training_for
 from topologies.errors import PlanError
