@@ -229,9 +229,7 @@ def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak
     if model.moe is None:
         return 0.0, 0.0, 0.0, 0.0
     _, experts = mlp_gemms(model, m, layout)
-    imbalance = cal.moe_imbalance
-    if model.moe.capacity_factor:
-        imbalance = min(imbalance, model.moe.capacity_factor)
+    imbalance = _moe_imbalance(model, cal)
     gemm, cast_f, cast_b = _block_gemms_s(experts, peak, fp8_peak, cal)
     grouped = cal.grouped_gemm_efficiency if model.moe.n_experts > layout.ep else 1.0  # one expert: a plain GEMM
     gemm *= imbalance / (grouped * (cal.fp8_expert_efficiency if fp8_peak else 1.0))
@@ -242,6 +240,13 @@ def moe_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, peak
             imbalance * cast_b)
 
 
+def _moe_imbalance(model: ModelSpec, cal: CalibrationProfile) -> float:
+    """Tokens on the busiest expert rank over the average: the calibration's, capped by a capacity factor."""
+    if model.moe is not None and model.moe.capacity_factor:
+        return min(cal.moe_imbalance, model.moe.capacity_factor)
+    return cal.moe_imbalance
+
+
 def expert_bias_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
                       cal: CalibrationProfile) -> tuple[float, float]:
     """(forward, backward) memory-bound time of the routed experts' output biases in the average layer on the
@@ -250,8 +255,7 @@ def expert_bias_times(model: ModelSpec, m: float, dtype_bytes: int, layout: Layo
     moe = model.moe
     if moe is None or not moe.expert_bias:
         return 0.0, 0.0
-    imbalance = min(cal.moe_imbalance, moe.capacity_factor) if moe.capacity_factor else cal.moe_imbalance
-    row_bytes = moe_fraction(model) * imbalance * (m / layout.tp) * moe.top_k * model.hidden * dtype_bytes
+    row_bytes = moe_fraction(model) * _moe_imbalance(model, cal) * (m / layout.tp) * moe.top_k * model.hidden * dtype_bytes
     return (memory_time_s(EXPERT_BIAS_PASSES_FORWARD * row_bytes, gpu, cal),
             memory_time_s(EXPERT_BIAS_PASSES_BACKWARD * row_bytes, gpu, cal))
 
