@@ -107,10 +107,10 @@ class Layout:
                 f"layout: zero_stage 0 (plain DDP) shards nothing, so dp_shard must be 1, got {self.dp_shard}; "
                 "use --zero 1-3 to shard, or move the degree to dp_replicate"
             )
-        if self.zero_stage > 0 and self.dp_shard == 1:
+        if self.zero_stage > 0 and self.dp_shard * self.cp == 1:
             raise PlanError(
-                f"layout: zero_stage {self.zero_stage} shards over dp_shard, which is 1; "
-                "use zero_stage 0 or a dp_shard > 1"
+                f"layout: zero_stage {self.zero_stage} shards over dp_shard x cp, which is 1; "
+                "use zero_stage 0, a dp_shard > 1 or a cp > 1"
             )
         if not isinstance(self.recompute_layers, int) or isinstance(self.recompute_layers, bool) \
                 or self.recompute_layers < 0:
@@ -154,6 +154,23 @@ class Layout:
     def dp(self) -> int:
         """Total data-parallel degree: dp_replicate * dp_shard."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """Mesh axes ZeRO shards model state over: dp_shard with the cp ranks folded in, which hold the
+        same weights (Megatron's dp-cp group, torchtitan's dp_shard_cp, DeepSpeed's
+        seq_data_parallel_group)."""
+        return ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks of one ZeRO group (`shard_axes`): dp_shard * cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """Mesh axes gradients are averaged over: the data-parallel ones, and cp, whose ranks see other tokens."""
+        return (*DP_AXES, "cp") if self.cp > 1 else DP_AXES
 
     @property
     def expert_dp_shard(self) -> int:

@@ -222,12 +222,12 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=True, fsdp_root_unit=False,
                      step_phases=True, rope_buffers=True, zero1_whole_tensors=True, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, dtensor_loss_parallel=True,
-                     shard_over_cp=True, executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
+                     executor_experts=True, cp_all_gather=True, cp_saves_gathered=True,
                      pp_stage_outputs=True),
         executes=True, fp8=TORCHAO_FP8, recompute_kinds=("none", "selective", "op", "full"), compiles=True),
     "megatron": Engine("megatron", TimeTraits(fused_attention=True, overlap_dp=True, overlap_tp_backward=True,
                                               tp_overlap_sms=TE_UB_DEFAULT),
-                       MemoryTraits(fp32_grads=True, fused_swiglu=True, moe_probs_in_experts=True, shard_over_cp=True,
+                       MemoryTraits(fp32_grads=True, fused_swiglu=True, moe_probs_in_experts=True,
                                     activation_offload=True,
                                     inplace_loss_backward=True, fused_cross_entropy=True, **_PUBLISHED_MEMORY),
                        executes=False, fp8=TE_FP8, partial_recompute=True, recompute_modules=True,
@@ -243,7 +243,7 @@ ENGINES: dict[str, Engine] = {
         "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
-                     fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
+                     fp32_params=True, fp32_grads=True, zero2_shards_params=True,
                      cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
@@ -301,6 +301,9 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
         return (f"model {model.name!r} with tp ({layout.tp}) and sequence parallel: the executor keeps MoE "
                 "layers replicated over tp and does not cut their output back to sequence shards; plan "
                 "without --sequence-parallel")
+    if layout.zero_stage == 1 and layout.dp_shard == 1:
+        return (f"ZeRO-1 over the cp ranks alone (dp_shard 1, cp {layout.cp}): the executor's ZeRO-1 shards over "
+                "dp_shard; plan with --zero 2 or 3 (FSDP over dp_shard x cp) or a larger --dp-shard")
     if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
         return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
                 "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")

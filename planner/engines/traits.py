@@ -121,7 +121,6 @@ class MemoryTraits:
     # the router's probabilities weigh the experts' activation (Megatron-Core >= 0.13 TEGroupedMLP, permuted_probs),
     # so the combine only unpermutes and no expert output is kept for it (planner.memory.activations)
     moe_probs_in_experts: bool = False
-    shard_over_cp: bool = False  # ZeRO/FSDP shards over dp_shard * cp (Megatron's dp-cp group, torchtitan's dp_shard_cp)
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False

@@ -59,9 +59,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
                         DTYPE_BYTES[training.grad_dtype], training.dtype, DTYPE_BYTES[training.optimizer_dtype])
-    d, n, total = training.dtype_bytes, layout.dp_shard, sp.total
-    if eng.memory.shard_over_cp and layout.zero_stage >= 1:  # the sharding group takes in the cp ranks
-        n *= layout.cp
+    d, total = training.dtype_bytes, sp.total
+    n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
     expert_shard = sp.expert_shard
     if eng.executes:  # meshplan keeps its E / ep experts whole (not FSDP2's: executor.parallel.expert reduces them)
         expert_shard = 1

@@ -53,7 +53,6 @@ from functools import lru_cache
 
 from planner.engines import DDP_BUCKET_BYTES, get_engine
 from planner.layout import (
-    DP_AXES,
     MESH_AXES,
     Layout,
     balanced_layers,
@@ -170,8 +169,7 @@ class StepBound:
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
-        return ShapeBound(self, shape, training, self.fsdp(shape.zero_stage, shape.dp_shard, shape.ep, shape.etp,
-                                                           shape_key, training),
+        return ShapeBound(self, shape, training, self.fsdp(shape.zero_stage, shape.ep, shape.etp, shape_key, training),
                           kinds, self.expert(shape_key, shape.ep, shape.etp, training))
 
     def relaxed(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
@@ -328,12 +326,15 @@ class StepBound:
                                       recomputed + max(0.0, 2 * point - hidden))
         return hit
 
-    def fsdp(self, zero_stage: int, dp_shard: int, ep: int, etp: int, shape_key: tuple[int, ...],
+    def fsdp(self, zero_stage: int, ep: int, etp: int, shape_key: tuple[int, ...],
              training: TrainingSpec) -> tuple[float, float]:
-        """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3."""
-        if zero_stage < 2 or dp_shard == 1:
+        """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3, over dp_shard x cp
+        of mesh `shape_key` (Layout.shard_axes)."""
+        dp_shard, cp = shape_key[2], shape_key[3]
+        if zero_stage < 2 or dp_shard * cp == 1:
             return 0.0, 0.0
-        # it reads tp, the dp_shard group (its size and stride, cp * tp) and the expert grid of the mesh: meshes
+        shard_axes = ("dp_shard", "cp") if cp > 1 else ("dp_shard",)
+        # it reads tp, the ZeRO group (dp_shard x cp: its size and stride) and the expert grid of the mesh: meshes
         # that differ only in pp or dp_replicate share it
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
         key = ("fsdp", zero_stage, dp_shard, ep, etp, shape_key[3], shape_key[4], training.grad_dtype, gathered)
@@ -341,8 +342,8 @@ class StepBound:
         if hit is None:
             dense, experts = layer_params_split(self.model, shape_key[4], ep, etp)
             unit = dense + experts
-            rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, ("dp_shard",))
-            ag = self._time("all_gather", unit * gathered, shape_key, ("dp_shard",)) \
+            rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, shard_axes)
+            ag = self._time("all_gather", unit * gathered, shape_key, shard_axes) \
                 if zero_stage == 3 else 0.0
             hit = self._times[key] = (ag, ag + rs)
         return hit
@@ -354,19 +355,19 @@ class StepBound:
         experts = sp.experts > 0
         if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
-            reduce_s = self._time("all_reduce", sp.dense * g, shape_key, DP_AXES)
+            reduce_s = self._time("all_reduce", sp.dense * g, shape_key, shape.grad_axes)
             if experts:
                 reduce_s += self._edp_time("all_reduce", sp.experts * g, shape_key, shape.ep, shape.etp)
         else:
-            reduce_bytes = sp.total * g / shape.dp_shard
+            reduce_bytes = sp.total * g / shape.shard_ranks
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes) if reduce_s > 0 else 0.0
         gather = 0.0
         if shape.zero_stage in (1, 2):
-            gather = self._time("all_gather", sp.dense * d, shape_key, ("dp_shard",))
+            gather = self._time("all_gather", sp.dense * d, shape_key, shape.shard_axes)
             if experts:
                 gather += self._edp_time("all_gather", sp.experts * d, shape_key, shape.ep, shape.etp)
-        shard = shape.dp_shard if shape.zero_stage >= 1 else 1
+        shard = shape.shard_ranks if shape.zero_stage >= 1 else 1
         local = sp.dense / shard + sp.experts / (shape.expert_dp_shard if shape.zero_stage >= 1 else 1)
         return reduce_s, last_bucket, gather + optimizer_time_s(local, training.optimizer, self.cluster.gpu, self.cal)
 

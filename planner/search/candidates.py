@@ -17,7 +17,8 @@ R3  Heuristic: unpinned cp > 1 only while every CP rank keeps at least
     MIN_CP_TOKENS tokens; below that attention is too small for CP's K/V
     exchange to pay off.
 R4  ZeRO stage 0 <=> dp_shard == 1 (the Layout's own rule); ZeRO 1-3 for
-    every dp_shard > 1 dividing dp.
+    every dp_shard > 1 dividing dp, and ZeRO-2/3 over the cp ranks alone
+    (dp 1, cp > 1: torchtitan's FSDP 1 x CP 8) beside stage 0.
 R5  With tp > 1 both sequence parallel on and off are searched. SP shards
     the norm/dropout activations tp ways (never more memory) and its
     reduce-scatter + all-gather move the same bytes as the all-reduce it
@@ -121,9 +122,9 @@ class Pins:
         if self.zero_stage == 0 and self.dp_shard not in (None, 1):
             raise UsageError(f"--zero 0 shards nothing, so --dp-shard must be 1, got {self.dp_shard}; "
                              "use --zero 1-3 to shard")
-        if self.zero_stage in (1, 2, 3) and self.dp_shard == 1:
-            raise UsageError(f"--zero {self.zero_stage} shards over dp_shard, but --dp-shard is 1; "
-                             "use --zero 0 or a larger --dp-shard")
+        if self.zero_stage in (1, 2, 3) and self.dp_shard == 1 and (self.cp or 1) == 1:
+            raise UsageError(f"--zero {self.zero_stage} shards over dp_shard x cp, but --dp-shard is 1 and --cp "
+                             f"{self.cp or 'is not given'}; use --zero 0, a larger --dp-shard or --cp > 1")
         if self.dp is not None and self.dp_shard is not None and self.dp % self.dp_shard:
             raise UsageError(f"--dp-shard ({self.dp_shard}) must divide --dp ({self.dp}), "
                              "the total data-parallel degree dp_replicate * dp_shard")
@@ -177,11 +178,11 @@ def mesh_degrees(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins) -> Ite
                     yield pp, dp, cp, tp
 
 
-def data_parallel_splits(dp: int, pins: Pins) -> Iterator[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, zero_stage) for a data-parallel degree, under R4."""
+def data_parallel_splits(dp: int, pins: Pins, cp: int = 1) -> Iterator[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, zero_stage) for a data-parallel degree and the cp degree beside it, under R4."""
     shards = _choices(pins.dp_shard, divisors(dp))
     for dp_shard in shards:
-        zeros = (0,) if dp_shard == 1 else (1, 2, 3)
+        zeros = (1, 2, 3) if dp_shard > 1 else (0, 2, 3) if dp == 1 and cp > 1 else (0,)
         for zero in zeros:
             if pins.zero_stage is None or pins.zero_stage == zero:
                 yield dp // dp_shard, dp_shard, zero
@@ -278,7 +279,7 @@ def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
         if not dp_ok(dp):
             continue
         scheds = schedules(pp, model.n_layers, pins)
-        splits = tuple((replicate, shard, zero, ep, etp) for replicate, shard, zero in data_parallel_splits(dp, pins)
+        splits = tuple((replicate, shard, zero, ep, etp) for replicate, shard, zero in data_parallel_splits(dp, pins, cp)
                        for ep, etp in expert_degrees(model, shard, cp, tp, pins.ep, pins.etp))
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
             yield ShapeGroup(pp, dp, cp, tp, sp, scheds, splits)

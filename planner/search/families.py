@@ -230,7 +230,7 @@ class FamilyBounds:
                 expert_s = experts.get((replicate, shard, ep, etp))
                 if expert_s is None:
                     expert_s = experts[replicate, shard, ep, etp] = self.bound.expert(mesh, ep, etp, fam.training)
-                fsdp = self.bound.fsdp(zero, shard, ep, etp, mesh, fam.training) if zero >= 2 else (0.0, 0.0)
+                fsdp = self.bound.fsdp(zero, ep, etp, mesh, fam.training) if zero >= 2 else (0.0, 0.0)
                 rows.append((grids.setdefault((ep, etp), len(grids)), *fsdp, expert_s))
             table = np.array(rows, dtype=np.float64).reshape(-1, 4)
             hit = self._group_terms[key] = _Terms(tuple(grids), table[:, 0].astype(np.int64), table[:, 1],

@@ -26,7 +26,7 @@ Three kinds of GPU work, each priced by its own roofline term (parameters in
   experts with output biases the probability-weighted bias added after fc2
   (EXPERT_BIAS_PASSES_FORWARD/_BACKWARD, `expert_bias_times`).
 
-* FSDP copies (ZeRO-2/3 over dp_shard > 1): every all-gather is followed by a
+* FSDP copies (ZeRO-2/3 over dp_shard x cp > 1): every all-gather is followed by a
   copy-out of the gathered flat buffer into the parameters, every
   reduce-scatter preceded by a copy-in (and cast) of the gradients into its
   flat buffer, so each communicated byte is read and written once more
@@ -347,7 +347,7 @@ def fsdp_copy_times(model: ModelSpec, dtype_bytes: int, grad_bytes: int, layout:
 
     Not recomputed: under full recomputation the backward's all-gather serves both.
     """
-    if layout.zero_stage < 2 or layout.dp_shard == 1:
+    if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return PassTimes(0.0, 0.0, 0.0)
     params = sum(layer_params_split(model, layout.tp, layout.ep, layout.etp))
     gather = params * dtype_bytes if layout.zero_stage == 3 else 0.0

@@ -44,7 +44,7 @@ def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, c
     to `comm_overlap` of that end's own time. On small models the vocabulary
     matrices hold as many parameters as several layers.
     """
-    if layout.zero_stage < 2 or layout.dp_shard == 1:
+    if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return 0.0, 0.0, 0.0, 0.0
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
     out: list[float] = []
@@ -53,8 +53,8 @@ def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, c
             out += [0.0, 0.0]
             continue
         root = stage_params(model, layout, rank).root
-        ag = comm.time_s("all_gather", root * training.dtype_bytes, ("dp_shard",)) if layout.zero_stage == 3 else 0.0
-        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
+        ag = comm.time_s("all_gather", root * training.dtype_bytes, layout.shard_axes) if layout.zero_stage == 3 else 0.0
+        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
         # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
         hooks = cal.fsdp_call_overhead_s
         out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),

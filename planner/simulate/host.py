@@ -53,7 +53,7 @@ def dtensor_ops(model: ModelSpec, layout: Layout, cal: CalibrationProfile) -> tu
 def fsdp_calls(layout: Layout) -> tuple[int, int]:
     """FSDP collectives of one layer per forward and backward pass (ZeRO-3 gathers in both, ZeRO-2/3
     reduce-scatter in the backward)."""
-    if layout.zero_stage < 2 or layout.dp_shard == 1:
+    if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return 0, 0
     gathers = int(layout.zero_stage == 3)
     return gathers, gathers + 1

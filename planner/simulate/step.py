@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
-from planner.layout import DP_AXES, Layout, recomputed_fraction
+from planner.layout import Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import layer_params_split, stage_params
 from planner.model.spec import ModelSpec
@@ -163,10 +163,10 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
             # pass's all-to-alls hide under the other pass's compute (warm-up and cool-down passes ignored)
             comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_b - fwd_s)
         calls_f, calls_b = calls_f + calls, calls_b + round(calls * (1.0 + redo_a2a))
-    if layout.zero_stage >= 2 and layout.dp_shard > 1:  # prefetched: only what compute cannot hide
+    if layout.zero_stage >= 2 and layout.shard_ranks > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
-        rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], ("dp_shard",))
-        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, ("dp_shard",)) \
+        rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
+        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, layout.shard_axes) \
             if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
@@ -284,20 +284,20 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     """Exposed work of one pipeline rank after its last backward: DP reduction, optimizer, gathers."""
     sp = stage_params(model, layout, rank)
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
-    shard = layout.dp_shard if layout.zero_stage >= 1 else 1
+    shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
     if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
         reduce_bytes = sp.total * g
-        reduce_s = comm.time_s("all_reduce", sp.dense * g, DP_AXES) + \
+        reduce_s = comm.time_s("all_reduce", sp.dense * g, layout.grad_axes) + \
             comm.expert_time_s("all_reduce", sp.experts * g, "edp")
     else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
-        reduce_bytes = sp.total * g / layout.dp_shard
+        reduce_bytes = sp.total * g / layout.shard_ranks
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
     if traits.overlap_dp and reduce_s > 0:
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes)
         reduce_s = max(last_bucket, reduce_s - cal.comm_overlap * last_backward_s)
     gather = 0.0
     if layout.zero_stage in (1, 2):
-        gather = comm.time_s("all_gather", sp.dense * d, ("dp_shard",)) + \
+        gather = comm.time_s("all_gather", sp.dense * d, layout.shard_axes) + \
             comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0

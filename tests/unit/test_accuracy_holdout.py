@@ -75,7 +75,7 @@ def test_held_out_figures(figures):
     assert mape["dense/held out"] <= 0.09 and figures["dense/held out"][2] == 40
     assert mape["dense/h100"] <= bench.TARGET_MAPE and abs(bias["dense/h100"]) < 0.08
     # never fitted: the GB200 fit at B200's 148 SMs (per SM, not per rated peak: 8.8% by the peaks)
-    assert mape["dense/b200"] <= 0.05 and abs(bias["dense/b200"]) < 0.03
+    assert mape["dense/b200"] <= 0.05 and abs(bias["dense/b200"]) < 0.04
     assert mape["dense/gb200"] < 0.06 and mape["dense/gb300"] < 0.08 and abs(bias["dense/gb300"]) < 0.06
     # torchtitan's compiled float8 runs: its SDPA at the fused stack's attention rate
     # (bench/accuracy_torchtitan_h100.py), the float8 projections kept by per-op SAC as in bf16

@@ -2,9 +2,9 @@
 
 One number is fitted, on one row: the share of the rated tensor-core FLOP/s the
 Grand Teton H100s sustain at their 500 W cap (2026-11-24: 0.777). Every other row
-is scored with it: on 2026-11-24 step time 7.7% MAPE (bias -1.5%) and peak
-memory 6.7% over the 15 expressible held-out rows (FSDP x CP = 8 with FSDP 1 is
-not expressible: ZeRO over the cp ranks alone). Bounds are loose around those.
+is scored with it: on 2026-11-24 step time 8.9% MAPE (bias -3.5%, worst -19.5%:
+405B at 262k tokens over cp 8) and peak memory 7.0% over the 17 held-out rows.
+Bounds are loose around those.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def test_the_fit_row_alone_sets_the_shipped_fraction():
 
 def test_held_out_step_time_and_memory(errors):
     held = {k: v for k, v in errors.items() if k != bench.FIT_ROW}
-    assert len(held) == 15
+    assert len(held) == 17  # every row expressible, FSDP over the cp ranks alone included
     step = [abs(e) for e, _ in held.values()]
     memory = [abs(m) for _, m in held.values()]
-    assert sum(step) / len(step) < 0.10 and max(step) < 0.20
+    assert sum(step) / len(step) < 0.11 and max(step) < 0.25
     assert sum(memory) / len(memory) < 0.09
 
 
