@@ -162,6 +162,20 @@ def test_gpt_oss_rows_pay_megatron_cores_unfused_glu_clamp(rows):
     assert sum(abs(e) for e, _ in with_clamp.values()) / len(oss) < 0.24
 
 
+def test_gpt_oss_25_11_rows_run_the_presets_of_their_published_runs(rows):
+    """The 25.11 table's GPT-OSS GB200/GB300 rows (8192 tokens, GBS 1280) are the runs of Megatron-Bridge branch
+    gaod/r0.2.0_test (bench/bridge_moe_recipes.py): GB200 with the HybridEP flex dispatcher, listed as not
+    modelled; GB300 with attention + router graphs; 26.02's V2 presets run the all-to-all dispatcher."""
+    oss = {r.id: r for r in rows if r.model == "gpt-oss-120b"}
+    gb200 = oss["mb-25.11-gb200-gpt-oss-120b-64g-bf16"]
+    assert gb200.moe_recipe == "hybridep dispatcher"
+    assert gb200.layout.recompute_modules == ("layernorm", "moe_act") and not gb200.training.cuda_graphs
+    assert (gb200.training.seq_len, gb200.layout.micro_batch_size) == (8192, 1)
+    gb300 = oss["mb-25.11-gb300-gpt-oss-120b-64g-bf16"]
+    assert gb300.training.cuda_graphs and gb300.moe_recipe == "" and gb300.layout.micro_batch_size == 2
+    assert all(r.moe_recipe == "" for k, r in oss.items() if k != gb200.id)
+
+
 def test_bridge_rows_run_the_tp_overlap_their_scripts_set(rows):
     """Megatron-Bridge's Llama 70B/405B performance scripts keep tp_comm_overlap on and pick an fp8 userbuffers
     config by GPU (BRIDGE_UB_CONFIGS); its Qwen3-235B H100 script turns it off; tp 1 and NeMo 24.07 rows run none."""
