@@ -12,7 +12,8 @@ stacks, each row citing its table:
   with Megatron-Core's traits (TRAITS below).
 
 torchtitan's FSDP2 rows are listed but kept out of the MAPE: they ran on
-500 W, HBM2e H100s whose peak is not published. Every row is simulated with
+500 W, HBM2e H100s whose peak is not published (bench/accuracy_torchtitan_h100.py
+scores that table with the cap's FLOP/s share fitted on one row). Every row is simulated with
 one calibration profile; nothing is fitted per row.
 
     python bench/accuracy_published.py        # per-row error, MAPE per source and split
@@ -179,14 +180,20 @@ FIT_PARAMETERS = (
 # Engines whose layers are eager PyTorch modules: meshplan's executor (FSDP2,
 # SDPA) as measured through LLM Foundry's FSDP stack, and DeepSpeed and
 # torchtitan, assumed alike (no published H100 DeepSpeed table was found;
-# torchtitan's rows here ran on parts of unpublished peak).
+# torchtitan's rows here ran on parts of unpublished peak). torchtitan takes
+# the memory-bound factor only: its own H100 tables, scored by
+# bench/accuracy_torchtitan_h100.py (long-context rows included), run its
+# SDPA attention at the fused stack's rate, not at LLM Foundry's.
 EAGER_ENGINES = ("meshplan", "deepspeed", "torchtitan")
+EAGER_ATTENTION_ENGINES = ("meshplan", "deepspeed")
 
 
 def profile_from(values, base: CalibrationProfile) -> CalibrationProfile:
     fields = {name: float(v) for (name, *_), v in zip(FIT_PARAMETERS, values, strict=True)}
     eager = {k.removeprefix("eager."): fields.pop(k) for k in list(fields) if k.startswith("eager.")}
-    return base.replace(engine_factors={e: dict(eager) for e in EAGER_ENGINES}, **fields)
+    factors = {e: {k: v for k, v in eager.items() if k != "attention_efficiency" or e in EAGER_ATTENTION_ENGINES}
+               for e in EAGER_ENGINES}
+    return base.replace(engine_factors=factors, **fields)
 
 
 def fit(rows: list[Published], base: CalibrationProfile) -> CalibrationProfile:

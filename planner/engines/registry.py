@@ -125,10 +125,6 @@ class Engine:
             return self.eager_time
         return self.time
 
-    def op_sac_saves_mm(self, training: TrainingSpec) -> bool:
-        """Whether per-op SAC saves the block GEMMs this training runs (memory keeps them, time skips them)."""
-        return self.memory.op_sac_saves_fp8_mm or not training.fp8
-
     def fp8_weight_bytes(self, training: TrainingSpec, any_layout: bool = True) -> float:
         """Persistent 8-bit weight bytes per block-linear parameter under this training's precision, on a GPU
         whose FP8 GEMMs take any operand layout or not (GPUSpec.fp8_any_layout; Fp8Recipe.weight_bytes)."""
@@ -248,7 +244,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True, shard_over_cp=True,
-                     cp_all_gather=True, op_sac_saves_fp8_mm=False),
+                     cp_all_gather=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

@@ -144,9 +144,6 @@ class MemoryTraits:
     # local shards and gathers again in the backward
     cp_saves_gathered: bool = False
     activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
-    # per-op SAC saves float8 GEMM outputs: meshplan's executor lists aten._scaled_mm with aten.mm; torchtitan's
-    # _op_sac_save_list names aten.mm only, so its float8 projections (aten._scaled_mm) are all recomputed
-    op_sac_saves_fp8_mm: bool = True
     # Megatron-Core's vocab-parallel cross entropy casts the logits to fp32 once and its backward turns that
     # saved buffer into the gradient in place: only the compute-dtype logits gradient is new
     inplace_loss_backward: bool = False

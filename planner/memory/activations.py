@@ -260,18 +260,20 @@ def _mlp_terms(model: ModelSpec, d: int, tp: int, fused_swiglu: bool = False,
 
 @lru_cache(maxsize=4096)
 def op_saved_terms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1,
-                   dtype_bytes: int = 2, fused_attention: bool = True, save_matmuls: bool = True) -> dict[str, float]:
+                   dtype_bytes: int = 2, fused_attention: bool = True) -> dict[str, float]:
     """Bytes per-op selective checkpointing keeps of one layer beyond its input (module docstring).
 
-    save_matmuls False: the save list does not name the GEMM op the projections run (torchtitan's under
-    float8, MemoryTraits.op_sac_saves_fp8_mm), so only the attention's outputs are kept.
+    Under float8 the same GEMM outputs are kept: torchao's float8 linear calls torch.mm on its
+    Float8TrainingTensor operands, and the checkpoint's policy mode sees that aten.mm before the
+    subclass turns it into aten._scaled_mm (torchtitan's December 2024 H100 table: 77.0 GiB compiled
+    bf16, 76.8 GiB with float8; bench/accuracy_torchtitan_h100.py).
     """
     d, h = dtype_bytes, model.hidden
     tokens = seq_len * micro_batch / cp
     ffn = model.ffn_hidden if model.moe is None else model.moe.top_k * model.moe.expert_ffn_hidden
     mlp = [("w1", ffn / tp), ("w3", ffn / tp), ("w2", h)] if model.mlp == "swiglu" else [("fc1", ffn / tp), ("fc2", h)]
     mms = [("wq", model.q_dim / tp), ("wk", model.kv_dim / tp), ("wv", model.kv_dim / tp), ("wo", h), *mlp]
-    terms = {f"mm_{name}": d * width for i, (name, width) in enumerate(mms) if i % 2 == 0 and save_matmuls}
+    terms = {f"mm_{name}": d * width for i, (name, width) in enumerate(mms) if i % 2 == 0}
     if fused_attention:
         terms["sdpa_output"] = d * model.q_dim / tp
         terms["sdpa_logsumexp"] = FP32_BYTES * model.n_heads / tp

@@ -277,8 +277,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
                                    autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
                                    fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu,
                                    moe_probs_in_experts=traits.moe_probs_in_experts)
-    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused,
-                              save_matmuls=eng.op_sac_saves_mm(training)) \
+    op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved, selective_modules(layout))
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything

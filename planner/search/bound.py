@@ -316,8 +316,7 @@ class StepBound:
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
                              training.fused_attention(self.traits.fused_attention),
                              fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
-                             cast_bytes=fp8_cast_bytes(training.precision, gpu),
-                             op_saves_mm=self.engine.op_sac_saves_mm(training))
+                             cast_bytes=fp8_cast_bytes(training.precision, gpu))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes

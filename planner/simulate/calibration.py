@@ -346,9 +346,11 @@ def _source_gpu(profile: CalibrationProfile) -> GPUSpec | None:
 #   elementwise kernels, each a full HBM round trip, where the fused stack makes one pass. The factor
 #   is the ratio of bytes moved by the two kernel graphs, both at the memory-bound rate of whichever
 #   GPU runs them, so it carries over as a ratio to the A100's own fitted memory_efficiency;
-# * no attention factor: on H100 the factor is PyTorch's FlashAttention-2 kernel against Transformer
-#   Engine's cuDNN kernels built on Hopper-only instructions (wgmma, TMA). On A100 both stacks run
-#   FlashAttention-2-class kernels, which the A100 attention_efficiency already describes.
+# * no attention factor: on H100 the factor is LLM Foundry's attention kernel (the rows the eager
+#   factors are fitted on) against Transformer Engine's cuDNN kernels built on Hopper-only
+#   instructions (wgmma, TMA); torchtitan's SDPA carries none even there (its own H100 tables,
+#   bench/accuracy_torchtitan_h100.py). On A100 the stacks run FlashAttention-2-class kernels,
+#   which the A100 attention_efficiency already describes.
 # The stack the A100 profile was fitted on (deepspeed: Megatron-DeepSpeed) and megatron borrow nothing.
 _TRANSFERRED_FACTORS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     # family: (source family, engines, efficiency fields)

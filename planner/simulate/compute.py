@@ -270,14 +270,13 @@ def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
 
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
                 peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
-                compile: bool = False, cast_bytes: float = FP8_CAST_BYTES, op_saves_mm: bool = True) -> PassTimes:
+                compile: bool = False, cast_bytes: float = FP8_CAST_BYTES) -> PassTimes:
     """GPU time of one transformer layer for one micro-batch on one rank (no communication, no FSDP copies).
 
     Depends on the layout's tp, cp, ep, etp, micro-batch, recompute and sequence
     parallelism, and on the precision (fp8_peak > 0: 8-bit block and routed-expert GEMMs)
     and compile only (planner.search.bound caches it by those). cast_bytes: HBM bytes per
-    element of an 8-bit operand cast (`fp8_cast_bytes`). op_saves_mm: per-op SAC's save list covers the
-    GEMMs as they run (`Engine.op_sac_saves_mm`); else every block projection is redone in the backward.
+    element of an 8-bit operand cast (`fp8_cast_bytes`).
     """
     h, tp = model.hidden, layout.tp
     m = tokens_per_micro_batch(seq_len, layout)
@@ -309,8 +308,7 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
                                                          (elementwise, cast_f, cast_b, clamp_f, clamp_b))
     forward = gemms + cast_f + core_f + elementwise + clamp_f
     if layout.recompute == "op":
-        skipped = _op_recomputed_gemms(model, m, layout) if op_saves_mm else attention_gemms(model, m, tp) + dense
-        redo, redo_cast, _ = _block_gemms_s(skipped, peak, fp8_peak, cal)
+        redo, redo_cast, _ = _block_gemms_s(_op_recomputed_gemms(model, m, layout), peak, fp8_peak, cal)
         recompute = redo + memory_time_s(redo_cast * cast_scale, gpu, cal) + elementwise + clamp_f
     elif layout.recompute == "selective":  # Megatron-Core's modules (planner.simulate.recompute)
         squeeze = COMPILE_ELEMENTWISE_FACTOR if compile else 1.0  # as `elementwise` and the casts are priced

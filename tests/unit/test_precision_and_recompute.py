@@ -238,24 +238,17 @@ def test_torchtitan_has_no_optimizer_only_sharding():
     assert result.ranked and all(s.layout.zero_stage != 1 for s in result.ranked)
 
 
-def test_op_sac_time_and_memory_read_the_same_save_list_under_fp8():
-    """torchtitan's per-op SAC list names aten.mm, not the float8 layers' aten._scaled_mm: under fp8 its
-    projections are neither kept (memory) nor skipped in the recompute (time); meshplan's list has both."""
+def test_op_sac_keeps_the_same_gemm_outputs_under_float8():
+    """torchao's float8 linear calls torch.mm on its float8 tensors, so the per-op SAC policy counts and
+    saves the same projections as in bf16 (torchtitan's H100 table: 77.0 GiB compiled bf16, 76.8 GiB
+    with float8): the activations kept do not change, and the recompute redoes the same GEMMs, at the
+    8-bit rate."""
     model, cluster = load_model("8B"), load_cluster("dgx-h100", 8)
     layout = Layout(dp_shard=8, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, recompute="op")
     fp8, bf16 = training_for(8192, 8, "fp8"), training_for(8192, 8, "bf16")
-    titan, ours = get_engine("torchtitan"), get_engine("meshplan")
-    assert not titan.op_sac_saves_mm(fp8) and titan.op_sac_saves_mm(bf16) and ours.op_sac_saves_mm(fp8)
-
-    def step(engine, training):
-        return simulate_step(model, training, layout, cluster, engine=engine)
-
-    # bf16: both lists save the same GEMMs, so the step computes the same
-    titan_bf16, ours_bf16 = step("torchtitan", bf16), step("meshplan", bf16)
-    assert titan_bf16.time_breakdown_s["compute"] == pytest.approx(ours_bf16.time_breakdown_s["compute"], rel=1e-9)
-    # fp8: torchtitan redoes every projection (more time) and keeps none of them (less memory)
-    titan_fp8, ours_fp8 = step("torchtitan", fp8), step("meshplan", fp8)
-    assert titan_fp8.time_breakdown_s["compute"] > 1.03 * ours_fp8.time_breakdown_s["compute"]
-    mem = {e: estimate_memory(model, fp8, layout, cluster.gpu, e).breakdown_bytes["activations"]
-           for e in ("torchtitan", "meshplan")}
-    assert mem["torchtitan"] < mem["meshplan"]
+    for engine in ("torchtitan", "meshplan"):
+        mem = {t.precision: estimate_memory(model, t, layout, cluster.gpu, engine).breakdown_bytes["activations"]
+               for t in (fp8, bf16)}
+        assert mem["fp8"] == pytest.approx(mem["bf16"], rel=0.05)
+        fast, slow = (simulate_step(model, t, layout, cluster, engine=engine) for t in (fp8, bf16))
+        assert fast.time_breakdown_s["compute"] < 0.95 * slow.time_breakdown_s["compute"]
