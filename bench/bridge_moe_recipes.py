@@ -21,7 +21,14 @@ whose batch the table gives) and their *_llm_pretrain.py:
   recompute_granularity "selective" on with them (DeepSeek-V3's common
   settings set it too), and the list replaces Megatron-Core's default
   ["core_attn"]: Layout.recompute_modules, priced by
-  planner.memory.activations.RECOMPUTED_TERMS and planner.simulate.recompute;
+  planner.memory.activations.RECOMPUTED_TERMS and planner.simulate.recompute.
+  Not for the 25.11 GPT-OSS rows: scripts/performance/utils/helpers.py's
+  set_recompute_overrides set only recompute_modules until commit 6afd5c74b
+  ("selective recompute", 2025-12-10) added the granularity, after those
+  rows were measured (published 2025-12-04 and 2025-12-09, below); GPT-OSS's
+  recipe and provider set no granularity, and Megatron-Core 0.15 recomputes
+  layernorm (transformer_layer.py) and moe_act (moe/experts.py) only under
+  "selective", so those runs recomputed nothing;
 * moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
   dispatcher instead of the all-to-all one): listed, not modelled.
 
@@ -66,7 +73,8 @@ whose set_gpt_oss_common_configs sets seq_length 8192, whose GB300 preset
 keeps the attention + router graphs and whose GB200 preset runs the flex
 dispatcher with HybridEP (moe_flex_dispatcher_backend "hybridep", applied
 through apply_flex_dispatcher_backend, 32 SMs) beside recompute_modules
-layernorm and moe_act: listed for that row, not modelled. No preset at any
+layernorm and moe_act (inert then, above): the dispatcher is listed for
+that row, not modelled. No preset at any
 commit has the 25.11 B200 row's EP 8 (v0.2.2: EP 64) or the H100 row's
 micro-batch 4 over PP 4 (whose GA disagrees anyway); they keep the v0.2.2
 options.
@@ -122,9 +130,7 @@ RECIPES: dict[tuple[str, str, str], MoeRecipe] = {
     ("25.11", "b200", "deepseek-v3"): MoeRecipe(recompute_modules=("mla_up_proj",)),
     ("25.11", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
     # the published row's run: branch gaod/r0.2.0_test's GB200 preset (module docstring)
-    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(dispatcher=_HYBRID, recompute_modules=("layernorm", "moe_act")),
-    ("25.11", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
-    ("25.11", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(dispatcher=_HYBRID),
     ("25.11", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
     ("25.11", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
     ("25.11", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
