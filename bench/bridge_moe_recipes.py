@@ -91,7 +91,15 @@ scaling the routed experts' GEMMs or the memory-bound passes fits both,
 which these rows cannot tell apart. B300 (800 Gbit/s NICs) runs the EP64
 rows no faster than B200 (400 Gbit/s): 54.5 vs 56.6 ms per layer and
 micro-batch, as if its network all-to-all ran at B200's rate (a network
-figure, not a GPT-OSS one). Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
+figure, not a GPT-OSS one). The 26.02.01 patch container's table (docs
+commit 2c2425ace, not among these rows) ran both at EP 8 inside the node:
+13722 (B200) and 15031 (B300) tokens/s/GPU, 1.7x and 1.8x their EP 64 rows,
+so the EP 64 rows' extra time is the network all-to-all, as long on B300 as
+on B200: 4.2 s a step, against 4.75 s for its 238 GB per GPU (4 passes x
+5 micro-batches x 36 layers x 7/8 of 377 MB) at 400 Gbit/s line rate, so it
+runs near line rate (EP 8 pays costs EP 64 does not), where the profile's
+all_to_all_net_efficiency (0.569, fitted on DGX Cloud H100 rows) prices
+8.7 s and makes the B200 row slow. Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
 token and layer on both releases (mb 2 over 1-layer chunks with the
 all-to-all dispatcher, mb 1 over 2-layer chunks with DeepEP), 3.3x the model,
 where B200 runs 2.1 at mb 1 (priced right only through the Grace host cost
