@@ -74,10 +74,11 @@ keeps the attention + router graphs and whose GB200 preset runs the flex
 dispatcher with HybridEP (moe_flex_dispatcher_backend "hybridep", applied
 through apply_flex_dispatcher_backend, 32 SMs) beside recompute_modules
 layernorm and moe_act (inert then, above): the dispatcher is listed for
-that row, not modelled. No preset at any
-commit has the 25.11 B200 row's EP 8 (v0.2.2: EP 64) or the H100 row's
-micro-batch 4 over PP 4 (whose GA disagrees anyway); they keep the v0.2.2
-options.
+that row, not modelled. The B200 and H100 rows (EP 8 mb 4, and mb 4 over
+PP 4 with a GA that disagrees) match no preset in the file's history (up to
+2025-11-20 every GPU ran the base EP 8, mb 8, full-iteration CUDA graphs;
+then B200 EP 64 and H100 mb 1); they keep the v0.2.2 options but the
+recomputation.
 
 What is still unexplained (measured per layer and micro-batch on these rows,
 after the clamp and the biases): GPT-OSS runs 1.76 us per token and layer
