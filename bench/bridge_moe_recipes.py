@@ -21,7 +21,14 @@ whose batch the table gives) and their *_llm_pretrain.py:
   recompute_granularity "selective" on with them (DeepSeek-V3's common
   settings set it too), and the list replaces Megatron-Core's default
   ["core_attn"]: Layout.recompute_modules, priced by
-  planner.memory.activations.RECOMPUTED_TERMS and planner.simulate.recompute;
+  planner.memory.activations.RECOMPUTED_TERMS and planner.simulate.recompute.
+  Not for the 25.11 GPT-OSS rows: scripts/performance/utils/helpers.py's
+  set_recompute_overrides set only recompute_modules until commit 6afd5c74b
+  ("selective recompute", 2025-12-10) added the granularity, after those
+  rows were measured (published 2025-12-04 and 2025-12-09, below); GPT-OSS's
+  recipe and provider set no granularity, and Megatron-Core 0.15 recomputes
+  layernorm (transformer_layer.py) and moe_act (moe/experts.py) only under
+  "selective", so those runs recomputed nothing;
 * moe_flex_dispatcher_backend "hybridep" / "deepep" (the flex token
   dispatcher instead of the all-to-all one): listed, not modelled.
 
@@ -31,10 +38,12 @@ on every other layer) runs fused. Bridge v0.2.2 pins Transformer Engine
 2.9 (v0.3.0: 2.10-2.12) and falls back to Megatron's local attention only
 below TE 2.8; TE 2.9's get_attention_backend drops FlashAttention for a
 non-vanilla softmax but keeps cuDNN's arbitrary-seqlen kernel, which
-fused_attn.cpp accepts for learnable softmax from cuDNN 9.13.1. So the rows
-keep TrainingSpec attention "fused", not the eager model (TE 2.9 utils.py:
+fused_attn.cpp accepts for learnable softmax from cuDNN 9.13.1 (TE 2.9 utils.py:
 sliding windows (left, 0) stay on cuDNN's F16_arbitrary_seqlen backend,
-which Megatron's window (128, 0) is). The clamped GLU (quick_gelu,
+which Megatron's window (128, 0) is). Memory rules the unfused path out as
+well: TE's UnfusedDotProductAttention keeps [b, 64, s, s] probabilities,
+8.6 GB per layer at 4 x 4096 (and at 1 x 8192), more than the GPUs hold
+over 36 layers. So the rows keep TrainingSpec attention "fused". The clamped GLU (quick_gelu,
 glu_linear_offset 1, clamp 7) is NOT one fused kernel: Megatron-Core
 0.15-0.18 TEGroupedMLP calls weighted_bias_quick_geglu_impl under
 bias_activation_fusion (the provider sets it), and that function
@@ -42,20 +51,56 @@ bias_activation_fusion (the provider sets it), and that function
 each half and concatenates them in eager PyTorch before the fused kernel,
 and builds the offset as torch.tensor(1.0, device=cuda) on every call (a
 blocking host-to-device copy: one stream synchronisation per MoE layer's
-activation, and per recomputation of it under moe_act). ModelSpec.glu_clamp
+activation, and per recomputation of it under moe_act; pytorch/pytorch
+issue 120996). ModelSpec.glu_clamp
 (config.json swiglu_limit) prices the clamp's memory passes and operations
 (planner.simulate.recompute.GLU_CLAMP_PASSES_*, planner.simulate.launches).
 The experts' fc2 biases are not fused either: TEGroupedMLP builds fc2 with
 skip_bias_add and _apply_bias adds bias * probability per local expert in
 eager PyTorch, then concatenates (EXPERT_BIAS_PASSES_*, expert_bias_ops).
+The synchronisation itself is not priced: it falls right after fc1 in the
+forward and right before fc2's backward in the recomputation, so the host
+regains its lead while the expert GEMMs run; an operation-level timeline of
+the GB200 4 x 4096 layer (the planner's GPU times, 86 us per host operation)
+puts it at ~2% of the step, under the p-norm's own overlap error.
+
+Which runs the 25.11 GPT-OSS rows are: the table first printed (docs commit
+44dae92b0, 2025-12-04) the v0.2.2 presets on GB300 and GB200 (mb 4 x 4096,
+GBS 512: 18618 and 15754 tokens/s/GPU) and replaced them on 2025-12-09
+(00b7660be) with runs at 8192 tokens, GBS 1280, GB300 mb 2 and GB200 mb 1:
+the presets of branch gaod/r0.2.0_test (6b296ac10..4a82e1651, 2025-12-06),
+whose set_gpt_oss_common_configs sets seq_length 8192, whose GB300 preset
+keeps the attention + router graphs and whose GB200 preset runs the flex
+dispatcher with HybridEP (moe_flex_dispatcher_backend "hybridep", applied
+through apply_flex_dispatcher_backend, 32 SMs) beside recompute_modules
+layernorm and moe_act (inert then, above): the dispatcher is listed for
+that row, not modelled. The B200 and H100 rows (EP 8 mb 4, and mb 4 over
+PP 4 with a GA that disagrees) match no preset in the file's history (up to
+2025-11-20 every GPU ran the base EP 8, mb 8, full-iteration CUDA graphs;
+then B200 EP 64 and H100 mb 1); they keep the v0.2.2 options but the
+recomputation.
 
 What is still unexplained (measured per layer and micro-batch on these rows,
 after the clamp and the biases): GPT-OSS runs 1.76 us per token and layer
-on GB200 at both micro-batch 1 x 8192 (25.11) and 4 x 4096 (26.02), so the
-cost is per token, not per micro-batch, and 1.4x what the GEMM, attention,
-memory-bound and all-to-all terms price (1.23 us); B300 (800 Gbit/s NICs) runs the EP64 rows no faster than B200
-(400 Gbit/s): 54.5 vs 56.6 ms per layer and micro-batch, as if its network
-all-to-all ran at B200's rate. Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
+on GB200 at 4 x 4096 in both releases (26.02, and 25.11's first table), 1.4x
+what the GEMM, attention, memory-bound and all-to-all terms price (1.23 us).
+The shortfall scales with the GPU work, not with the host's operations: the
+26.02 GB300 row (attention and router replayed as graphs, no recomputation:
+about 0.6 of GB200's host operations) and the GB200 row (eager, recomputing)
+miss by the same share (-20.6%, -20.9%), which a host term would not do;
+scaling the routed experts' GEMMs or the memory-bound passes fits both,
+which these rows cannot tell apart. B300 (800 Gbit/s NICs) runs the EP64
+rows no faster than B200 (400 Gbit/s): 54.5 vs 56.6 ms per layer and
+micro-batch, as if its network all-to-all ran at B200's rate (a network
+figure, not a GPT-OSS one). The 26.02.01 patch container's table (docs
+commit 2c2425ace, not among these rows) ran both at EP 8 inside the node:
+13722 (B200) and 15031 (B300) tokens/s/GPU, 1.7x and 1.8x their EP 64 rows,
+so the EP 64 rows' extra time is the network all-to-all, as long on B300 as
+on B200: 4.2 s a step, against 4.75 s for its 238 GB per GPU (4 passes x
+5 micro-batches x 36 layers x 7/8 of 377 MB) at 400 Gbit/s line rate, so it
+runs near line rate (EP 8 pays costs EP 64 does not), where the profile's
+all_to_all_net_efficiency (0.569, fitted on DGX Cloud H100 rows) prices
+8.7 s and makes the B200 row slow. Qwen3-30B-A3B on H100 FP8 runs 3.9-4.1 us per
 token and layer on both releases (mb 2 over 1-layer chunks with the
 all-to-all dispatcher, mb 1 over 2-layer chunks with DeepEP), 3.3x the model,
 where B200 runs 2.1 at mb 1 (priced right only through the Grace host cost
@@ -93,9 +138,8 @@ RECIPES: dict[tuple[str, str, str], MoeRecipe] = {
                                                  recompute_modules=("mla_up_proj",)),
     ("25.11", "b200", "deepseek-v3"): MoeRecipe(recompute_modules=("mla_up_proj",)),
     ("25.11", "gb300", "gpt-oss-120b"): MoeRecipe(cuda_graphs=True),
-    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
-    ("25.11", "b200", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
-    ("25.11", "h100", "gpt-oss-120b"): MoeRecipe(recompute_modules=("layernorm", "moe_act")),
+    # the published row's run: branch gaod/r0.2.0_test's GB200 preset (module docstring)
+    ("25.11", "gb200", "gpt-oss-120b"): MoeRecipe(dispatcher=_HYBRID),
     ("25.11", "gb300", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),
     ("25.11", "gb200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True, dispatcher=_HYBRID),  # FP8-MX preset
     ("25.11", "b200", "qwen3-30b-a3b"): MoeRecipe(router_only_graphs=True),
