@@ -27,9 +27,9 @@ line counts the rows predicted above the GPU's memory, though they ran.
 
 Measured 2026-11-24 with the shipped profiles: dense 57 of 64 rows
 expressible; MAPE (bias) H100 7.6% (-4.8%), H200 6.2% (-6.2%), B200 3.0%
-(-0.1%), GB300 5.2% (+2.9%; its 26.02 rows, held out, 5.3%), A100
+(-3.0%), GB300 5.1% (+2.9%; its 26.02 rows, held out, 5.3%), A100
 (torchtitan) 8.5% (-8.5%; 17.9%, -17.9%, before the borrowed memory-bound
-factor), GB200 3.8% (-0.5%, fitted on); 6.5% (-3.5%) over the 40 rows not
+factor), GB200 3.8% (-0.5%, fitted on); 6.5% (-4.1%) over the 40 rows not
 fitted, 5.8% over all. Carried by rated peaks instead of per SM, with no
 Ultra factor: B200 8.8%, GB300 20.7%, 10.8% over the 44 rows then not
 fitted. Without the Megatron-Bridge TP overlap (--no-tp-overlap): H100 7.7%

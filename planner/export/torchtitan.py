@@ -216,9 +216,6 @@ def _parallelism(plan: Plan, run: Layout, version: tuple[int, ...], notes: list[
         notes.append(f"ZeRO-0: torchtitan {'0.3' if version >= PYTHON_CONFIGS else '0.2 with cp > 1'} replicates "
                      f"over dp_replicate {lay.dp_replicate} with FSDP2 (fully_shard on a replicate mesh), "
                      "not torch DDP; the same memory, gradients reduced per FSDP unit")
-    if lay.cp > 1 and run.zero_stage > 0:
-        notes.append(f"cp {lay.cp}: torchtitan shards FSDP over dp_shard * cp = {run.dp_shard * lay.cp} ranks, "
-                     f"meshplan over dp_shard {run.dp_shard}; per-rank model state is smaller than planned")
     entries["tensor_parallel_degree"] = lay.tp
     if lay.tp > 1 and not lay.sequence_parallel:
         if version >= PYTHON_CONFIGS:

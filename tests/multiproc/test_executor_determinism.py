@@ -42,6 +42,8 @@ LAYOUTS = {
     # context parallel: K/V all-gathered over cp, load-balanced chunks; cp folded into FSDP / DDP
     "cp2_dp2": ("debug", ["--cp", "2", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
     "cp2_tp2": ("debug", ["--cp", "2", "--tp", "2", "--recompute", "op"]),
+    # FSDP over the cp ranks alone (dp 1): torchtitan's dp_shard_cp with dp_shard 1
+    "cp2_tp2_fsdp_cp": ("debug", ["--cp", "2", "--tp", "2", "--dp", "1", "--zero", "3"]),
     # ZeRO-1 on DTensor parameters (executor/components/zero1.py)
     "zero1_tp2_dp2": ("debug", ["--tp", "2", "--dp", "2", "--zero", "1"]),
     # zb-v's split weight pass with replicas (FSDP2 units reduce after the schedule)

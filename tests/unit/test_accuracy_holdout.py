@@ -3,7 +3,7 @@
 The rows live in the repository (bench/data/nemo_perf_summary.json,
 bench/data/torchtitan_perf.json). The figures pinned are loose bounds around
 what the shipped profiles give (2026-11-24: dense 57 of 64 expressible, MAPE
-H100 7.6%, H200 6.2%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.2% (its
+H100 7.6%, H200 6.2%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.1% (its
 25.11 rows fitted on), A100 8.5%; 6.5% over the 40 rows no profile was
 fitted on; MoE 15.8%, bias -9.5% (GPT-OSS 21.1% with Megatron-Core's unfused
 GLU clamp and expert biases priced and the 25.11 runs' recipes as they ran,

@@ -56,6 +56,13 @@ def test_zero_stage_zero_iff_unsharded():
     assert all(rep * shard == 8 for rep, shard, _ in splits)
     assert list(data_parallel_splits(8, Pins(zero_stage=0))) == [(8, 1, 0)]
     assert list(data_parallel_splits(8, Pins(dp_shard=4, zero_stage=3))) == [(2, 4, 3)]
+    # the cp ranks alone can be ZeRO's group (FSDP 1 x CP 8), as ZeRO-2/3 beside plain replication
+    assert list(data_parallel_splits(1, Pins(), cp=8)) == [(1, 1, 0), (1, 1, 2), (1, 1, 3)]
+    assert list(data_parallel_splits(1, Pins())) == [(1, 1, 0)]
+    assert (2, 1, 3) not in data_parallel_splits(2, Pins(), cp=8)  # with replicas: dp_shard > 1 only
+    with pytest.raises(UsageError, match="--cp > 1"):
+        Pins(dp_shard=1, zero_stage=3)
+    Pins(dp_shard=1, zero_stage=3, cp=8)  # accepted: the cp ranks shard
 
 
 def test_sequence_parallel_rule():
