@@ -60,6 +60,13 @@ MAX_DEGREE = 1 << 24
 DP_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard")
 
 
+def zero_axes(cp: int) -> tuple[str, ...]:
+    """Mesh axes ZeRO shards model state over: dp_shard with the cp ranks folded in, which hold the
+    same weights (Megatron's dp-cp group, torchtitan's dp_shard_cp, DeepSpeed's
+    seq_data_parallel_group)."""
+    return ("dp_shard", "cp") if cp > 1 else ("dp_shard",)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees and options of one candidate layout."""
@@ -157,10 +164,8 @@ class Layout:
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        """Mesh axes ZeRO shards model state over: dp_shard with the cp ranks folded in, which hold the
-        same weights (Megatron's dp-cp group, torchtitan's dp_shard_cp, DeepSpeed's
-        seq_data_parallel_group)."""
-        return ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+        """Mesh axes ZeRO shards model state over (`zero_axes`)."""
+        return zero_axes(self.cp)
 
     @property
     def shard_ranks(self) -> int:

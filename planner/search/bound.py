@@ -60,6 +60,7 @@ from planner.layout import (
     recompute_fields,
     recomputed_fraction,
     recomputed_share,
+    zero_axes,
 )
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
@@ -333,7 +334,7 @@ class StepBound:
         dp_shard, cp = shape_key[2], shape_key[3]
         if zero_stage < 2 or dp_shard * cp == 1:
             return 0.0, 0.0
-        shard_axes = ("dp_shard", "cp") if cp > 1 else ("dp_shard",)
+        shard_axes = zero_axes(cp)
         # it reads tp, the ZeRO group (dp_shard x cp: its size and stride) and the expert grid of the mesh: meshes
         # that differ only in pp or dp_replicate share it
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
