@@ -124,6 +124,10 @@ class MemoryTraits:
     # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
     # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
     dtensor_loss_parallel: bool = False
+    # vocabulary-parallel loss by DTensor's loss_parallel as torch runs it alone: the fp32 log-probabilities
+    # saved (4 B per local logit) and its fused nll_loss + log_softmax backward's three fp32 tensors beside
+    # them (12 B; planner.memory.activations.LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES)
+    fused_loss_parallel_backward: bool = False
     # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
     # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
     # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no

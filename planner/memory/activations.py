@@ -131,6 +131,13 @@ MASK_BYTES = 1  # torch.nn.functional.dropout keeps a bool mask
 # moment that matters for the peak (the last stage's first backward).
 LOGIT_SAVED_BYTES = 4
 LOGIT_TRANSIENT_BYTES = 8
+# DTensor's loss_parallel (torch.distributed.tensor.parallel.loss, the same code from its 2024 release on)
+# replaces that backward with one fused step, _nll_loss_and_log_softmax_backward: zeros_like of the saved
+# log-probabilities (the -1 at each target goes in), exp of them, the sum of the two and its product with
+# the incoming gradient; three fp32 tensors live beside the saved one at its peak (the product is written
+# once exp is freed). A CPU replay under torch 2.13 (fake process group, tp 2, the profiler's allocation
+# events) shows 4 B per local logit at the loss backward's start and 16 B at its peak.
+LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES = 12
 
 
 @lru_cache(maxsize=8192)
@@ -347,7 +354,7 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
 def output_activation_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
-    dtensor_loss_parallel: bool = False,
+    dtensor_loss_parallel: bool = False, fused_loss_parallel_backward: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
 
@@ -359,6 +366,9 @@ def output_activation_bytes(
     transient (8 B). DTensor's loss_parallel (meshplan's executor under TP)
     keeps more per local logit: the D-byte logits and their fp32 copy besides
     the log-probabilities (D + 8 B), and 12 B in the loss backward.
+    fused_loss_parallel_backward (torchtitan under TP): the same loss_parallel
+    as torch ships it, 4 B saved and 12 B in its fused backward
+    (LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES).
     """
     tokens = seq_len * micro_batch / cp
     sp_div = tp if sequence_parallel else 1
@@ -367,6 +377,8 @@ def output_activation_bytes(
     logits = tokens * model.vocab / (tp if vocab_parallel_loss else 1)
     if dtensor_loss_parallel and vocab_parallel_loss and tp > 1:
         return saved, (dtype_bytes + 2 * LOGIT_SAVED_BYTES) * logits, 3 * LOGIT_SAVED_BYTES * logits
+    if fused_loss_parallel_backward and vocab_parallel_loss and tp > 1:
+        return saved, LOGIT_SAVED_BYTES * logits, LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES * logits
     return saved, LOGIT_SAVED_BYTES * logits, LOGIT_TRANSIENT_BYTES * logits
 
 

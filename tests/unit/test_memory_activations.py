@@ -84,6 +84,17 @@ def test_output_layer_matches_section_4_3():
     assert transient == pytest.approx(2 * logits_saved)
 
 
+def test_fused_loss_parallel_backward_holds_12_bytes_per_local_logit():
+    # torch's loss_parallel (torchtitan under TP): 4 B saved, three fp32 tensors in its fused backward
+    kw = dict(sequence_parallel=True, dtype_bytes=2, fused_loss_parallel_backward=True)
+    saved, logits_saved, transient = output_activation_bytes(GPT, S, B, 8, 1, **kw)
+    assert logits_saved == pytest.approx(4 * S * B * GPT.vocab / 8)
+    assert transient == pytest.approx(3 * logits_saved)
+    # without TP there is no DTensor: aten's unfused backward, 8 B
+    _, logits_saved1, transient1 = output_activation_bytes(GPT, S, B, 1, 1, **kw)
+    assert transient1 == pytest.approx(2 * logits_saved1)
+
+
 def test_fused_attention_drops_s_squared_and_keeps_lse():
     eager = _terms()
     fused = _terms(fused_attention=True)

@@ -117,3 +117,67 @@ def test_zero1_worst_rank_matches_zero_redundancy_optimizer(name):
     sp = stage_params(spec, Layout(dp_shard=world, zero_stage=1), 0)
     assert zero1_rank_params(spec, 1, sp, world, tied_vocab_parallel=False) == max(loads)
     assert sum(loads) == sp.total
+
+
+def _loss_bytes_per_logit(tp: int) -> tuple[float, float]:
+    """(alive at the loss backward's start, peak during it) per local logit, for torchtitan's loss_fn
+    (cross_entropy of the bf16 logits cast to fp32, the logits dropped before backward), through DTensor's
+    loss_parallel over a fake tp group when tp > 1; the CPU allocator's events as the profiler logs them."""
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tokens, hidden, vocab = 2048, 32, 4096
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, vocab, (1, tokens))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        if tp > 1:
+            parallelize_module(head, init_device_mesh("cpu", (tp,)),
+                               ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                               use_local_output=False))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                pred = head(x)
+                loss = F.cross_entropy(pred.flatten(0, 1).float(), y.flatten(0, 1))
+                del pred
+                with record_function("loss_backward"):
+                    loss.backward()
+    finally:
+        dist.destroy_process_group()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    start = next(e.start_ns() for e in events if e.name() == "loss_backward")
+    alive, at_start, peak = 0, 0, 0
+    for e in events:
+        if e.name() != "[memory]":
+            continue
+        alive += e.nbytes()
+        if e.start_ns() < start:
+            at_start = alive
+        else:
+            peak = max(peak, alive)
+    local = tokens * vocab / tp
+    return at_start / local, peak / local
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_loss_backward_bytes_per_logit_match_torch(tp):
+    """aten's log_softmax + nll_loss backward holds 8 B per logit beside the saved 4 B; DTensor's
+    loss_parallel fuses the two into one step that holds 12 B (torchtitan under TP)."""
+    from planner.memory.activations import (
+        LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES,
+        LOGIT_SAVED_BYTES,
+        LOGIT_TRANSIENT_BYTES,
+    )
+
+    at_start, peak = _loss_bytes_per_logit(tp)
+    transient = LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES if tp > 1 else LOGIT_TRANSIENT_BYTES
+    assert at_start == pytest.approx(LOGIT_SAVED_BYTES, abs=0.1)
+    assert peak == pytest.approx(LOGIT_SAVED_BYTES + transient, abs=0.1)
