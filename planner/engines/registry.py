@@ -238,13 +238,17 @@ ENGINES: dict[str, Engine] = {
     # DTensor TP with loss parallel (logits stay split into the loss), PrepareModuleInput sequence
     # parallel (saves gathered inputs), SDPA (fused) attention, per-op SAC ("op") or whole-block
     # ("full") checkpointing, torch.compile per block, torchao float8. Its rotary table is a
-    # complex buffer that FSDP2 does not cast, so no per-block copies.
+    # complex buffer that FSDP2 does not cast, so no per-block copies. Its loss is DTensor's
+    # loss_parallel under TP (fused backward: planner.memory.activations), its pipeline
+    # torch.distributed.pipelining's PipelineStage, whose per-micro-batch receive buffers and
+    # kept stage outputs were already those of planner.memory.boundary in late 2024 (the
+    # buffers made for every micro-batch at the first step and kept, pytorch/pytorch#136380).
     "torchtitan": Engine(
         "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True,
-                     cp_all_gather=True, fused_loss_parallel_backward=True),
+                     cp_all_gather=True, fused_loss_parallel_backward=True, pp_stage_outputs=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

@@ -133,7 +133,7 @@ class MemoryTraits:
     # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
     # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
     executor_experts: bool = False
-    # torch.distributed.pipelining (meshplan's executor) keeps each in-flight micro-batch's stage output for
+    # torch.distributed.pipelining (meshplan's executor; torchtitan, whose late-2024 torch did the same) keeps each in-flight micro-batch's stage output for
     # its backward and one receive buffer per micro-batch for a non-first stage's input and a non-last
     # stage's output gradient (planner.memory.boundary.boundary_buffers); the boundary tensor is the
     # residual stream, fp32 under autocast (validate-memory: pp 2 1F1B and interleaved 1F1B)

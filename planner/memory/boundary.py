@@ -6,6 +6,16 @@ step and kept (`boundary_buffers`); how many micro-batches of the first stage
 rank 0 holds at its peak follows from the schedule's order
 (planner.memory.in_flight.first_stage_alive).
 `meshplan validate-memory` replays these stages (executor.validate.memory_pipeline).
+The torchtitan engine prices the same buffers: torch's PipelineStage of late
+2024 (torchtitan 9dec370's benchmarks) made them per micro-batch at its first
+step too (`_prepare_forward_infra` / `_prepare_backward_infra`, the design
+pytorch/pytorch#136380 describes) and kept each stage output in fwd_cache until
+its backward. Torch of that time also appended every stage's outputs to
+output_chunks for the whole step (only the last stage's from pytorch/pytorch#153383,
+May 2025; none with torch 2.13's return_outputs=False): not counted, it
+changes no first rank of 1F1B or interleaved 1F1B whose micro-batches are
+all in flight at once (m <= pp), and the last stage's logits it keeps (one
+micro-batch's more at each of its forwards) are not in the phases either.
 """
 
 from __future__ import annotations
