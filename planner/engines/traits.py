@@ -142,6 +142,9 @@ class MemoryTraits:
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
     cp_all_gather: bool = False
+    # the model repeats the K/V heads to the query heads before attention (torchtitan's Attention: repeat_kv
+    # ahead of F.scaled_dot_product_attention), so context parallelism moves a heads' K/V, not k
+    cp_repeated_kv: bool = False
     # autograd saves the all-gathered K/V for the attention's backward (meshplan's executor:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward

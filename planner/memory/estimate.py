@@ -104,7 +104,11 @@ parameters; when each exists: planner.memory.phases):
                  context_parallel by default, meshplan's executor:
                  MemoryTraits.cp_all_gather): the whole sequence's K/V, or in
                  the backward its gradient before the reduce-scatter,
-                 2*s*b*k*d*D / t
+                 2*s*b*k*d*D / t; torchtitan repeats the K/V heads to the
+                 a query heads before SDPA (its Attention's repeat_kv), so the
+                 gather carries a heads, not k (MemoryTraits.cp_repeated_kv).
+                 Phased engines count it in the block phases only: it lives
+                 while a block's attention runs, not at the loss backward
   EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp; none for
                  meshplan, whose functional all-to-all outputs are the experts'
                  saved inputs and outputs (MemoryTraits.executor_experts)
@@ -245,22 +249,28 @@ class MemoryEstimate:
         }
 
 
-def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str) -> int:
-    """X: TP/SP, PP, CP and EP buffers of one micro-batch (module docstring table)."""
+def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str) -> tuple[int, int]:
+    """X: TP/SP, PP, CP and EP buffers of one micro-batch (module docstring table), as (the CP part, the rest).
+
+    The CP part exists only while a block's attention runs; planner.memory.phases
+    puts it in the block phases of a phased engine, every other X in every phase.
+    """
     d = training.dtype_bytes
+    traits = get_engine(engine).memory
     tokens = training.seq_len * layout.micro_batch_size / layout.cp
     act = tokens * model.hidden * d  # one micro-batch's hidden states on this rank
-    total = 0.0
-    if layout.tp > 1 and layout.sequence_parallel and not get_engine(engine).memory.sp_saves_gathered:
+    total, cp_total = 0.0, 0.0
+    if layout.tp > 1 and layout.sequence_parallel and not traits.sp_saves_gathered:
         total += 2 * act
-    if layout.pp > 1 and not get_engine(engine).memory.pp_stage_outputs:
+    if layout.pp > 1 and not traits.pp_stage_outputs:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
-        local_kv = 2 * tokens * model.kv_dim * d / layout.tp
-        total += local_kv * layout.cp if get_engine(engine).memory.cp_all_gather else 2 * local_kv
-    if layout.ep > 1 and model.moe is not None and not get_engine(engine).memory.executor_experts:
+        kv_width = model.q_dim if traits.cp_repeated_kv else model.kv_dim  # repeated to the query heads first
+        local_kv = 2 * tokens * kv_width * d / layout.tp
+        cp_total = local_kv * layout.cp if traits.cp_all_gather else 2 * local_kv
+    if layout.ep > 1 and model.moe is not None and not traits.executor_experts:
         total += 2 * model.moe.top_k * act
-    return int(total)
+    return int(cp_total), int(total)
 
 
 def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str, *,
@@ -351,7 +361,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     fused = eng.fused_attention(training) if fused_attention is None else fused_attention
     other = default_other_bytes(gpu) if other_bytes is None else other_bytes
     acts = _activations(model, training, layout, engine, fused=fused)
-    comm = _activation_comm(model, training, layout, engine)
+    cp_comm, comm = _activation_comm(model, training, layout, engine)
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
     if phased:
@@ -375,7 +385,10 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     for key, rank in busiest.items():
         sp = params[rank]
         states = stage_states(model, training, layout, sp, engine, gpu.fp8_any_layout)
-        built[key] = sb = build(model, training, layout, sp, states, comm)
+        if phased:
+            built[key] = sb = build(model, training, layout, sp, states, comm)._replace(attention_comm=cp_comm)
+        else:  # the papers' accounting: every buffer at once
+            built[key] = sb = build(model, training, layout, sp, states, comm + cp_comm)
         offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
         host_bytes = max(host_bytes, states.host + int(offloaded))
         phases = phases_of(sb, sp, acts, in_flight[rank])

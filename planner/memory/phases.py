@@ -11,7 +11,8 @@ backward, O optimizer state, Gs the step's gradients, Ga gradients of earlier
 micro-batches (grad_accum_steps > 1: FSDP2 reduce-scatters every micro-batch,
 so only the fp32 gradient shards stay; DDP's and replicate's no-sync
 accumulation keeps every gradient unsharded in fp32, 4 B per parameter), K DDP's gradient buckets (persistent), X activation-time
-communication (PP, CP, EP, Megatron-style SP; planner.memory.estimate), A the kept
+communication (PP, CP, EP, Megatron-style SP; planner.memory.estimate; CP's K/V
+exchange only in the block phases, where attention runs), A the kept
 activations of every in-flight micro-batch, A1 one layer's, R the recompute
 transient of one layer (planner.memory.activations) plus its backward
 gradients (`layer_backward_transient`), L4 / L8 4 and 8 B per logit (saved
@@ -138,7 +139,7 @@ class StageBytes(NamedTuple):
     grads: int  # Gs
     optimizer: int  # O
     buckets: int  # K (published engines: every data-parallel buffer)
-    comm: int  # X
+    comm: int  # X (without CP's: attention_comm)
     accumulated: int = 0  # Ga
     fsdp2: bool = False  # unsharded gradients wait in FSDP2 units (comm_buffers), not in .grad (grads)
     head_grad: int = 0  # the output matrix's gradient from the output layer's backward on
@@ -162,6 +163,9 @@ class StageBytes(NamedTuple):
     ag_pool: int = 0  # FSDP2 all-gather stream: two consecutive units' all-gather outputs
     reduce_out: int = 0  # reduce-scatter stream: one unit's fresh output while micro-batches accumulate
     accumulated_default: bool = False  # Ga lives on the default stream (replicate's unsharded no-sync sums)
+    # CP's K/V exchange buffers (planner.memory.estimate): alive only while a block's attention runs, so only
+    # in the block phases, not at the loss or output layer's backward
+    attention_comm: int = 0
 
 
 def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: float) -> dict[str, Phase]:
@@ -203,7 +207,7 @@ def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: f
 def _block_backward(sb: StageBytes, sp: StageParams, acts: Activations, kept: float, head_comm: int,
                     head_grads: int) -> Phase:
     """The largest of the four block-backward moments of the module docstring."""
-    fwd, base = sb.params + sb.copy, sb.buckets + sb.comm + head_comm + sb.gathered_start
+    fwd, base = sb.params + sb.copy, sb.buckets + sb.comm + sb.attention_comm + head_comm + sb.gathered_start
     partial_comm, partial_grads = (sb.partial_grad, 0) if sb.fsdp2 else (0, sb.partial_grad)
     grads = sb.accumulated + head_grads + partial_grads
     rebuilt = kept + acts.recomputed + acts.backward_temp  # the block in backward: rebuilt, its gradients

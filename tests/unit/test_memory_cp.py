@@ -15,6 +15,7 @@ import pytest
 from planner.engines import get_engine
 from planner.layout import Layout
 from planner.memory.estimate import _activation_comm, estimate_memory
+from planner.memory.phases import step_phases
 from planner.model.load import load_model
 from planner.training import TrainingSpec
 from topologies.hardware import get_gpu
@@ -47,8 +48,32 @@ def test_kv_in_flight_ring_against_all_gather(cp):
     training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
     layout = _layout(cp)  # no tp, pp or ep: the CP buffer is the only activation buffer
     local_kv = 2 * SEQ / cp * MODEL.kv_dim * training.dtype_bytes
-    assert _activation_comm(MODEL, training, layout, "megatron") == int(2 * local_kv)  # TE p2p: send + receive
-    assert _activation_comm(MODEL, training, layout, "torchtitan") == int(cp * local_kv)  # the whole sequence
+    # (the CP part, the rest)
+    assert _activation_comm(MODEL, training, layout, "megatron") == (int(2 * local_kv), 0)  # TE p2p: send + receive
+    assert _activation_comm(MODEL, training, layout, "meshplan") == (int(cp * local_kv), 0)  # the whole sequence
+    # torchtitan's Attention repeats the K/V heads to the query heads before SDPA: the gather moves those
+    assert MODEL.q_dim > MODEL.kv_dim
+    assert _activation_comm(MODEL, training, layout, "torchtitan") == (int(cp * local_kv * MODEL.q_dim / MODEL.kv_dim), 0)
+
+
+def test_cp_exchange_buffers_only_while_a_block_runs():
+    # the gathered K/V exists during a block's attention: in block_backward, not at the loss backward
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
+    gpu = get_gpu("h100-sxm")
+    with_cp = estimate_memory(MODEL, training, _layout(4), gpu, "torchtitan")
+    cp_bytes, _ = _activation_comm(MODEL, training, _layout(4), "torchtitan")
+    assert cp_bytes > 0
+    for sb, _, _ in with_cp.stages:
+        assert sb.attention_comm == cp_bytes and sb.comm == 0
+    sb, sp, in_flight = with_cp.stages[0]
+    phases = step_phases(sb, sp, with_cp.activations, in_flight)
+    without = step_phases(sb._replace(attention_comm=0), sp, with_cp.activations, in_flight)
+    assert phases["backward_start"] == without["backward_start"]
+    assert phases["output_backward"] == without["output_backward"]
+    assert sum(phases["block_backward"]) - sum(without["block_backward"]) == cp_bytes
+    # the papers' accounting (megatron) keeps every buffer at once
+    published = estimate_memory(MODEL, training, _layout(4), gpu, "megatron")
+    assert all(sb.comm == _activation_comm(MODEL, training, _layout(4), "megatron")[0] for sb, _, _ in published.stages)
 
 
 def test_eager_attention_with_cp_is_refused_where_the_engine_has_no_such_kernel():
