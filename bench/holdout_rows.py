@@ -183,10 +183,14 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     # src/megatron/bridge/training/mixed_precision.py), Transformer Engine's cross entropy for every model
     # (scripts/performance/utils/overrides.py: cross_entropy_fusion_impl="te", the provider's
     # cross_entropy_loss_fusion=True)
+    # torchtitan compiles its loss with --training.compile from 2025-04 (build_cross_entropy_loss, bbb1b616e)
+    titan_compiled_loss = rec.get("engine") == "torchtitan" and bool(rec.get("compile")) and \
+        rec["release"][:7] >= "2025-04"
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
                             compile=bool(rec.get("compile")), async_tp=overlapped,
-                            fp8_params=bridge and rec["precision"] in ("fp8", "mxfp8"), fused_cross_entropy=bridge)
+                            fp8_params=bridge and rec["precision"] in ("fp8", "mxfp8"),
+                            fused_cross_entropy=bridge or titan_compiled_loss)
     if overlapped:  # the script's fp8 userbuffers config (every row here is fp8 or mxfp8)
         common["ub_sms"] = BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)]
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)

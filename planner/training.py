@@ -25,7 +25,8 @@ torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
 userbuffers; planner.simulate.tp_overlap). `fp8_params` and
 `fused_cross_entropy` change only memory: 8-bit parameters instead of 16-bit
 weights with 8-bit copies, and a loss that keeps only the compute-dtype
-logits (planner.memory).
+logits (planner.memory): Transformer Engine's kernel on megatron, torch.compile
+on torchtitan.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class TrainingSpec:
     fp8_params: bool = False
     # the loss is one kernel that writes the logits' gradient into the compute-dtype logits in its
     # forward (Transformer Engine's parallel_cross_entropy: Megatron-Core --cross-entropy-loss-fusion
-    # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits
+    # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits; on torchtitan,
+    # the loss compiled with the blocks (its --training.compile from 2025-04; MemoryTraits.compiled_cross_entropy)
     fused_cross_entropy: bool = False
     optimizer_dtype: str = "fp32"  # the optimizer's moments (OPTIMIZER_DTYPES); master weights stay fp32
 

@@ -104,6 +104,10 @@ class Engine:
         if training is not None and training.fused_cross_entropy and not self.memory.fused_cross_entropy:
             return (f"engine {self.name} has no fused cross entropy that keeps only the compute-dtype logits "
                     "(fused_cross_entropy); plan without it, or with --engine megatron")
+        if training is not None and training.fused_cross_entropy and self.memory.compiled_cross_entropy \
+                and not training.compile:
+            return (f"engine {self.name} fuses the loss only by compiling it with the blocks (fused_cross_entropy "
+                    "without compile); plan with --compile, or without fused_cross_entropy")
         if training is not None and training.optimizer_dtype not in self.optimizer_dtypes:
             return (f"engine {self.name} keeps the optimizer's moments in {', '.join(self.optimizer_dtypes)}, got "
                     f"optimizer_dtype {training.optimizer_dtype}; plan with fp32, or with --engine megatron "
@@ -249,7 +253,7 @@ ENGINES: dict[str, Engine] = {
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True,
                      cp_all_gather=True, cp_repeated_kv=True, fused_loss_parallel_backward=True,
-                     pp_stage_outputs=True),
+                     pp_stage_outputs=True, fused_cross_entropy=True, compiled_cross_entropy=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

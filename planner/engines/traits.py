@@ -156,6 +156,10 @@ class MemoryTraits:
     # the engine can run the loss as Transformer Engine's parallel_cross_entropy (TrainingSpec.fused_cross_entropy),
     # whose forward writes the gradient into the compute-dtype logits it saves: D bytes per local logit, no fp32
     fused_cross_entropy: bool = False
+    # ... and that loss is the plain cross entropy under torch.compile (torchtitan's build_cross_entropy_loss
+    # compiles it with --training.compile from its commit bbb1b616e, 2025-04; not at 9dec370): inductor saves
+    # the compute-dtype logits and writes a compute-dtype gradient, D + D bytes per logit
+    compiled_cross_entropy: bool = False
     # DeepSpeed's BF16_Optimizer (bf16_optimizer_runs) keeps full-size fp32 gradient accumulators beside
     # the bf16 gradients, unsharded under ZeRO-1 (all-reduced whole, each rank steps its partition)
     bf16_fp32_grads: bool = False

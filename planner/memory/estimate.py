@@ -310,7 +310,14 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
         logits_transient = logits_grad
     loss_hole = logits_grad if d < FP32_BYTES and traits.step_phases else 0.0
-    if training.fused_cross_entropy and traits.fused_cross_entropy:
+    if training.fused_cross_entropy and traits.compiled_cross_entropy:
+        if t == 1:  # under TP the loss stays DTensor's loss_parallel (above): its compiled bytes are not measured
+            # torch.compile'd cross entropy (inductor, replayed on CPU with torch 2.13: 2 B per logit at the
+            # backward's start, 4 B at its peak): the D-byte logits saved, the D-byte gradient written by one
+            # fused backward kernel, no fp32 tensor and so no hole
+            logits_saved = logits_saved / FP32_BYTES * d
+            logits_transient, logits_grad, loss_hole = logits_saved, logits_saved, 0.0
+    elif training.fused_cross_entropy and traits.fused_cross_entropy:
         # Transformer Engine's parallel_cross_entropy (cross_entropy.py, triton/cross_entropy.py): the forward
         # stores each logit's gradient over the D-byte logits and saves them; the backward scales them in place
         logits_saved, logits_transient, logits_grad, loss_hole = logits_saved / FP32_BYTES * d, 0.0, 0.0, 0.0

@@ -181,3 +181,35 @@ def test_loss_backward_bytes_per_logit_match_torch(tp):
     transient = LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES if tp > 1 else LOGIT_TRANSIENT_BYTES
     assert at_start == pytest.approx(LOGIT_SAVED_BYTES, abs=0.1)
     assert peak == pytest.approx(LOGIT_SAVED_BYTES + transient, abs=0.1)
+
+
+def test_compiled_loss_keeps_two_bytes_per_logit_and_writes_two():
+    """torchtitan's loss under torch.compile (inductor on CPU here): the bf16 logits saved, a bf16 gradient
+    made in the backward; the constants planner.memory.estimate uses for MemoryTraits.compiled_cross_entropy."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def loss_fn(pred, labels):
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    tokens, vocab = 1024, 4096
+    compiled = torch.compile(loss_fn)
+    w = torch.randn(32, vocab, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, tokens, 32, dtype=torch.bfloat16)
+    y = torch.randint(0, vocab, (1, tokens))
+    compiled(x @ w, y).backward()  # compile outside the measured step
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pred = x @ w
+        loss = compiled(pred, y)
+        del pred
+        with record_function("loss_backward"):
+            loss.backward()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    start = next(e.start_ns() for e in events if e.name() == "loss_backward")
+    alive, at_start, peak = 0, 0, 0
+    for e in events:
+        if e.name() == "[memory]":
+            alive += e.nbytes()
+            at_start, peak = (alive, peak) if e.start_ns() < start else (at_start, max(peak, alive))
+    assert at_start / (tokens * vocab) == pytest.approx(2, abs=0.1)
+    assert peak / (tokens * vocab) == pytest.approx(4, abs=0.1)

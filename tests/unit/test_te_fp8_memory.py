@@ -44,7 +44,7 @@ def test_te_cross_entropy_keeps_only_the_compute_dtype_logits():
     assert plain.logits_saved == pytest.approx(4 * logits)  # fp32 copy, then its gradient in place
     assert plain.logits_grad == pytest.approx(2 * logits)
     assert (fused.logits_saved, fused.logits_grad, fused.loss_transient) == (pytest.approx(2 * logits), 0.0, 0.0)
-    # the option belongs to the engine that runs TE's kernel
+    # torchtitan fuses its loss only by compiling it with the blocks: not without compile
     reason = get_engine("torchtitan").refusal(LLAMA70, layout.replace(zero_stage=3), "bf16", True,
                                               training_for(8192, 64, "bf16", fused_cross_entropy=True))
     assert "fused_cross_entropy" in reason
