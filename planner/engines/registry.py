@@ -253,7 +253,8 @@ ENGINES: dict[str, Engine] = {
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True,
                      cp_all_gather=True, cp_repeated_kv=True, fused_loss_parallel_backward=True,
-                     pp_stage_outputs=True, fused_cross_entropy=True, compiled_cross_entropy=True),
+                     pp_stage_outputs=True, fused_cross_entropy=True, compiled_cross_entropy=True,
+                     eager_final_norm=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,
         zero_stages=(0, 2, 3),  # DDP / replicate, FSDP2 without or with resharding after forward
         async_tp_option="enable_async_tensor_parallel", async_tp_needs_compile=True),

@@ -128,6 +128,10 @@ class MemoryTraits:
     # saved (4 B per local logit) and its fused nll_loss + log_softmax backward's three fp32 tensors beside
     # them (12 B; planner.memory.activations.LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES)
     fused_loss_parallel_backward: bool = False
+    # the final RMSNorm runs eagerly (torchtitan compiles each block, not the model's ends; its RMSNorm module
+    # normalizes an fp32 copy of the input): the copy and the normalized output are saved, 4 + D bytes per
+    # element instead of a fused kernel's input (planner.memory.activations.output_activation_bytes)
+    eager_final_norm: bool = False
     # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
     # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
     # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no

@@ -354,7 +354,7 @@ def layer_activation_bytes(terms: dict[str, float], recompute: str,
 def output_activation_bytes(
     model: ModelSpec, seq_len: int, micro_batch: int, tp: int, cp: int, *, sequence_parallel: bool,
     dtype_bytes: int, autocast: bool = False, vocab_parallel_loss: bool = True, sp_saves_gathered: bool = False,
-    dtensor_loss_parallel: bool = False, fused_loss_parallel_backward: bool = False,
+    dtensor_loss_parallel: bool = False, fused_loss_parallel_backward: bool = False, eager_final_norm: bool = False,
 ) -> tuple[float, float, float]:
     """(saved per micro-batch, logits saved per micro-batch, transient once) on the last stage.
 
@@ -369,10 +369,16 @@ def output_activation_bytes(
     fused_loss_parallel_backward (torchtitan under TP): the same loss_parallel
     as torch ships it, 4 B saved and 12 B in its fused backward
     (LOGIT_LOSS_PARALLEL_TRANSIENT_BYTES).
+    eager_final_norm (torchtitan, which compiles only the blocks): the final
+    RMSNorm runs as eager ops on an fp32 copy of its input, and autograd keeps
+    that copy and the normalized compute-dtype tensor, not the input: 4 + D
+    bytes per element in place of R.
     """
     tokens = seq_len * micro_batch / cp
     sp_div = tp if sequence_parallel else 1
     residual = FP32_BYTES if autocast else dtype_bytes
+    if eager_final_norm and model.norm == "rmsnorm":
+        residual = FP32_BYTES + dtype_bytes
     saved = (residual / sp_div + dtype_bytes / (1 if sp_saves_gathered else sp_div)) * model.hidden * tokens
     logits = tokens * model.vocab / (tp if vocab_parallel_loss else 1)
     if dtensor_loss_parallel and vocab_parallel_loss and tp > 1:

@@ -305,7 +305,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
         model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, autocast=autocast,
         vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
         dtensor_loss_parallel=traits.dtensor_loss_parallel,
-        fused_loss_parallel_backward=traits.fused_loss_parallel_backward)
+        fused_loss_parallel_backward=traits.fused_loss_parallel_backward, eager_final_norm=traits.eager_final_norm)
     logits_grad = logits_saved / FP32_BYTES * d
     if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
         logits_transient = logits_grad

@@ -213,3 +213,23 @@ def test_compiled_loss_keeps_two_bytes_per_logit_and_writes_two():
             at_start, peak = (alive, peak) if e.start_ns() < start else (at_start, max(peak, alive))
     assert at_start / (tokens * vocab) == pytest.approx(2, abs=0.1)
     assert peak / (tokens * vocab) == pytest.approx(4, abs=0.1)
+
+
+def test_eager_rms_norm_saves_an_fp32_copy_and_its_normalized_output():
+    """An RMSNorm written as eager ops on an fp32 copy (torchtitan's final norm, outside torch.compile): autograd
+    keeps the copy (4 B) and the normalized bf16 tensor (2 B) per element, not the input."""
+    weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    x = torch.randn(2, 128, 256, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        wide = x.float()
+        normalized = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+        (normalized * weight).sum()
+    saved.pop(weight.untyped_storage().data_ptr(), None)
+    assert x.untyped_storage().data_ptr() not in saved
+    assert sum(saved.values()) / x.numel() == pytest.approx(6, abs=0.05)

@@ -77,3 +77,14 @@ def test_compiled_loss_needs_compile():
     assert reason is not None and "compile" in reason
     assert get_engine("torchtitan").refusal(MODEL, Layout(dp_shard=8, zero_stage=3), "bf16", True,
                                             training.replace(compile=True)) is None
+
+
+def test_eager_final_norm_keeps_its_fp32_copy_and_normalized_output():
+    # torchtitan compiles the blocks only: the final RMSNorm saves 4 + 2 B per element, the fused norm 2 B
+    layout = Layout(dp_shard=8, zero_stage=3)
+    titan = _estimate(layout).activations.output
+    meshplan = _estimate(layout, "meshplan").activations.output  # FSDP2 in bf16: the norm saves its bf16 input
+    elements = SEQ * MODEL.hidden
+    # final norm (torchtitan 6 B, a fused kernel's input 2 B) + the output layer's bf16 input (2 B)
+    assert titan == pytest.approx((6 + 2) * elements)
+    assert titan - meshplan == pytest.approx(4 * elements)
