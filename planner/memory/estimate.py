@@ -45,7 +45,9 @@ executor.parallel.parallelize._dp_kind) with D the compute-dtype bytes:
               copy, D x P (4 B in fp32); ZeRO-3: none, the gathered units are
               transient comm_buffers, except under PP, where
               torch.distributed.pipelining turns off resharding after the
-              backward between micro-batches (D x P)
+              backward between micro-batches (D x P); under float8 with
+              FSDP float8 all-gathers the blocks' linears are kept as the
+              gathered 1-byte data (torchao's fsdp_post_all_gather)
 The usual mixed-precision table (model 4+2, optimizer 8, grads 2+, total
 16+ bytes per parameter; Rajbhandari et al. 2020, sec. 3.1, count 2+2+12) is
 meshplan's single-GPU row: 4 + ~2 + 8 + 4.

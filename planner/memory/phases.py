@@ -326,7 +326,8 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
         gathered_start=gathered, gathered_output=int(d * gunit if split else gathered - d * gunit) if zero3 else 0,
         block_rs=g * unit if fsdp2 else 0, block_grad=d * unit if fsdp2 else 0, last_grads=last_grads,
         recompute_copy=d * sp.block if autocast and layout.recompute == "full" else 0,
-        block_copy=d * sp.block if states.compute_copy and not (autocast and layout.recompute == "full") else 0,
+        block_copy=int(d * (sp.block - unit + gunit)) if states.compute_copy and not (autocast and layout.recompute == "full")
+        else 0,  # (a float8-gathered unit's linears in 1 byte: planner.memory.states)
         end_transient=end_transient, root_grads=root_grads, clip=0,
         adamw=_adamw_temp(training, layout, states, largest_grad),
         head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,

@@ -76,6 +76,10 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     else:
         optimizer = shard(recipe.optimizer) if recipe.shard_optimizer else recipe.optimizer * total
     copy = _compute_copy(engine, layout, sp, d)
+    if copy and training.fp8 and eng.fp8.fp8_all_gather and dp_path(layout) == "fsdp" and model.moe is None:
+        # the kept unsharded blocks are what FSDP2 gathered: torchao's float8 all-gather makes each linear
+        # weight a Float8Tensor over the gathered 1-byte data (fsdp_post_all_gather), norms stay in D
+        copy -= (d - 1) * sp.layers * max(0, sp.block - model.norms_per_layer * model.hidden)
     host = 0
     if layout.offload != "none":
         host, optimizer = optimizer, 0

@@ -88,3 +88,20 @@ def test_eager_final_norm_keeps_its_fp32_copy_and_normalized_output():
     # final norm (torchtitan 6 B, a fused kernel's input 2 B) + the output layer's bf16 input (2 B)
     assert titan == pytest.approx((6 + 2) * elements)
     assert titan - meshplan == pytest.approx(4 * elements)
+
+
+def test_pipeline_keeps_the_float8_gathered_blocks_in_one_byte():
+    # under PP FSDP2 keeps each stage's gathered blocks between micro-batches; with torchao's float8 all-gather
+    # the linear weights are Float8Tensors over the 1-byte gathered data, the norms stay bf16
+    from planner.memory.params import pipeline_params
+    from planner.memory.states import stage_states
+
+    layout = with_stage_layers(MODEL, Layout(pp=2, dp_shard=4, zero_stage=3, micro_batch_size=1, grad_accum_steps=4))
+    bf16 = TrainingSpec(seq_len=SEQ, global_batch_size=16, dtype="bf16")
+    fp8 = bf16.replace(precision="fp8")
+    sp = pipeline_params(MODEL, layout, "torchtitan")[0]
+    kept16 = stage_states(MODEL, bf16, layout, sp, "torchtitan").compute_copy
+    kept8 = stage_states(MODEL, fp8, layout, sp, "torchtitan").compute_copy
+    assert kept16 == 2 * sp.total
+    linears = sp.layers * (sp.block - MODEL.norms_per_layer * MODEL.hidden)
+    assert kept16 - kept8 == linears
