@@ -66,11 +66,14 @@ MERGE_CASTS_BYTES = 12.0  # first output to fp32 (2+4), result back to bf16 (4+2
 # backward fp32 accumulation, bytes per element (module docstring); rank c-1's chunks
 DQ_FIXED_BYTES = 20.0  # zero init 4, step 0's += 10, final cast 6
 DQ_STEP_BYTES = 10.0  # += of a later step's bf16 dQ into the fp32 accumulator
-# per element of K (and again of V): zero init 4, contiguous copy 4, step 0's += 10, step 0's send-buffer cat 8,
-# final cast of the received fp32 buffer 6
-DKV_FIXED_BYTES = 32.0
+# per element of K (and again of V): zero init 4, step 0's += 10, step 0's send-buffer cat 8, final cast of the
+# received fp32 buffer 6
+DKV_FIXED_BYTES = 28.0
 DKV_STEP_BYTES = 21.0  # _partial_update: += into one half (5) and the cat copy (8); the send-buffer cat (8)
-KV_CAT_BYTES = 4.0  # bf16 K (and V) read and written by the rotater's concatenation, per step but the last
+# one bf16 read and write of K (and of V): the `.contiguous()` copy each pass makes of its transposed input, and
+# the rotater's concatenation at every step but the last; only step 0's feeds the all-gather, so a compiled
+# block drops the other c - 2 (no users)
+KV_COPY_BYTES = 4.0
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,10 @@ def torch_cp_cost(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layo
     kv = m * sdpa_kv_width(model, layout.tp, repeats_kv)  # elements of K (and of V) on this rank
     out = m * model.n_heads * model.v_head_dim / layout.tp  # elements of the attention output
     squeeze = COMPILE_ELEMENTWISE_FACTOR if compile else 1.0
-    fwd_bytes = out * (MERGE_CASTS_BYTES + MERGE_STEP_BYTES * (c - 1)) + 2 * kv * KV_CAT_BYTES * (c - 1)
-    bwd_bytes = out * (DQ_FIXED_BYTES + DQ_STEP_BYTES * (c - 1)) + 2 * kv * (DKV_FIXED_BYTES + DKV_STEP_BYTES * (c - 1)
-                                                                         + KV_CAT_BYTES * (c - 2))
+    kv_copies = 2 * kv * KV_COPY_BYTES * (2 + (0 if compile else c - 2))  # contiguous, gathered cat, unused cats
+    fwd_bytes = out * (MERGE_CASTS_BYTES + MERGE_STEP_BYTES * (c - 1)) + kv_copies
+    bwd_bytes = out * (DQ_FIXED_BYTES + DQ_STEP_BYTES * (c - 1)) + \
+        2 * kv * (DKV_FIXED_BYTES + DKV_STEP_BYTES * (c - 1)) + kv_copies
     fwd_s, bwd_s = (memory_time_s(b, gpu, cal) * squeeze for b in (fwd_bytes, bwd_bytes))
     # the gather is issued before step 0's SDPA and awaited after it: only that call (1/c of the core) hides it
     overlap = cal.comm_overlap
