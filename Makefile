@@ -65,6 +65,12 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/accuracy_vtrain.py
+	$(BIN)/python bench/accuracy_published.py
+	$(BIN)/python bench/accuracy_dgxc.py
+	$(BIN)/python bench/accuracy_holdout.py --quiet
+	$(BIN)/python bench/accuracy_torchtitan_h100.py
+	$(BIN)/python bench/accuracy_megatron_papers.py
+	$(BIN)/python bench/accuracy_moe.py
 	$(BIN)/python bench/search_speed.py --quick
 	$(BIN)/python bench/validate_memory_1b.py
 

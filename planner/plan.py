@@ -2,7 +2,10 @@
 
 Version 2 added the training keys precision, attention and compile (and the
 "op" recompute kind); a version-1 plan still loads, with precision = its
-dtype, the engine's attention kernel and no compile.
+dtype, the engine's attention kernel and no compile. zero_stage shards over
+dp_shard x cp (planner.layout.zero_axes), so a plan with dp_shard 1 and
+cp > 1 may carry zero_stage 1-3 (FSDP over the cp ranks alone); every plan
+an earlier version 2 wrote still loads unchanged.
 
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that

@@ -58,19 +58,21 @@ def value(v: Any) -> str:
     raise UsageError(f"TOML export: cannot write a {type(v).__name__} ({v!r})")
 
 
-def dumps(tables: Mapping[str, Mapping[str, Any]], header: Sequence[str] = (),
+def dumps(tables: Mapping[str | tuple[str, ...], Mapping[str, Any]], header: Sequence[str] = (),
           comments: Mapping[tuple[str, str], str] | None = None) -> str:
     """Render `{table: {key: value}}` as TOML.
 
     `header` lines become comments at the top; `comments[(table, key)]`
-    becomes a trailing comment on that key's line.
+    becomes a trailing comment on that key's line. A table named by a tuple
+    of keys (("quantize", "linear", "float8")) is that nested table.
     """
     comments = comments or {}
     out = [f"# {_one_line(line)}".rstrip() for line in header]
     for table, entries in tables.items():
         if out:
             out.append("")
-        out.append(f"[{_key(table)}]")
+        path = table if isinstance(table, tuple) else (table,)
+        out.append(f"[{'.'.join(_key(part) for part in path)}]")
         for key, v in entries.items():
             line = f"{_key(key)} = {value(v)}"
             note = comments.get((table, key))

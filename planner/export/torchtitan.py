@@ -80,38 +80,66 @@ def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
                      "by its own policy; meshplan modelled recomputing the attention core only")
     notes += _engine_notes(plan)
     header = summary_lines(plan) + notes_lines(notes)
-    compile_cfg = _async_tp(plan, version, parallelism)
+    compile_cfg = _compile(plan, version, parallelism)
     if version >= PYTHON_CONFIGS:
+        if plan.training.fp8:
+            notes.append(f"precision {plan.training.precision}: torchtitan 0.3's float8 converter runs the rowwise "
+                         "recipes only, without the tensorwise float8 all-gathers the plan assumed; not written "
+                         "here (export --version 0.2 writes it)")
+            header = summary_lines(plan) + notes_lines(notes)
         return _python_module(plan, config_fn, training, parallelism, ac, header, notes, compile_cfg)
-    tables: dict[str, dict[str, Any]] = {
+    converters, quantize = _quantize(plan)
+    tables: dict[str | tuple[str, ...], dict[str, Any]] = {
         "job": {"description": f"meshplan export: {plan.model.name} on {plan.world_size} ranks"},
-        "model": {"name": "llama3", "flavor": flavor},
+        "model": {"name": "llama3", "flavor": flavor, **({"converters": converters} if converters else {})},
         "training": training,
         "parallelism": parallelism,
         "activation_checkpoint": {"mode": ac, **({"selective_ac_option": "op"} if ac == "selective" else {})},
         **({"compile": compile_cfg} if compile_cfg else {}),
+        **quantize,
     }
     text = dumps(tables, ["torchtitan job config (TOML JobConfig, torchtitan 0.2) written by `meshplan export`"]
                  + header)
     return ExportResult("torchtitan", text, f"{plan.model.name}.toml", tuple(notes))
 
 
-def _async_tp(plan: Plan, version: tuple[int, ...], parallelism: dict[str, Any]) -> dict[str, Any]:
-    """The [compile] entries async TP needs ({} without it).
+def _compile(plan: Plan, version: tuple[int, ...], parallelism: dict[str, Any]) -> dict[str, Any]:
+    """The [compile] entries of a compiled plan, or of async TP, which needs the compile ({} otherwise).
 
-    torchtitan runs async TP as an Inductor pass over the compiled model, and
-    refuses it unless the model is compiled. 0.2 reads
+    torchtitan compiles each block (and the loss) when `compile.enable`; it
+    runs async TP as an Inductor pass over the compiled model and refuses it
+    unless the model is compiled. 0.2 reads
     `[parallelism] enable_async_tensor_parallel`; 0.3 moved the switch to
     `compile.enable_async_tensor_parallel` (CompileConfig).
     """
-    if not (plan.training.async_tp and plan.layout.tp > 1):
+    async_tp = plan.training.async_tp and plan.layout.tp > 1
+    if not (plan.training.compile or async_tp):
         return {}
     entries: dict[str, Any] = {"enable": True, "components": ["model", "loss"]}
-    if version >= PYTHON_CONFIGS:
+    if async_tp and version >= PYTHON_CONFIGS:
         entries["enable_async_tensor_parallel"] = True
-    else:
+    elif async_tp:
         parallelism["enable_async_tensor_parallel"] = True
     return entries
+
+
+def _quantize(plan: Plan) -> tuple[list[str], dict[tuple[str, ...], dict[str, Any]]]:
+    """torchtitan 0.2's model converter and its table for an 8-bit plan: ([], {}) otherwise.
+
+    fp8 is torchao's tensorwise float8 with FSDP float8 all-gathers and their
+    precomputed scales (config/job_config.py Float8Linear: no recipe_name, which
+    those options refuse), mxfp8 torchao's MX linear (MXLinear, mxfp8_cublas);
+    both keep the output layer in bf16, as meshplan's float8 recipe prices it.
+    """
+    precision = plan.training.precision
+    if precision == "fp8":
+        return ["quantize.linear.float8"], {("quantize", "linear", "float8"): {
+            "enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True,
+            "filter_fqns": ["output"]}}
+    if precision == "mxfp8":
+        return ["quantize.linear.mx"], {("quantize", "linear", "mx"): {"recipe_name": "mxfp8_cublas",
+                                                               "filter_fqns": ["output"]}}
+    return [], {}
 
 
 def model_flavor(plan: Plan, version: tuple[int, ...]) -> tuple[str, str | None]:
@@ -162,11 +190,6 @@ def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:
     entries["mixed_precision_reduce"] = "float32"
     if tr.grad_dtype != "fp32":
         notes.append(f"grad_dtype {tr.grad_dtype}: torchtitan reduces gradients in float32 only")
-    if tr.fp8:  # torchao float8 / MX converters: their TOML keys differ between torchtitan releases
-        notes.append(f"precision {tr.precision}: enable torchtitan's {'float8' if tr.precision == 'fp8' else 'mx'} "
-                     "model converter with FSDP float8 all-gathers (what the plan assumed); not written here")
-    if tr.compile and not (tr.async_tp and plan.layout.tp > 1):  # async TP writes [compile] itself
-        notes.append("compile: enable torchtitan's torch.compile of the model (per block); not written here")
     if lay.offload != "none":
         entries["enable_cpu_offload"] = True
         if lay.offload == "optimizer":

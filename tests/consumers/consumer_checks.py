@@ -196,12 +196,46 @@ def torchtitan_values(path: Path, world_size: int, n_layers: int) -> dict:
                                                        spec.parallelize_fn, loss)
         else:
             spec.parallelize_fn(model, dims, cfg)
-    return {"flavor": flavor, "registered": registered, "dp_replicate": dims.dp_replicate,
+    compiled = cfg.compile.enable  # read before the converter check turns it off for its CPU build
+    return {**_torchtitan_converters(cfg, world_size, n_layers), "flavor": flavor, "registered": registered,
+            "compile": compiled, "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp,
             "local_batch": cfg.training.local_batch_size, "global_batch": cfg.training.global_batch_size,
             "pp_microbatch": p.pipeline_parallel_microbatch_size, "schedule": type(schedule).__name__,
             "layers_per_part": [len(part.layers) for part in parts], "ac": cfg.activation_checkpoint.mode,
             "reshard": p.fsdp_reshard_after_forward}
+
+
+def _torchtitan_converters(cfg, world_size: int, n_layers: int) -> dict:
+    """The model converters the TOML names, built by torchtitan and applied to a tiny meta model.
+
+    torchtitan's float8 converter refuses a GPU below SM89 unless it emulates
+    in eager mode, so the CPU check turns emulation on (and compile off) for
+    the build only: what the file sets is read back before that.
+    """
+    import torchtitan.components.quantization  # noqa: F401  (registers the converters)
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    names = list(cfg.model.converters)
+    float8 = cfg.quantize.linear.float8
+    out = {"converters": names, "float8_all_gather": float8.enable_fsdp_float8_all_gather,
+           "float8_filter": list(float8.filter_fqns), "float8_linears": 0}
+    if "quantize.linear.float8" not in names:
+        return out
+    float8.emulate, cfg.compile.enable = True, False
+    with fake_world(world_size):
+        dims = ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1,
+                            world_size=world_size)
+        args = TransformerModelArgs(dim=256, n_layers=n_layers, n_heads=16, vocab_size=2048)
+        with torch.device("meta"):
+            model = get_train_spec("llama3").model_cls(args)
+        build_model_converters(cfg, dims).convert(model)
+    out["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    out["output_float8"] = type(model.output).__name__ == "Float8Linear"
+    return out
 
 
 # ---- Megatron-Core ------------------------------------------------------------------

@@ -55,6 +55,8 @@ PLANS = {
     "cpu": ("--model", "debug", "--cluster", "cpu", "--gpus", "4"),
     "13b-default": ("--model", "13B", "--gpus", "16"),
     "moe-ep": ("--model", "mixtral-8x7b", "--gpus", "16", "--engine", "megatron"),
+    "tt-fp8-compile": ("--model", "llama3-8b", "--gpus", "16", "--engine", "torchtitan", "--precision", "fp8",
+                       "--compile"),
 }
 HOSTS = {2: "h0,h1", 3: "h0,h1,h2", 4: "h0,h1,h2,h3"}
 
@@ -148,6 +150,12 @@ def test_torchtitan_accepts_or_refuses(name, tmp_path):
     else:
         assert (got["dp_replicate"], got["dp_shard"]) == (lay.dp_replicate, lay.dp_shard)
     assert got["global_batch"] == plan.training.global_batch_size
+    assert got["compile"] == (plan.training.compile or (plan.training.async_tp and lay.tp > 1))
+    if plan.training.precision == "fp8":  # torchao tensorwise float8, float8 all-gathers, output layer in bf16
+        assert got["converters"] == ["quantize.linear.float8"] and got["float8_all_gather"]
+        assert got["float8_linears"] == 7 * m.n_layers and not got["output_float8"]
+    else:
+        assert got["converters"] == []
     assert got["ac"] == lay.recompute
     if lay.pp > 1:
         assert got["local_batch"] == lay.micro_batch_size * lay.grad_accum_steps

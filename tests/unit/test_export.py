@@ -6,6 +6,7 @@ The plan builders here are shared with tests/test_export_megatron.py and test_ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -168,6 +169,29 @@ def test_torchtitan_zero_stage_maps_to_reshard_policy():
     result = export_plan(TT_VARIANTS["3d"](), "torchtitan")
     assert tomllib.loads(result.text)["parallelism"]["fsdp_reshard_after_forward"] == "never"
     assert any("ZeRO-1" in note for note in result.notes)
+
+
+def test_torchtitan_writes_the_plans_float8_and_compile():
+    """An fp8, compiled torchtitan plan exports torchao's tensorwise float8 converter with FSDP float8
+    all-gathers (output layer in bf16) and the per-block compile; 0.3's converter has no such recipe."""
+    spec = load_model("llama3-8b")
+    plan = Plan(model=spec, cluster=load_cluster("dgx-h100", 8), engine="torchtitan",
+                training=TrainingSpec(seq_len=262144, global_batch_size=1, precision="fp8", compile=True),
+                layout=with_stage_layers(spec, Layout(cp=8, zero_stage=3, recompute="full")))
+    result = export_plan(plan, "torchtitan")
+    cfg = tomllib.loads(result.text)
+    assert cfg["model"]["converters"] == ["quantize.linear.float8"]
+    assert cfg["quantize"]["linear"]["float8"] == {"enable_fsdp_float8_all_gather": True, "filter_fqns": ["output"],
+                                                   "precompute_float8_dynamic_scale_for_fsdp": True}
+    assert cfg["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert (cfg["parallelism"]["data_parallel_shard_degree"], cfg["parallelism"]["context_parallel_degree"]) == (1, 8)
+    assert not any("not written" in note for note in result.notes)
+    bf16 = export_plan(dataclasses.replace(plan, training=plan.training.replace(precision="bf16", compile=False)),
+                       "torchtitan")
+    assert "quantize" not in tomllib.loads(bf16.text) and "compile" not in tomllib.loads(bf16.text)
+    module = export_plan(plan, "torchtitan", version="0.3")
+    assert "cfg.compile.enable = True" in module.text
+    assert any("rowwise recipes only" in note for note in module.notes)
 
 
 def test_torchtitan_refuses_a_shape_it_does_not_register():
