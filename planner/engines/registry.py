@@ -248,7 +248,7 @@ ENGINES: dict[str, Engine] = {
     # kept stage outputs were already those of planner.memory.boundary in late 2024 (the
     # buffers made for every micro-batch at the first step and kept, pytorch/pytorch#136380).
     "torchtitan": Engine(
-        "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True),
+        "torchtitan", TimeTraits(fused_attention=True, overlap_dp=True, cp_rotate="allgather", sdpa_repeats_kv=True),
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True,

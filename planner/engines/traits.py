@@ -19,6 +19,7 @@ DDP_BUCKET_BYTES = 25 << 20
 
 
 PIPE_P2P = ("overlapped", "exchange", "exchange-whole-grads")
+CP_ROTATE = ("ring", "allgather")
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,22 @@ class TimeTraits:
     bf16_grad_fold_bytes: float = 0.0
     # under async TP (TrainingSpec.async_tp), the SMs each overlapped collective takes from its GEMM
     tp_overlap_sms: TpOverlapSms = NO_SMS
+    # How context parallelism moves K/V (CP_ROTATE), planner.simulate:
+    # "ring": cp - 1 point-to-point steps, each hidden under the whole attention core (Transformer Engine's
+    #   p2p ring, Megatron's default cp_comm_type);
+    # "allgather": PyTorch's context_parallel with its default rotate method: one K/V all-gather hidden only
+    #   under the first of cp SDPA calls, fp32 output merges, a re-gather and fp32 dK/dV sends in the
+    #   backward (planner.simulate.context)
+    cp_rotate: str = "ring"
+    # the model repeats GQA's K/V heads to the query heads before SDPA (torchtitan's Llama repeat_kv, through
+    # torchtitan ff0829c10 of 2026-01-27), so context parallelism moves query-wide K/V
+    sdpa_repeats_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.pipe_p2p not in PIPE_P2P:
             raise PlanError(f"pipe_p2p must be one of {PIPE_P2P}, got {self.pipe_p2p!r}")
+        if self.cp_rotate not in CP_ROTATE:
+            raise PlanError(f"cp_rotate must be one of {CP_ROTATE}, got {self.cp_rotate!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ gradient-dtype bytes, t = tp, m = b*s/cp tokens per rank):
   TP   2 points per layer forward, 2 backward (2 more under full recompute):
        all-reduce of m*h*D, or with SP all-gather + reduce-scatter of m*h*D
   CP   per layer forward cp - 1 ring steps sending K and V (2*m*kv*D/t),
-       backward twice that; overlapped with the attention core
+       backward twice that; overlapped with the attention core (Transformer
+       Engine's p2p ring; PyTorch's all-gather kind: planner.simulate.context)
   EP   per MoE layer a dispatch and a combine all-to-all of top_k*(m/t)*h*D per
        rank, forward and backward, on the expert-parallel groups of the
        expert grid (planner.layout: ranks etp apart); with etp > 1 the

@@ -268,6 +268,17 @@ def _attention_keys(model: ModelSpec, seq_len: int, cp: int) -> float:
     return ((model.n_layers - model.sliding_layers) * seq_len + model.sliding_layers * sliding) / model.n_layers
 
 
+def layer_attention_core_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
+                               peak: float, cal: CalibrationProfile, fused_attention: bool = True
+                               ) -> tuple[float, float]:
+    """(forward, backward) attention core of the average layer on one rank: its s/cp queries against the
+    causal share of the sequence's keys, over the rank's heads (`attention_core_times`)."""
+    heads = layout.micro_batch_size * model.n_heads / layout.tp
+    head_dim = (model.head_dim + model.v_head_dim) / 2  # QK^T at the key width, AV at the value width
+    return attention_core_times(heads, seq_len / layout.cp, _attention_keys(model, seq_len, layout.cp),
+                                head_dim, dtype_bytes, model.dropout, fused_attention, gpu, peak, cal)
+
+
 def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout, gpu: GPUSpec,
                 peak: float, cal: CalibrationProfile, fused_attention: bool = True, *, fp8_peak: float = 0.0,
                 compile: bool = False, cast_bytes: float = FP8_CAST_BYTES) -> PassTimes:
@@ -286,10 +297,7 @@ def layer_times(model: ModelSpec, seq_len: int, dtype_bytes: int, layout: Layout
                                                                        cal, fp8_peak)
     gemms += expert_gemms
     cast_f, cast_b = cast_f + expert_cast_f, cast_b + expert_cast_b
-    heads = layout.micro_batch_size * model.n_heads / tp
-    head_dim = (model.head_dim + model.v_head_dim) / 2  # QK^T at the key width, AV at the value width
-    core_f, core_b = attention_core_times(heads, seq_len / layout.cp, _attention_keys(model, seq_len, layout.cp),
-                                          head_dim, dtype_bytes, model.dropout, fused_attention, gpu, peak, cal)
+    core_f, core_b = layer_attention_core_times(model, seq_len, dtype_bytes, layout, gpu, peak, cal, fused_attention)
     act_ffn = model.ffn_hidden
     if model.moe is not None:
         f, moe = moe_fraction(model), model.moe

@@ -5,7 +5,8 @@ Recipe (all times per micro-batch unless said otherwise):
    `planner.simulate.compute` (FSDP's copies around its collectives included), host
    work (`planner.simulate.host`: eager dispatch, DTensor's operators under TP,
    FSDP's hooks) overlapped with GPU time (`combine`), plus
-   the communication on the layer's critical path: TP points, the CP ring and
+   the communication on the layer's critical path: TP points, the CP ring (or
+   PyTorch's K/V all-gather and its merges, `planner.simulate.context`) and
    FSDP gathers beyond what the compute hides, EP all-to-alls (under another
    micro-batch's compute with the recipe's moe_a2a_overlap)
    (`planner.simulate.comm`); compute hides at most the calibration's
@@ -50,12 +51,14 @@ from planner.simulate.compute import (
     fp8_peak_flops,
     fsdp_copy_times,
     gemm_flops,
+    layer_attention_core_times,
     layer_gemms,
     layer_times,
     offloaded_optimizer_time_s,
     optimizer_time_s,
     tokens_per_micro_batch,
 )
+from planner.simulate.context import torch_cp_cost
 from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
 from planner.simulate.grad_fold import add_grad_fold
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
@@ -120,7 +123,8 @@ class _Unit:
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
                 bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0,
-                async_gemms: OverlapGemms | None = None) -> tuple[dict[str, float], dict[str, float], int, int]:
+                async_gemms: OverlapGemms | None = None, cp_ring: bool = True
+                ) -> tuple[dict[str, float], dict[str, float], int, int]:
     """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
 
     gather_bytes: bytes per parameter FSDP all-gathers (1 for float8 all-gathers, else the dtype's).
@@ -128,6 +132,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     comm_overlap) of its own time: 0 where collectives run on the computing cores.
     async_gemms: under async TP, the GEMMs each TP collective is pipelined with
     (planner.simulate.tp_overlap); the backward keeps the better of that and tp_hidden_s.
+    cp_ring: price context parallelism as a p2p ring here (TimeTraits.cp_rotate "ring"); the
+    all-gather kind is priced by the caller (planner.simulate.context).
     """
     raw_overlap = overlap
     fwd_s, bwd_s, attention_s, tp_hidden_s = (overlap * t for t in (fwd_s, bwd_s, attention_s, tp_hidden_s))
@@ -150,7 +156,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
             comm_f["tp_comm"] = fwd
             comm_b["tp_comm"] = (points_b - 2) / 2 * fwd + min(max(0.0, 2 * point - tp_hidden_s), bwd)
         calls_f, calls_b = 2 * per_point, round(points_b * per_point)
-    if layout.cp > 1:  # the ring hides under the attention core of the same pass
+    if layout.cp > 1 and cp_ring:  # the ring hides under the attention core of the same pass
         ring = comm.cp_ring_s(2 * m * model.kv_dim / layout.tp * d, layout.cp)
         comm_f["cp_comm"] = max(0.0, ring - attention_s)
         comm_b["cp_comm"] = max(0.0, 2 * ring - 2 * attention_s)
@@ -201,11 +207,22 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         chunk = async_gemms.chunking_s
         redo = (chunk + sm_f) * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
         lt = lt + PassTimes(chunk + sm_f, chunk + sm_dgrad, sm_wgrad, redo)
+    cp_ring = traits.cp_rotate == "ring"
+    if not cp_ring and layout.cp > 1:  # torch's context_parallel (planner.simulate.context)
+        fused = training.fused_attention(traits.fused_attention)
+        core_f, core_b = layer_attention_core_times(model, training.seq_len, training.dtype_bytes, layout,
+                                                    cluster.gpu, peak, cal, fused)
+        cp = torch_cp_cost(model, training.seq_len, training.dtype_bytes, layout, comm, cluster.gpu, cal,
+                           core_f, core_b, repeats_kv=traits.sdpa_repeats_kv, compile=training.compile)
+        lt = lt + PassTimes(cp.forward_s, cp.backward_s, 0.0, cp.recompute_s)
     tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
     gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes,
-                                                   cal.comm_overlap, async_gemms)
+                                                   cal.comm_overlap, async_gemms, cp_ring)
+    if not cp_ring and layout.cp > 1:
+        comm_f["cp_comm"], comm_b["cp_comm"] = cp.comm_f, cp.comm_b
+        calls_f, calls_b = calls_f + cp.calls_f, calls_b + cp.calls_b
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
     scale_f, scale_b = layer_host_scale(model, training, layout, training.fused_attention(traits.fused_attention))

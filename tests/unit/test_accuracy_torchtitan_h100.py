@@ -2,8 +2,8 @@
 
 One number is fitted, on one row: the share of the rated tensor-core FLOP/s the
 Grand Teton H100s sustain at their 500 W cap (2026-11-24: 0.777). Every other row
-is scored with it: on 2026-11-24 step time 8.9% MAPE (bias -3.5%, worst -19.5%:
-405B at 262k tokens over cp 8) and peak memory 7.0% over the 17 held-out rows.
+is scored with it: on 2026-11-24 step time 7.4% MAPE (bias -1.2%, worst +21.7%:
+8B at 64k tokens over cp 2) and peak memory 7.0% over the 17 held-out rows.
 Bounds are loose around those.
 """
 
