@@ -3,8 +3,10 @@
 One number is fitted, on one row: the share of the rated tensor-core FLOP/s the
 Grand Teton H100s sustain at their 500 W cap (2026-11-24: 0.777). Every other row
 is scored with it: on 2026-11-24 step time 7.4% MAPE (bias -1.2%, worst +21.7%:
-8B at 64k tokens over cp 2) and peak memory 7.0% over the 17 held-out rows.
-Bounds are loose around those.
+8B at 64k tokens over cp 2) and peak memory 6.8% over the 17 held-out rows (bias
+-5.7%, worst -19.6%: 405B 1F1B; the 70B 2D row from -22% to -11% with DTensor
+loss_parallel's 16 B per local logit, the pipelined rows 5 GiB lower with their
+float8-gathered blocks kept in 1 byte). Bounds are loose around those.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def test_held_out_step_time_and_memory(errors):
     step = [abs(e) for e, _ in held.values()]
     memory = [abs(m) for _, m in held.values()]
     assert sum(step) / len(step) < 0.11 and max(step) < 0.25
-    assert sum(memory) / len(memory) < 0.09
+    assert sum(memory) / len(memory) < 0.09 and max(memory) < 0.21
 
 
 def test_compile_and_float8_speedups_follow_the_table(errors):
