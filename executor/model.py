@@ -195,6 +195,8 @@ class Transformer(nn.Module):
         """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         pos = self.positions(x.shape[1], x.device)
+        if self.cp is not None:
+            self.cp.prepare(x.shape[1])
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(pos)
         cos = sin = None

@@ -4,8 +4,16 @@ torch's `context_parallel` (ring attention by DTensor dispatch) handles only
 the CUDA SDPA kernels: on CPU the flash-for-CPU op has no sharding strategy
 and the math kernel mixes DTensor with Tensor (torch 2.13). So the executor
 does what Llama 3 did for long context: every rank all-gathers K and V over
-the cp group and attends its own queries to the whole sequence with an
-explicit causal mask. K/V memory is O(S) per rank, the activations O(S/cp).
+the cp group and attends its own queries to the keys before them. K/V memory
+is O(S) per rank, the activations O(S/cp).
+
+Each of the rank's two query chunks attends the keys up to its own end under a
+lower-right causal bias (torch.nn.attention.bias.causal_lower_right): on CUDA
+that is the flash (or memory-efficient) kernel's own causal mode, no mask
+tensor, half the scores of a full rectangle; elsewhere SDPA materializes the
+chunk's mask. GQA's K/V are repeated to the query heads first, since the
+lower-right flash path takes equal head counts (an explicit boolean mask with
+enable_gqa would leave only the math kernel, which materializes every score).
 
 Sharding: the sequence is cut into 2*cp equal chunks and rank r keeps chunks
 r and 2cp-1-r (the head-tail "zigzag" of torch's _HeadTailLoadBalancer), so
@@ -30,12 +38,30 @@ import torch.nn.functional as F
 
 @dataclass
 class ContextShard:
-    """This rank's place in the cp group; caches the positions and mask of the last sequence length."""
+    """This rank's place in the cp group; keeps the causal biases its chunks attend under."""
 
     group: object  # the cp ProcessGroup
     rank: int
     size: int
-    _cache: dict = field(default_factory=dict, repr=False)
+    _biases: dict = field(default_factory=dict, repr=False)
+
+    def prepare(self, local_seq: int) -> None:
+        """Make the lower-right causal biases this rank's two chunks attend under, outside the blocks and outside
+        any dispatch mode: a CausalBias is a tensor subclass (holding only its sizes), which a mode that makes
+        tensors itself (per-op SAC's, FakeTensorMode of validate-memory) cannot create."""
+        from torch.nn.attention.bias import causal_lower_right
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        half = local_seq // 2
+        for chunk in self.chunk_ids():
+            key = (half, (chunk + 1) * half)
+            if key not in self._biases:
+                with _disable_current_modes():
+                    self._biases[key] = causal_lower_right(*key)
+
+    def causal_bias(self, n_queries: int, n_keys: int):
+        """The bias `prepare` made for a chunk of n_queries queries over the first n_keys keys."""
+        return self._biases[(n_queries, n_keys)]
 
     def chunk_ids(self) -> tuple[int, int]:
         return self.rank, 2 * self.size - 1 - self.rank
@@ -49,15 +75,6 @@ class ContextShard:
         first, second = rank, 2 * self.size - 1 - rank
         return torch.cat([torch.arange(first * half, (first + 1) * half, device=device),
                           torch.arange(second * half, (second + 1) * half, device=device)])
-
-    def mask(self, local_seq: int, device: torch.device) -> torch.Tensor:
-        """Boolean (local_seq, cp * local_seq) mask, True where a local query may attend a gathered key."""
-        key = (local_seq, str(device))
-        if key not in self._cache:
-            q_pos = self.positions(local_seq, device)
-            k_pos = torch.cat([self._rank_positions(r, local_seq, device) for r in range(self.size)])
-            self._cache = {key: q_pos[:, None] >= k_pos[None, :]}
-        return self._cache[key]
 
 
 def shard_sequence(t: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor:
@@ -73,12 +90,31 @@ def shard_sequence(t: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Ten
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
+def in_sequence_order(t: torch.Tensor, size: int) -> torch.Tensor:
+    """K or V gathered rank by rank (rank r's chunks r and 2cp-1-r, along dim 2) put back in sequence order."""
+    b, h, n, d = t.shape
+    pairs = t.view(b, h, size, 2, n // (2 * size), d)  # (rank, first or second chunk)
+    return torch.cat([pairs[:, :, :, 0], pairs[:, :, :, 1].flip(2)], dim=2).reshape(b, h, n, d)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard) -> torch.Tensor:
     """Causal attention of local queries (B, a, s, d) over K/V gathered from every cp rank."""
     from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
     kv = all_gather_tensor_autograd(torch.stack([k, v]), gather_dim=3, group=cp.group)
-    k_all, v_all = kv[0], kv[1]
-    mask = cp.mask(q.shape[2], q.device)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k_all.shape[1])
+    return attend_gathered(q, kv[0], kv[1], cp)
+
+
+def attend_gathered(q: torch.Tensor, k_gathered: torch.Tensor, v_gathered: torch.Tensor,
+                    cp: ContextShard) -> torch.Tensor:
+    """The local queries' causal attention over K/V as all-gathered along the sequence (rank by rank)."""
+    k_all, v_all = (in_sequence_order(t, cp.size) for t in (k_gathered, v_gathered))
+    if q.shape[1] != k_all.shape[1]:
+        k_all, v_all = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all))
+    half = q.shape[2] // 2
+    outs = []
+    for i, chunk in enumerate(cp.chunk_ids()):
+        end = (chunk + 1) * half  # this chunk's last key position + 1
+        outs.append(F.scaled_dot_product_attention(q[:, :, i * half:(i + 1) * half], k_all[:, :, :end],
+                                                   v_all[:, :, :end], attn_mask=cp.causal_bias(half, end)))
+    return torch.cat(outs, dim=2)

@@ -298,8 +298,9 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
     if traits.executor_experts and model.moe is not None and layout.recompute in ("none", "selective"):
         per_layer += _executor_moe_extra(model, s * b / cp, d)
     if traits.cp_saves_gathered and cp > 1 and layout.recompute in ("none", "selective"):
-        # executor.parallel.context: attention saves the K/V gathered from the other cp ranks
-        per_layer += 2 * model.kv_dim * d * b * s * (1 - 1 / cp) / t
+        # executor.parallel.context: attention saves the whole sequence's K/V, gathered from every cp rank and
+        # repeated to the query heads (q_dim wide; kv_dim without GQA), beyond the local K/V the terms count
+        per_layer += 2 * d * b * s * (model.q_dim - model.kv_dim / cp) / t
     # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward
     # (executor.model.Transformer.forward): one s-row copy for all blocks, left out
     vocab_parallel = traits.vocab_parallel_loss and (not model.tie_embeddings or traits.tied_vocab_parallel)

@@ -89,11 +89,13 @@ def test_eager_attention_with_cp_is_refused_where_the_engine_has_no_such_kernel(
 
 
 def test_meshplans_executor_saves_the_gathered_kv():
-    """executor.parallel.context all-gathers K/V outside the attention kernel, so autograd keeps the other
-    ranks' share too (s*b*(1 - 1/cp) tokens of K and V per layer), unless the block is recomputed."""
+    """executor.parallel.context all-gathers K/V outside the attention kernel and repeats GQA's heads to the
+    query heads, so autograd keeps the whole sequence's K/V at the query width (s*b*q_dim each, beyond the
+    local s*b/cp*kv_dim), unless the block is recomputed."""
     training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
     gpu, cp = get_gpu("h100-sxm"), 4
-    for recompute, extra in (("none", 2 * SEQ * (1 - 1 / cp) * MODEL.kv_dim * training.dtype_bytes), ("full", 0.0)):
+    gathered = 2 * SEQ * (MODEL.q_dim - MODEL.kv_dim / cp) * training.dtype_bytes
+    for recompute, extra in (("none", gathered), ("full", 0.0)):
         mine = estimate_memory(MODEL, training, _layout(cp, recompute=recompute), gpu, "meshplan").activations
         titan = estimate_memory(MODEL, training, _layout(cp, recompute=recompute), gpu, "torchtitan").activations
         assert mine.per_layer - titan.per_layer == pytest.approx(extra)
