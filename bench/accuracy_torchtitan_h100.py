@@ -10,8 +10,9 @@ degree. Recipes as the tables state; what they leave to torchtitan's defaults
 at 9dec370: float8 = torchao tensorwise with float8 all-gather (the 405B
 train config), pipeline micro-batches = the pp degree
 (pipelining_utils.build_pipeline_schedule), layers split evenly with the
-remainder on the middle stages, two stages per rank for interleaved 1F1B
-(generate_split_points), no gradient accumulation outside pipelining.
+remainder on the middle stages (generate_split_points; planner.layout.balanced_layers
+gives the same split while the remainder fits the middle stages, as on every row
+here), two stages per rank for interleaved 1F1B, no gradient accumulation outside pipelining.
 
 The hardware is not a catalogued part: Grand Teton hosts whose H100s carry
 96 GB of HBM2e at 2.4 TB/s and run at the default 500 W power limit (the
@@ -36,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.layout import Layout  # noqa: E402
+from planner.layout import Layout, balanced_layers  # noqa: E402
 from planner.model.load import load_model  # noqa: E402
 from planner.simulate.step import simulate_step  # noqa: E402
 from planner.training import TrainingSpec  # noqa: E402
@@ -121,15 +122,6 @@ ROWS = [
 ]
 
 
-def even_split(n_layers: int, stages: int) -> tuple[int, ...]:
-    """torchtitan's generate_split_points: n // stages each, the remainder one apiece on the middle stages."""
-    base, extra = divmod(n_layers, stages)
-    if stages == 1:
-        return (n_layers,)
-    middle = [base + 1 if i < extra else base for i in range(stages - 2)]
-    return (base, *middle, n_layers - base - sum(middle))
-
-
 def cluster_for(gpus: int, fraction: float):
     """The Grand Teton H100 as `--set` what-ifs on the DGX H100 preset (same NVLink and 400 Gbit/s per GPU)."""
     h100 = get_gpu("h100-sxm")
@@ -151,7 +143,7 @@ def plan_of(row: TitanRow) -> tuple:
                     micro_batch_size=row.local_batch // micro_batches, grad_accum_steps=micro_batches,
                     recompute=row.recompute, sequence_parallel=row.tp > 1,
                     pp_schedule="interleaved-1f1b" if row.interleaved else "1f1b", virtual_stages=v,
-                    layers_per_stage=even_split(model.n_layers, row.pp * v) if row.pp > 1 else ())
+                    layers_per_stage=balanced_layers(model.n_layers, row.pp * v) if row.pp > 1 else ())
     return model, training, layout
 
 

@@ -252,7 +252,7 @@ ENGINES: dict[str, Engine] = {
         MemoryTraits(vocab_parallel_loss=True, tied_vocab_parallel=False, ddp_bucket_copy=False, fsdp_root_unit=True,
                      step_phases=True, rope_buffers=False, zero1_whole_tensors=False, sp_saves_gathered=True,
                      fp32_params=True, fp32_grads=True, zero2_shards_params=True,
-                     cp_all_gather=True, cp_repeated_kv=True, fused_loss_parallel_backward=True,
+                     cp_all_gather=True, fused_loss_parallel_backward=True,
                      pp_stage_outputs=True, fused_cross_entropy=True, compiled_cross_entropy=True,
                      eager_final_norm=True),
         executes=False, fp8=TORCHAO_FP8, recompute_kinds=("none", "op", "full"), compiles=True, cp_needs_fused=True,

@@ -105,7 +105,8 @@ class TimeTraits:
     #   backward (planner.simulate.context)
     cp_rotate: str = "ring"
     # the model repeats GQA's K/V heads to the query heads before SDPA (torchtitan's Llama repeat_kv, through
-    # torchtitan ff0829c10 of 2026-01-27), so context parallelism moves query-wide K/V
+    # torchtitan ff0829c10 of 2026-01-27), so context parallelism moves query-wide K/V: its time here and its
+    # exchange buffer in planner.memory.estimate read this one flag
     sdpa_repeats_kv: bool = False
 
     def __post_init__(self) -> None:
@@ -159,9 +160,6 @@ class MemoryTraits:
     # context_parallel with its default rotate method "allgather", meshplan's executor) instead of
     # passing chunks around a ring (Transformer Engine's default p2p): the gathered K/V is the buffer
     cp_all_gather: bool = False
-    # the model repeats the K/V heads to the query heads before attention (torchtitan's Attention: repeat_kv
-    # ahead of F.scaled_dot_product_attention), so context parallelism moves a heads' K/V, not k
-    cp_repeated_kv: bool = False
     # autograd saves the all-gathered K/V for the attention's backward (meshplan's executor:
     # executor.parallel.context gathers outside the kernel); torch's context_parallel saves the
     # local shards and gathers again in the backward

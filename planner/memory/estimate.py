@@ -108,7 +108,7 @@ parameters; when each exists: planner.memory.phases):
                  the backward its gradient before the reduce-scatter,
                  2*s*b*k*d*D / t; torchtitan repeats the K/V heads to the
                  a query heads before SDPA (its Attention's repeat_kv), so the
-                 gather carries a heads, not k (MemoryTraits.cp_repeated_kv).
+                 gather carries a heads, not k (TimeTraits.sdpa_repeats_kv).
                  Phased engines count it in the block phases only: it lives
                  while a block's attention runs, not at the loss backward
   EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp; none for
@@ -258,7 +258,8 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     puts it in the block phases of a phased engine, every other X in every phase.
     """
     d = training.dtype_bytes
-    traits = get_engine(engine).memory
+    eng = get_engine(engine)
+    traits = eng.memory
     tokens = training.seq_len * layout.micro_batch_size / layout.cp
     act = tokens * model.hidden * d  # one micro-batch's hidden states on this rank
     total, cp_total = 0.0, 0.0
@@ -267,7 +268,7 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     if layout.pp > 1 and not traits.pp_stage_outputs:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
-        kv_width = model.q_dim if traits.cp_repeated_kv else model.kv_dim  # repeated to the query heads first
+        kv_width = model.q_dim if eng.time.sdpa_repeats_kv else model.kv_dim  # repeated to the query heads first
         local_kv = 2 * tokens * kv_width * d / layout.tp
         cp_total = local_kv * layout.cp if traits.cp_all_gather else 2 * local_kv
     if layout.ep > 1 and model.moe is not None and not traits.executor_experts:

@@ -51,6 +51,6 @@ def test_compile_and_float8_speedups_follow_the_table(errors):
 
 
 def test_pipeline_splits_as_torchtitan_generates_them():
-    assert bench.even_split(126, 8) == (15, 16, 16, 16, 16, 16, 16, 15)
-    assert bench.even_split(126, 16) == (7, *[8] * 14, 7)
-    assert sum(bench.even_split(80, 7)) == 80
+    assert bench.balanced_layers(126, 8) == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert bench.balanced_layers(126, 16) == (7, *[8] * 14, 7)
+    assert sum(bench.balanced_layers(80, 7)) == 80
