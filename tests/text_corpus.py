@@ -37,8 +37,11 @@ def sentence(rng: random.Random, low: int = 3, high: int = 12) -> str:
 
 
 def make_tokenizer(directory: Path, *, template: str | None = CHAT_TEMPLATE, bos: bool = True,
-                   vocab: int = VOCAB) -> Path:
-    """A tokenizer directory (tokenizer.json + tokenizer_config.json) trained on WORDS; returns it."""
+                   vocab: int = VOCAB, extra_tokens: int = 0) -> Path:
+    """A tokenizer directory (tokenizer.json + tokenizer_config.json) trained on WORDS; returns it.
+
+    extra_tokens adds `<extra_0>`, `<extra_1>`, ... after the trained vocabulary (ids beyond a small model's).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     rng = random.Random(0)
@@ -49,6 +52,7 @@ def make_tokenizer(directory: Path, *, template: str | None = CHAT_TEMPLATE, bos
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS))
+    tok.add_special_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     directory.mkdir(parents=True, exist_ok=True)
