@@ -101,3 +101,12 @@ def write_parquet(path: Path, records: list[dict]) -> Path:
 
     pq.write_table(pa.Table.from_pylist(records), path)
     return path
+
+
+if __name__ == "__main__":  # python tests/text_corpus.py DIR: the README's demo tokenizer and chat corpus
+    import sys
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "demo")
+    make_tokenizer(out / "tok")
+    write_jsonl(out / "chat.jsonl", chat_records(2000))
+    print(f"wrote {out / 'tok'} (tokenizer.json, tokenizer_config.json) and {out / 'chat.jsonl'}")

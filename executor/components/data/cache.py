@@ -179,22 +179,30 @@ class _Writer:
         self.starts, self.lines = array("q"), array("q")
         self.kinds = dict.fromkeys(KINDS, 0)
 
-    def add(self, encoded, record) -> None:
-        self.starts.append(self.n_tokens)
-        self.lines.append(record.line)
-        self.kinds[record.kind] += 1
-        self.tokens.write(encoded.ids.astype(self.dtype).tobytes())
-        if encoded.counted is not None and self.counted is None:  # the first masked document: back-fill ones
+    def add(self, records: list, encoded: list) -> None:
+        """Append a batch of documents (records and their Encoded tokens, in order)."""
+        lengths = np.array([len(e.ids) for e in encoded], dtype=np.int64)
+        self.starts.extend((self.n_tokens + np.cumsum(lengths) - lengths).tolist())
+        self.lines.extend(r.line for r in records)
+        for r in records:
+            self.kinds[r.kind] += 1
+        ids = np.concatenate([e.ids for e in encoded])
+        self.tokens.write(ids.astype(self.dtype).tobytes())
+        masked = [e.counted is not None for e in encoded]
+        if any(masked) and self.counted is None:  # the first masked document: back-fill ones before it
             self.counted = open(self.tmp / "counted.bin", "wb")
             for done in range(0, self.n_tokens, HASH_CHUNK_BYTES):
                 self.counted.write(b"\1" * min(HASH_CHUNK_BYTES, self.n_tokens - done))
         if self.counted is not None:
-            flags = encoded.counted if encoded.counted is not None else np.ones(len(encoded.ids), dtype=bool)
+            flags = np.concatenate([e.counted if e.counted is not None else np.ones(len(e.ids), dtype=bool)
+                                    for e in encoded])
             self.counted.write(flags.astype(np.uint8).tobytes())
-        self.n_counted += int(encoded.counted.sum()) if encoded.counted is not None else len(encoded.ids)
-        self.n_tokens += len(encoded.ids)
-        if len(encoded.ids):
-            self.max_id = max(self.max_id, int(encoded.ids.max()))
+            self.n_counted += int(np.count_nonzero(flags))
+        else:
+            self.n_counted += len(ids)
+        self.n_tokens += len(ids)
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
 
     def close(self) -> None:
         for f in (self.tokens, self.counted):
@@ -251,8 +259,7 @@ def _build(data: Path, tokenizer: TextTokenizer, entry: Path, key: str) -> None:
 
 def _write_batch(writer: _Writer, tokenizer: TextTokenizer, batch: list, data: Path) -> None:
     if batch:
-        for record, encoded in zip(batch, tokenizer.encode(batch, data), strict=True):
-            writer.add(encoded, record)
+        writer.add(batch, tokenizer.encode(batch, data))
 
 
 def _install(tmp: Path, entry: Path, data: Path) -> None:

@@ -112,6 +112,12 @@ def _parquet(path: Path) -> Iterator[tuple[Record, int]]:
 
 def record_from(obj: Any, line: int, path: Path) -> Record:
     """The Record a JSON object (or parquet row) describes; UsageError naming the line when it is none."""
+    if isinstance(obj, dict):  # the common cases first, without building an error's text
+        text, prompt, completion = obj.get("text"), obj.get("prompt"), obj.get("completion")
+        if isinstance(text, str):
+            return Record(line, "text", text=text)
+        if text is None and isinstance(prompt, str) and isinstance(completion, str):
+            return Record(line, "prompt_completion", prompt=prompt, completion=completion)
     at = where(path, line)
     if not isinstance(obj, dict):
         raise UsageError(f"{at}: a JSON {type(obj).__name__}, not an object with a \"text\" field "
