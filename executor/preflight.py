@@ -125,9 +125,13 @@ def check_data(plan: Plan, flags: RunFlags) -> str:
     ends of a batch; reading the whole batch could cost gigabytes before launch.
     """
     from executor.components.data import open_source, run_tokenizer
+    from executor.components.data.tokenizer import tokenizer_files
     from topologies.terminal import log
 
-    source = open_source(flags.data, plan.model.vocab, plan.training.seq_len, flags.seed, tokenizer=run_tokenizer(flags),
+    tokenizer = run_tokenizer(flags)
+    if tokenizer is not None:  # checked even when the data is token ids: a mistyped path is found now
+        tokenizer_files(tokenizer)
+    source = open_source(flags.data, plan.model.vocab, plan.training.seq_len, flags.seed, tokenizer=tokenizer,
                          log=lambda line: log(f"execute: {line}"))
     source.sequences(np.array(sorted({0, plan.training.global_batch_size - 1})))
     return source.describe()

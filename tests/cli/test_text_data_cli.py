@@ -73,6 +73,16 @@ def test_text_needs_a_tokenizer(plan_file, tok, tmp_path):
     assert_clean_failure(r)
 
 
+def test_a_missing_tokenizer_is_found_with_token_id_data(plan_file, tmp_path):
+    import numpy as np
+
+    data = tmp_path / "ids.npy"
+    np.save(data, np.arange(4096, dtype=np.int32) % 256)
+    r = run(plan_file, tmp_path, data, "--tokenizer", str(tmp_path / "typo"))
+    assert r.code == 2 and "--tokenizer" in r.stderr and "typo" in r.stderr, r.stderr
+    assert_clean_failure(r)
+
+
 def test_launch_lines_carry_the_tokenizer(plan_file, tok, tmp_path):
     r = invoke("execute", plan_file, "--data", "c.jsonl", "--tokenizer", str(tok), "--print-launch", "torchrun")
     assert r.code == 0, r.stderr
