@@ -9,6 +9,7 @@ concatenated. tests/consumers/test_text_data_transformers.py checks the same aga
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -291,3 +292,22 @@ def test_eos_from_the_config_and_without_one(tmp_path):
     assert corpus.meta["tokenizer"]["eos_id"] == tok.token_to_id("<|im_end|>") == corpus.tokens[-1]
     (d / "tokenizer_config.json").unlink()  # a bare tokenizer.json: the first known EOS name in its vocabulary
     assert tokenized(path, d).meta["tokenizer"]["eos_id"] == tok.token_to_id("</s>")
+
+
+def _tokenize_in_child(args) -> tuple[int, str]:
+    path, tok_dir = args
+    corpus = tokenized(path, tok_dir)
+    return int(corpus.tokenized_s is not None), hashlib.sha256(np.asarray(corpus.tokens).tobytes()).hexdigest()
+
+
+def test_concurrent_openers_tokenize_once(tmp_path, tok_dir):
+    """Ranks (processes) opening an uncached corpus together: one tokenizes under the lock, the others reuse it."""
+    import multiprocessing
+
+    path = write_jsonl(tmp_path / "c.jsonl", chat_records(300))
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        results = pool.map(_tokenize_in_child, [(path, tok_dir)] * 3)
+    assert sum(made for made, _ in results) == 1, results
+    assert len({digest for _, digest in results}) == 1
+    assert sorted(p.name for p in (tmp_path / "c.jsonl.meshplan").iterdir()) == [
+        tokenized(path, tok_dir).entry.name, tokenized(path, tok_dir).entry.name + ".lock"]

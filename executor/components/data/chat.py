@@ -22,6 +22,7 @@ Which characters count in the loss (the assistant's), in one of two ways:
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 
@@ -82,7 +83,7 @@ class ChatTemplate:
             self.template = _compile(source)
         except jinja2.TemplateError as exc:
             raise TemplateRefused(f"the chat template does not compile: {exc}") from None
-        self.marks_generation = "generation" in source and "endgeneration" in source
+        self.marks_generation = re.search(r"{%[-+]?\s*generation\s*[-+]?%}", source) is not None
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
         return self._render(messages, add_generation_prompt, None)
