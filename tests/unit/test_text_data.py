@@ -281,6 +281,22 @@ def test_templates_that_hide_the_assistant_are_refused(tmp_path):
         open_source(str(path), VOCAB, SEQ, seed=0, tokenizer=raising)
 
 
+def test_a_broken_template_stops_only_chat_data(tmp_path):
+    broken = make_tokenizer(tmp_path / "broken", template="{% for m in messages %}{{ m['content'] }")
+    text = write_jsonl(tmp_path / "t.jsonl", text_records(40))
+    assert tokenized(text, broken).meta["n_documents"] == 40
+    chat = write_jsonl(tmp_path / "c.jsonl", text_records(2) + chat_records(3))
+    with pytest.raises(UsageError, match="c.jsonl line 3: the chat template does not compile"):
+        tokenized(chat, broken)
+
+
+def test_byte_order_mark_and_crlf(tmp_path, tok_dir, tok):
+    records = text_records(30)
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in records).encode())
+    check_corpus(path, tok_dir, tok, records, masked=False)
+
+
 def test_eos_from_the_config_and_without_one(tmp_path):
     d = make_tokenizer(tmp_path / "t")
     config = json.loads((d / "tokenizer_config.json").read_text())

@@ -67,7 +67,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str, int]]:
         for number, raw in enumerate(f, start=1):
             done += len(raw)
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark may open the file
             except UnicodeDecodeError as exc:
                 raise UsageError(f"{where(path, number)}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
                                  f"{exc.start + 1}): convert the file to UTF-8") from None

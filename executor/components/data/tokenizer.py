@@ -127,13 +127,9 @@ class TextTokenizer:
         self.eos_id = self.tokenizer.token_to_id(self.eos_token)
         self.special_tokens.setdefault("eos_token", self.eos_token)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        template = template if template is not None else _config_template(settings.get("chat_template"))
-        self.chat = None
-        if template is not None:
-            try:
-                self.chat = ChatTemplate(template, self.special_tokens)
-            except TemplateRefused as exc:
-                raise UsageError(f"tokenizer {str(path)!r}: {exc}") from None
+        # compiled at the first conversation: a template that does not compile stops only chat data
+        self.template_source = template if template is not None else _config_template(settings.get("chat_template"))
+        self.chat: ChatTemplate | None = None
 
     def _eos(self, configured: str | None, file: Path) -> str:
         if configured is not None:
@@ -175,10 +171,12 @@ class TextTokenizer:
         if record.kind == "prompt_completion":
             text = record.prompt + record.completion
             return text, [(len(record.prompt), len(text))]
-        if self.chat is None:
+        if self.template_source is None:
             raise UsageError(f"{where(data, record.line)} holds \"messages\" but tokenizer {str(self.path)!r} has no "
                              "chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
         try:
+            if self.chat is None:
+                self.chat = ChatTemplate(self.template_source, self.special_tokens)
             return self.chat.assistant_spans(list(record.messages))
         except TemplateRefused as exc:
             raise UsageError(f"{where(data, record.line)}: {exc}") from None
