@@ -327,3 +327,17 @@ def test_concurrent_openers_tokenize_once(tmp_path, tok_dir):
     assert len({digest for _, digest in results}) == 1
     assert sorted(p.name for p in (tmp_path / "c.jsonl.meshplan").iterdir()) == [
         tokenized(path, tok_dir).entry.name, tokenized(path, tok_dir).entry.name + ".lock"]
+
+
+def test_cache_falls_back_when_the_data_directory_is_read_only(tmp_path, tok_dir, monkeypatch):
+    """Where FILE.meshplan/ cannot be written (root ignores permissions, so access() says so here), the
+    user's cache directory holds the entry, one folder per data file."""
+    path = write_jsonl(tmp_path / "c.jsonl", text_records(20))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    real_access = cache_module.os.access
+    monkeypatch.setattr(cache_module.os, "access",
+                        lambda p, mode: False if str(p).endswith(".meshplan") else real_access(p, mode))
+    corpus = tokenized(path, tok_dir)
+    assert corpus.entry.parent.parent == tmp_path / "xdg" / "meshplan" / "tokens"
+    assert corpus.entry.parent.name.endswith("-c.jsonl")
+    assert tokenized(path, tok_dir).tokenized_s is None
