@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.plan import Plan
+from planner.run_flags import RunFlags
 from topologies.errors import UsageError
 from topologies.hardware import GIB
 
@@ -114,15 +115,24 @@ def _check_host_memory(plan: Plan, found: Found) -> None:
         )
 
 
-def check_data(plan: Plan, data: str | None, seed: int) -> str:
+def check_data(plan: Plan, flags: RunFlags) -> str:
     """Open the token source and read the first global batch's first and last sequence.
 
+    Text is tokenized here, once, before any rank starts (and cached next to the
+    data; executor/components/data/cache.py), so a bad line, an id outside the
+    model's vocabulary or a corpus shorter than one sequence is refused in one line.
     Two sequences prove the source opens and yields in-vocabulary tokens at both
     ends of a batch; reading the whole batch could cost gigabytes before launch.
     """
-    from executor.components.data import open_source
+    from executor.components.data import open_source, run_tokenizer
+    from executor.components.data.tokenizer import tokenizer_files
+    from topologies.terminal import log
 
-    source = open_source(data, plan.model.vocab, plan.training.seq_len, seed)
+    tokenizer = run_tokenizer(flags)
+    if tokenizer is not None:  # checked even when the data is token ids: a mistyped path is found now
+        tokenizer_files(tokenizer)
+    source = open_source(flags.data, plan.model.vocab, plan.training.seq_len, flags.seed, tokenizer=tokenizer,
+                         log=lambda line: log(f"execute: {line}"))
     source.sequences(np.array(sorted({0, plan.training.global_batch_size - 1})))
     return source.describe()
 

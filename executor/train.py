@@ -1,20 +1,30 @@
 """The training loop of one rank: build, (resume,) step, report, checkpoint.
 
-One optimizer step consumes one global batch (executor/components/data.py):
+One optimizer step consumes one global batch (executor/components/data/):
   * without PP, grad_accum_steps micro-steps of micro_batch_size sequences;
-    each adds grad(loss_i / n); gradient sync (DDP all-reduce, FSDP2
-    reduce-scatter) is skipped on all but the last micro-step (DDP no_sync,
-    FSDP2/replicate set_requires_gradient_sync(False));
-  * with PP, the schedule runs the same micro-batches through the stages and
-    scales gradients by 1/n itself;
+    gradient sync (DDP all-reduce, FSDP2 reduce-scatter) is skipped on all
+    but the last micro-step (DDP no_sync, FSDP2/replicate
+    set_requires_gradient_sync(False));
+  * with PP, the schedule runs the same micro-batches through the stages;
 then gradients are clipped to a global norm of 1 (executor/components/optim.py), AdamW
-steps and the LR schedule advances. Because every micro-batch has the same
-number of tokens, the update is the gradient of the global-batch mean loss
-whatever the layout - the determinism contract.
+steps and the LR schedule advances.
 
-The reported loss is that global-batch mean: every rank holding the last
-pipeline stage has its local mean; one all-reduce of loss / (world / pp)
-over the world averages them (TP ranks of a replica hold equal copies).
+The determinism contract: the update is the gradient of the global-batch mean
+loss over the targets the loss counts (all of them for plain text; only
+completions and assistant turns for prompt/completion and chat data), whatever
+the layout. Counted targets are not spread evenly over micro-batches, data-
+parallel ranks or context-parallel shards, so a per-micro-batch mean would
+weigh them unevenly. Instead each micro-batch's summed loss is multiplied by
+D / N, where N is the global batch's count of counted targets (every rank
+reads it from the data, executor.components.data.counted_targets) and D =
+dp * cp the number of data shards whose gradients the data-parallel reduction
+averages (DDP, FSDP2, the expert gradients); the sum over shards of D / N *
+their summed losses, averaged over D, is the global mean.
+
+The reported loss is that same global mean: each rank holding the last
+pipeline stage returns its D / N-weighted sum; one all-reduce over the world
+divided by world / pp = D * tp (TP ranks of a replica hold equal copies)
+gives it.
 
 Checkpoints (executor/components/checkpoint.py): on --resume or after a
 torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the latest checkpoint is
@@ -38,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
-from executor.components.data import local_batch, open_source
+from executor.components.data import counted_targets, local_batch, open_source, run_tokenizer
 from executor.components.float8 import check_device, precompute_scales
 from executor.components.metrics import (
     MetricsLog,
@@ -104,6 +114,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the counted targets (IGNORE_INDEX skipped), in fp32.
+
+    The training step scales it by D / N (module docstring); torch's loss_parallel
+    computes a sum on any mesh (its mean only on a one-dimensional one).
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
 def loss_value(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain detached tensor (a DTensor's full value)."""
     from torch.distributed.tensor import DTensor
@@ -151,18 +170,23 @@ class AccumulationStep:
             self.runner.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the sum of their weighted losses.
+
+        weight: D / N (module docstring); None weighs every local target alike
+        (the local mean), for callers without a global count.
+        """
+        weight = 1.0 / targets.numel() if weight is None else weight
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True)):
             if self.before_micro_batch is not None:
                 self.before_micro_batch(i)
             with self._sync(i == self.n - 1), _loss_parallel(self.pm):
                 with _autocast(self.pm, self.device):
-                    loss = lm_loss(self.runner(x), y)
-                scaled = loss / self.n
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                    loss = lm_loss_sum(self.runner(x), y) * weight
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss_value(loss)
-        return total / self.n
+        return total
 
 
 class PipelineStep:
@@ -171,12 +195,19 @@ class PipelineStep:
     def __init__(self, pm: ParallelModel, plan: Plan, mesh, device: torch.device, scaler=None) -> None:
         layout = plan.layout
         self.pm, self.device, self.scaler = pm, device, scaler
-        loss_fn = lm_loss if scaler is None else (lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
-        self.schedule = build_schedule(make_stages(pm.runners, pm.stages, layout, mesh, device), layout, loss_fn)
+        self.weight = 1.0  # D / N of the step being run (module docstring), read by the loss function
+        self.schedule = build_schedule(make_stages(pm.runners, pm.stages, layout, mesh, device), layout,
+                                       self._loss, scale_grads=False)
         self.has_first = 0 in pm.stages
         self.has_last = layout.pp * layout.virtual_stages - 1 in pm.stages
 
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss_sum(out, target) * self.weight
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor | None:
+        """One step of the schedule; on the last stage's ranks, the sum of the micro-batches' weighted losses."""
+        self.weight = weight
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
@@ -184,8 +215,8 @@ class PipelineStep:
             self.schedule.step(*args, return_outputs=False, **kwargs)  # the last stage keeps no logits
         if not self.has_last:
             return None
-        mean = torch.stack([loss_value(v) for v in losses]).mean()
-        return mean / self.scaler.get_scale() if self.scaler is not None else mean
+        total = torch.stack([loss_value(v) for v in losses]).sum()
+        return total / self.scaler.get_scale() if self.scaler is not None else total
 
 
 def _checkpoint_manager(opts: RunOptions, restarted: bool):
@@ -219,7 +250,9 @@ class Trainer:
         self.step_fn = (PipelineStep(self.pm, plan, mesh, device, self.scaler) if layout.pp > 1
                         else AccumulationStep(self.pm, layout.grad_accum_steps, device))
         self.step_fn.scaler = self.scaler
-        self.source = open_source(opts.data, plan.model.vocab, plan.training.seq_len, opts.seed)
+        self.source = open_source(opts.data, plan.model.vocab, plan.training.seq_len, opts.seed,
+                                  tokenizer=run_tokenizer(opts))
+        self.data_shards = layout.dp * layout.cp  # D: the shards the data-parallel reduction averages
         self.dp_index = dp_rank(mesh)
         self.params = unique_params(self.pm.parts)
         self.tied = (TiedGradSync(self.pm.parts, self.pm.stages, layout, mesh)
@@ -238,8 +271,9 @@ class Trainer:
                                       self.device)
         if self.pm.cp is not None:  # this rank's two load-balanced chunks of every sequence
             inputs, targets = shard_sequence(inputs, self.pm.cp), shard_sequence(targets, self.pm.cp)
+        counted = counted_targets(self.source, state.data_position, batch)
         lr = state.schedulers[0].get_last_lr()[0]
-        loss = self.step_fn(inputs, targets)
+        loss = self.step_fn(inputs, targets, self.data_shards / max(counted, 1))  # nothing counted: no gradient
         if self.tied is not None:
             self.tied()
         if self.pm.experts is not None:

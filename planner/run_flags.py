@@ -29,7 +29,8 @@ class RunFlags:
     steps: int = 100
     out: str | None = None  # run directory; `execute` defaults it to runs/<plan name>, workers always get one
     seed: int = 0  # seeds initialization and data: same seed, same model and data on every layout
-    data: str | None = None  # token file; None: synthetic tokens
+    data: str | None = None  # text (.jsonl/.txt/.parquet) or token ids (.npy/.bin); None: synthetic tokens
+    tokenizer: str | None = None  # tokenizer.json or HF directory for text --data; None: the --init-from directory
     lr: float | None = None  # None: executor.components.optim.default_lr(hidden)
     log_every: int = 10
     checkpoint_every: int = 0  # 0: never
@@ -57,7 +58,7 @@ class RunFlags:
     def to_argv(self) -> list[str]:
         """The flags as `meshplan execute` and `executor.worker` read them (steps, seed, log-every always)."""
         argv = ["--steps", str(self.steps), "--seed", str(self.seed), "--log-every", str(self.log_every)]
-        for name in ("out", "data", "lr", "keep_checkpoints"):
+        for name in ("out", "data", "tokenizer", "lr", "keep_checkpoints"):
             value = getattr(self, name)
             if value is not None:
                 argv += [_flag(name), str(value)]
@@ -83,7 +84,7 @@ class RunFlags:
         return cls(**vars(args))
 
 
-_TYPES = {"steps": int, "out": str, "seed": int, "data": str, "lr": float, "log_every": int,
+_TYPES = {"steps": int, "out": str, "seed": int, "data": str, "tokenizer": str, "lr": float, "log_every": int,
           "checkpoint_every": int, "keep_checkpoints": int}
 
 

@@ -24,7 +24,7 @@ def _positive_float(ctx, param, value):
 
 
 @click.command("execute", context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
+               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --data chat.jsonl --tokenizer ./Qwen2.5-0.5B-Instruct --out runs/sft\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_RUN.steps, show_default=True,
               help="Optimizer steps to run.")
@@ -33,7 +33,12 @@ def _positive_float(ctx, param, value):
 @click.option("--seed", type=int, default=DEFAULT_RUN.seed, show_default=True,
               help="Seeds initialization and data: same seed, same model and data on every layout.")
 @click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="Token file: .npy, .bin (uint16/uint32) or text (bytes). Default: synthetic Markov tokens.")
+              help="Text: .jsonl ({\"text\"}, {\"prompt\", \"completion\"} or {\"messages\"} per line), .txt "
+                   "(a document per line), .parquet (same fields as columns), tokenized with --tokenizer and cached "
+                   "next to the file; or token ids: .npy, .bin (uint16/uint32). Default: synthetic Markov tokens.")
+@click.option("--tokenizer", type=click.Path(), default=None,
+              help="Tokenizer for text --data: a tokenizer.json or a Hugging Face model directory holding one "
+                   "(its tokenizer_config.json gives EOS and the chat template). Default: the --init-from directory.")
 @click.option("--lr", type=float, default=None, callback=_positive_float,
               help="Peak learning rate. Default min(3e-3, 0.02/sqrt(hidden)).")
 @click.option("--log-every", type=click.IntRange(min=1), default=DEFAULT_RUN.log_every, show_default=True,
@@ -55,7 +60,8 @@ def _positive_float(ctx, param, value):
               help="Start over in an existing --out: delete its metrics, summary and checkpoints first.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each transformer block (after recomputation, before FSDP; torchtitan's order).")
-def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, lr: float | None,
+def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, tokenizer: str | None,
+            lr: float | None,
             log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
             max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
             resume: bool, overwrite: bool, compile_: bool) -> None:
@@ -82,7 +88,7 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     if resume and overwrite:
         raise UsageError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
-    flags = RunFlags(steps=steps, out=out, seed=seed, data=data, lr=lr, log_every=log_every,
+    flags = RunFlags(steps=steps, out=out, seed=seed, data=data, tokenizer=tokenizer, lr=lr, log_every=log_every,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
                      compile=compile_)
     if print_launch:  # every node repeats the run flags (--out only when given)
@@ -131,7 +137,7 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
     from topologies.terminal import log
 
     check_hardware(plan, Found.detect(), nnodes)
-    source = check_data(plan, flags.data, flags.seed)
+    source = check_data(plan, flags)
     plan_text = plan_path.read_text()
     if clear:
         clear_run_dir(run_dir)

@@ -12,8 +12,10 @@ layouts.
 
 Micro-batches: the schedule cuts each data-parallel rank's local batch
 (micro_batch_size * grad_accum_steps sequences) into grad_accum_steps
-micro-batches; with `scale_grads=True` it divides gradients by their number,
-so the update equals the mean loss over the local batch, as without PP.
+micro-batches. The training loop's loss function already scales each
+micro-batch's summed loss by the global batch's count of counted targets
+(executor/train.py), so it asks for `scale_grads=False`; with the default
+True the schedule divides gradients by the number of micro-batches instead.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def check_pipeline(layout: Layout, tie_embeddings: bool) -> None:
         raise PlanError("plan.parallel.layers_per_stage is empty: re-create the plan with `meshplan plan`")
 
 
-def build_schedule(stages: list, layout: Layout, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def build_schedule(stages: list, layout: Layout, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   scale_grads: bool = True):
     """The plan's schedule over this rank's PipelineStages, grad_accum_steps micro-batches."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
@@ -70,9 +73,9 @@ def build_schedule(stages: list, layout: Layout, loss_fn: Callable[[torch.Tensor
     n_micro = layout.grad_accum_steps
     if kind in ("gpipe", "1f1b"):
         cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
     cls = ScheduleInterleaved1F1B if kind == "interleaved-1f1b" else ScheduleZBVZeroBubble
-    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def make_stages(runners: list[nn.Module], ids: list[int], layout: Layout, mesh: DeviceMesh,

@@ -12,6 +12,13 @@ the hyper-parameters with the executor, not its training loop. Each layout
 is one real `meshplan execute` of a plan made by `meshplan plan` with pinned
 flags: 4 CPU ranks under torchrun on gloo, 4 steps (clipping is active from
 step 3 on, so the norm matters).
+
+Masked data (a chat corpus whose loss counts only the assistant turns) runs a
+few layouts too: there the reference's loss is torch's cross_entropy mean over
+the counted targets of the whole global batch, and the counted targets fall
+unevenly on micro-batches, dp ranks and cp shards, so only a layout that scales
+by the global count matches it (test_masked_batches_are_uneven shows a
+per-shard mean would not).
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from text_corpus import chat_records, make_tokenizer, write_jsonl
 from torchrun_util import DETERMINISM_LAYOUTS, execute, make_plan
 
-from executor.components.data import SyntheticTokens, local_batch
+from executor.components.data import IGNORE_INDEX, SyntheticTokens, local_batch, open_source
 from executor.components.optim import BETAS, EPS, MAX_GRAD_NORM, WEIGHT_DECAY, WarmupCosine, default_lr
 from executor.model import build_model, init_weights
 from planner.model.load import load_model
@@ -59,7 +67,17 @@ LAYOUTS = {
 }
 
 
-def reference_run(model_name: str) -> list[dict]:
+# Layouts for the masked chat corpus: FSDP with two micro-batches per rank, TP (vocabulary-parallel loss),
+# PP with four micro-batches (the schedule's loss function), CP (each rank holds two chunks of every sequence).
+MASKED_LAYOUTS = {
+    "fsdp4": ("debug", ["--dp-shard", "4", "--zero", "3", "--micro-batch", "1"]),
+    "tp2_dp2": ("debug", ["--tp", "2", "--dp", "2"]),
+    "pp2_dp2": ("debug", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1", "--pp-schedule", "1f1b"]),
+    "cp2_dp2": ("debug", ["--cp", "2", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
+}
+
+
+def reference_run(model_name: str, data: str | None = None, tokenizer=None) -> list[dict]:
     """Single-process training in plain PyTorch (see the module docstring)."""
     spec = load_model(model_name)
     cpu = torch.device("cpu")
@@ -70,7 +88,8 @@ def reference_run(model_name: str) -> list[dict]:
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=default_lr(spec.hidden), betas=BETAS, eps=EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine.for_run(STEPS))
-    source = SyntheticTokens(spec.vocab, SEQ_LEN, SEED)
+    source = (SyntheticTokens(spec.vocab, SEQ_LEN, SEED) if data is None
+              else open_source(data, spec.vocab, SEQ_LEN, SEED, tokenizer=tokenizer))
     records = []
     for step in range(STEPS):
         x, y = local_batch(source, step * GLOBAL_BATCH, GLOBAL_BATCH, 1, 0, cpu)
@@ -121,3 +140,51 @@ def check_run_dir(out, plan, records) -> None:
     assert summary["predicted"]["step_time_s"] == load_plan(plan).prediction.step_time_s
     assert summary["measured_over_predicted"]["tokens_per_s"] == pytest.approx(
         summary["measured"]["tokens_per_s"] / summary["predicted"]["tokens_per_s"])
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory):
+    """(data, tokenizer) of a small chat corpus and its tiny BPE tokenizer (tests/text_corpus.py)."""
+    where = tmp_path_factory.mktemp("chat")
+    tok = make_tokenizer(where / "tok")
+    return write_jsonl(where / "chat.jsonl", chat_records(200)), tok
+
+
+@pytest.fixture(scope="module")
+def masked_reference(chat_corpus) -> list[dict]:
+    data, tok = chat_corpus
+    return reference_run("debug", str(data), tok)
+
+
+def test_masked_batches_are_uneven(chat_corpus):
+    """The test below can fail: the first batch's gradient under per-shard means is far from the global mean's."""
+    data, tok = chat_corpus
+    spec = load_model("debug")
+    model = build_model(spec, torch.device("cpu"))
+    init_weights(model, spec, SEED, torch.device("cpu"))
+    source = open_source(str(data), spec.vocab, SEQ_LEN, SEED, tokenizer=tok)
+    x, y = local_batch(source, 0, GLOBAL_BATCH, 1, 0, torch.device("cpu"))
+    counted = (y != IGNORE_INDEX).view(4, -1).sum(1)
+    assert len(set(counted.tolist())) > 1, counted
+
+    def gradient(shard_means: bool) -> torch.Tensor:
+        model.zero_grad()
+        losses = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view(4, -1)
+        loss = (losses.sum(1) / counted).mean() if shard_means else losses.sum() / counted.sum()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact, per_shard = gradient(False), gradient(True)
+    assert (per_shard - exact).norm() / exact.norm() > 10 * RTOL
+
+
+@pytest.mark.parametrize("layout", list(MASKED_LAYOUTS))
+def test_masked_chat_matches_single_process(layout, chat_corpus, masked_reference, tmp_path):
+    model, pinned = MASKED_LAYOUTS[layout]
+    data, tok = chat_corpus
+    plan = make_plan(tmp_path, layout, *pinned, model=model)
+    records = execute(plan, tmp_path / "run", "--seed", str(SEED), "--data", str(data), "--tokenizer", str(tok),
+                      steps=STEPS)
+    for got, want in zip(records, masked_reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), (layout, got["step"])
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), (layout, got["step"])

@@ -16,8 +16,8 @@ from topologies.errors import UsageError
 
 FLAG_SETS = [
     RunFlags(),
-    RunFlags(steps=3, out="runs/a b", seed=7, data="tokens.npy", lr=2.5e-4, log_every=1, checkpoint_every=2,
-             keep_checkpoints=3, resume=True),
+    RunFlags(steps=3, out="runs/a b", seed=7, data="chat.jsonl", tokenizer="models/qwen tok", lr=2.5e-4,
+             log_every=1, checkpoint_every=2, keep_checkpoints=3, resume=True),
     RunFlags(steps=1, lr=1e-3),
 ]
 
