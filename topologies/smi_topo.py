@@ -172,18 +172,29 @@ def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected") -> C
     )
 
 
+# `nvidia-smi --query-gpu=name`, `rocm-smi --showproductname`'s "Card Series" and torch's
+# get_device_name -> catalog, first match wins (specific before general: H200 before H20, A100
+# before A10, L40S before L4). Names are matched upper-case with spaces removed.
+_SMI_NAMES = (
+    (r"GB300", "gb300"), (r"GB200", "gb200"), (r"B300", "b300"), (r"B200", "b200"), (r"H200", "h200"),
+    (r"H800.*PCIE", "h100-pcie"), (r"H800", "h800"), (r"H20(?!\d)", "h20"), (r"H100.*NVL", "h100-nvl"),
+    (r"H100.*PCIE", "h100-pcie"), (r"H100", "h100-sxm"), (r"A(100|800).*PCIE", "a100-80g-pcie"),
+    (r"A(100|800).*40GB", "a100-40g-sxm"), (r"A100|A800", "a100-80g-sxm"), (r"A10G", "a10g"), (r"A10(?!\d)", "a10"),
+    (r"RTXA6000", "a6000"), (r"RTX6000ADA", "rtx6000-ada"), (r"L40S", "l40s"), (r"L4(?!\d)", "l4"),
+    (r"5090", "rtx5090"), (r"4090", "rtx4090"), (r"3090", "rtx3090"), (r"(?<!R)T4(?!\d)", "t4"), (r"V100", "v100"),
+    (r"MI300X", "mi300x"), (r"MI325X", "mi325x"), (r"MI350X", "mi350x"), (r"MI355X", "mi355x"),
+)
+
+
 def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
-    """Map `nvidia-smi --query-gpu=name` (e.g. 'NVIDIA A100-SXM4-80GB') to the catalog, with its memory."""
+    """Map a driver's GPU name ('NVIDIA A100-SXM4-80GB', 'AMD Instinct MI300X') to the catalog, with its memory."""
+    from topologies.hardware import unknown_gpu_hint
+
     up = name.upper().replace(" ", "")
-    rules = [("H200", "h200"), ("GB200", "gb200"), ("GB300", "gb300"), ("B200", "b200"), ("B300", "b300"),
-             ("H800", "h800"), ("L40S", "l40s"), ("4090", "rtx4090"), ("3090", "rtx3090"), ("T4", "t4"), ("V100", "v100")]
-    key = next((v for k, v in rules if k in up), None)
-    if "H100" in up or ("H800" in up and "PCIE" in up):
-        key = "h100-pcie" if ("PCIE" in up or "NVL" in up) else "h100-sxm"
-    elif "A100" in up or "A800" in up:
-        key = "a100-80g-pcie" if "PCIE" in up else ("a100-40g-sxm" if "40GB" in up else "a100-80g-sxm")
+    key = next((key for pattern, key in _SMI_NAMES if re.search(pattern, up)), None)
     if key is None:
-        raise TopologyError(f"GPU {name!r} is not in the catalog; pass --gpu NAME (one of {', '.join(GPUS)})")
+        raise TopologyError(f"GPU {name!r} is not in the catalog; pass --gpu NAME (one of {', '.join(GPUS)})"
+                            f"{unknown_gpu_hint()}")
     spec = get_gpu(key)
     if memory_mib:
         import dataclasses

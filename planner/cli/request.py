@@ -36,6 +36,10 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
     from topologies.errors import TopologyError, UsageError
 
     eng = get_engine(engine)
+    if options.precision == "bf16" and gpu.kind != "cpu" and gpu.bf16_flops <= 0:
+        raise UsageError(f"--precision bf16 (the default): {gpu.name} has no bf16 tensor cores (Turing T4, Volta "
+                         "V100); pass --precision fp16 (16-bit weights and activations with dynamic loss scaling, "
+                         f"{gpu.fp16_flops / 1e12:g} TFLOP/s on {gpu.name}), or pick a GPU with bf16 (Ampere or later)")
     if options.precision in ("fp8", "mxfp8") and gpu.kind == "cpu":
         raise UsageError(f"--precision {options.precision}: CPU ranks run in fp32 and have no 8-bit matrix units; "
                          "plan fp8 on a GPU cluster that has it (e.g. --cluster dgx-h100), or drop --precision")

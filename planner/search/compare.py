@@ -91,7 +91,7 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
-                     calibration: str | None, price_per_gpu_hour: str | None) -> list[Row]:
+                     calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16") -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in."""
     from planner.model.load import load_model
     from planner.search.explain import no_layout_error
@@ -109,7 +109,8 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         cluster = load_cluster(v.cluster, n, v.overrides)
         seq = v.run.get("seq_len", seq_len) or default_seq_len(model.max_seq_len)
         profile = load_calibration(calibration, cluster.gpu)
-        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1)
+        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1,
+                        precision=precision)
         if result.ranked:
             rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best))
             continue

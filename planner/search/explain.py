@@ -123,7 +123,7 @@ def _limit(best: Scored, cluster: Cluster) -> str:
     return text + "."
 
 
-LINK_WORDS = {"nvswitch": "NVLink", "pcie": "PCIe", "host": "shared memory"}
+LINK_WORDS = {"nvswitch": "NVLink", "xgmi": "Infinity Fabric", "pcie": "PCIe", "host": "shared memory"}
 
 
 def _placement(layout: Layout, cluster: Cluster) -> str:
