@@ -40,7 +40,14 @@ from typing import NamedTuple
 from topologies.cluster import Cluster
 from topologies.errors import TopologyError
 from topologies.graph import LinkTable, gpu_nic_paths, link_between, nic_share_gbytes_per_s, node_link_table
-from topologies.links import EFFICIENCY, NET_HOP_LATENCY_S, SPINE_EXTRA_LATENCY_S, crosses_spine, full_mesh, link_class
+from topologies.links import (
+    EFFICIENCY,
+    NET_HOP_LATENCY_S,
+    SPINE_EXTRA_LATENCY_S,
+    crosses_spine,
+    full_mesh,
+    link_class,
+)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 _ALIASES = {"sendrecv": "send_recv", "allreduce": "all_reduce", "allgather": "all_gather",

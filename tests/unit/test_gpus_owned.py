@@ -7,7 +7,7 @@ import pytest
 
 from planner.cli.plan import search_plan
 from planner.search.candidates import Pins
-from topologies.cluster_load import GPU_KEYS, load_cluster, parse_overrides, preset_names
+from topologies.cluster_load import GPU_KEYS, load_cluster, preset_names
 from topologies.collectives import CollectiveModel, bus_bandwidth_gbytes_per_s
 from topologies.errors import InfeasibleError, TopologyError
 from topologies.hardware import GIB, GPU_OVERRIDE_KEYS, GPUS, get_gpu, gpu_family, nearest_by_family
