@@ -147,28 +147,42 @@ def guess_gpu(topo: SmiTopology) -> GPUSpec:
     )
 
 
-def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected") -> Cluster:
-    """A one-node Cluster with the measured labels: NVSwitch when every GPU pair is NVLink, else PCIe."""
+def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected", source: str = "nvidia-smi topo -m",
+                   lists_nics: bool = True) -> Cluster:
+    """A one-node Cluster with the measured labels: NVSwitch when every GPU pair is NVLink, an xGMI mesh when
+    every pair has its own Infinity Fabric link, else PCIe. A source that lists no NICs (`lists_nics`
+    False: rocm-smi) gets one per GPU, rail-aligned, and the description says it was assumed."""
     off_diag = [lab for i, row in enumerate(topo.gpu_links) for j, lab in enumerate(row) if i != j]
     nvlinked = [lab for lab in off_diag if lab.startswith("NV")]
     if nvlinked and gpu.nvlink_gbytes_per_s <= 0:
         raise TopologyError(
             f"the matrix shows NVLink ({nvlinked[0]}) but {gpu.name} has none; pass the right --gpu"
         )
-    keep = _near_nics(topo)
+    xgmi = [lab for lab in off_diag if lab == "XGMI"]
+    if xgmi and not gpu.xgmi_links:
+        raise TopologyError(f"the matrix shows Infinity Fabric (XGMI) links but {gpu.name} has none; pass the "
+                            "right --gpu (mi300x, mi325x, mi350x, mi355x)")
     all_nv = bool(off_diag) and len(nvlinked) == len(off_diag)
+    all_xgmi = bool(off_diag) and len(xgmi) == len(off_diag) and gpu.xgmi_links >= len(topo.gpus) - 1
+    n = len(topo.gpus)
+    if lists_nics:
+        keep = _near_nics(topo)
+        nics = f"{len(keep)} NIC(s) ({', '.join(topo.nics[j] for j in keep) or 'none'})"
+        nic_links = tuple(tuple(row[j] for j in keep) for row in topo.gpu_nic_links)
+        n_nics = len(keep)
+    else:
+        nics, nic_links, n_nics = f"NICs not listed: {n} assumed, one per GPU (set nics_per_node)", (), n
     return Cluster(
         name=name,
         gpu=gpu,
-        gpus_per_node=len(topo.gpus),
-        intra_node="nvswitch" if all_nv else "pcie",
-        nics_per_node=len(keep),
+        gpus_per_node=n,
+        intra_node="nvswitch" if all_nv else "xgmi" if all_xgmi else "pcie",
+        nics_per_node=n_nics,
         nic_gbit_per_s=DETECTED_NIC_GBIT_PER_S,
-        description=f"detected by nvidia-smi topo -m: {len(topo.gpus)}x {gpu.name}, "
-                    f"{len(keep)} NIC(s) ({', '.join(topo.nics[j] for j in keep) or 'none'}), "
+        description=f"detected by {source}: {n}x {gpu.name}, {nics}, "
                     f"line rate assumed {DETECTED_NIC_GBIT_PER_S:g} Gbit/s",
         gpu_links=topo.gpu_links,
-        gpu_nic_links=tuple(tuple(row[j] for j in keep) for row in topo.gpu_nic_links),
+        gpu_nic_links=nic_links,
     )
 
 
