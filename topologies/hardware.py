@@ -182,9 +182,10 @@ GPUS: dict[str, GPUSpec] = {
              nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=4, pcie_gen=5, sm_count=132),
         # NVIDIA HGX H20 product brief (export part): 44 FP32, 74 TF32, 148 BF16/FP16, 296 FP8 TFLOP/s
         # dense (tensor rate capped under the export rules' total processing performance); 96 GB HBM3
-        # at 4.0 TB/s; NVLink4 900 GB/s bidirectional over 18 links; PCIe Gen5. SMs not published.
+        # at 4.0 TB/s; NVLink4 900 GB/s bidirectional over 18 links; PCIe Gen5. 78 SMs (its Geekbench 6
+        # listing, as Wccftech reported it; 78 x 128 FP32 lanes x 2 x ~2.2 GHz gives the sheet's 44 TFLOP/s).
         _gpu("h20", 96 * GIB, 4000, 44, 74, 148, 148, fp8=296,
-             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5),
+             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5, sm_count=78),
         # NVIDIA H200 Tensor Core GPU datasheet, SXM: compute as H100 SXM (67 FP32, 989 TF32*, 1979
         # BF16/FP16*, 3958 FP8*); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional; PCIe Gen5.
         _gpu("h200", 141 * GB, 4800, 67, 494.7, 989.4, 989.4, fp8=1978.9,

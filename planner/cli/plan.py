@@ -41,6 +41,9 @@ def _common(f):
                      help="Override a cluster field, e.g. --set nic_gbit_per_s=200 (repeatable)."),
         click.option("--seq-len", type=POSITIVE, default=None,
                      help="Tokens per sequence. Default: the model's native context, at most 4096."),
+        click.option("--allow-long-context", "allow_long_context", is_flag=True,
+                     help="Plan a --seq-len beyond the model's native context (max_position_embeddings): you extend "
+                          "its positions yourself (rope_scaling, rope_theta). Refused without it."),
         click.option("--global-batch", type=POSITIVE, default=None,
                      help="Sequences per optimizer step. Default: about 1M tokens (2^20 / seq-len), rounded to a "
                           "multiple of each layout's data-parallel degree (within 25%)."),
@@ -102,7 +105,8 @@ def _common(f):
               help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
-def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, precision, calibration, as_json, tp, pp,
+def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision, calibration,
+         as_json, tp, pp,
          dp, dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp,
          recompute, recompute_modules, attention, compile_, async_tp, recipe, top, output, png, headroom_pct, tokens,
          price):
@@ -130,7 +134,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, precisi
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct),
                           TrainingOptions(precision, attention or "", compile_, async_tp,
-                                          tuple(parse_recipe(recipe).items())))
+                                          tuple(parse_recipe(recipe).items())), allow_long_context)
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep
@@ -171,8 +175,8 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, precisi
               help="Price of one GPU-hour, for the cost per million tokens: one for all variants, or one per variant.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a bar chart of tokens/s (and cost) per variant.")
-def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, precision, calibration, as_json,
-            what_if, price_per_gpu_hour, png):
+def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision,
+            calibration, as_json, what_if, price_per_gpu_hour, png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
     from planner.search.sweep import parse_gpus
@@ -187,7 +191,7 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, pre
     model = resolve_model_arg(model)
     load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
-                            price_per_gpu_hour, precision=precision)
+                            price_per_gpu_hour, precision=precision, allow_long_context=allow_long_context)
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:

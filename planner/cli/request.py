@@ -135,10 +135,12 @@ class PlanRequest:
     top: int
     usable_fraction: float
     options: TrainingOptions = TrainingOptions()
+    allow_long_context: bool = False  # --allow-long-context: a --seq-len past the native context is the user's call
 
 
 def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
+    from planner.model.context import check_context
     from planner.search.candidates import check_pins
     from planner.search.search import search
     from planner.simulate.calibration import load_calibration
@@ -148,6 +150,7 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     model = load_model_arg(request.model)
     cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
     seq = request.seq_len or default_seq_len(model.max_seq_len)
+    check_context(model, seq, request.allow_long_context)
     profile = load_calibration(request.calibration, cluster.gpu)
     check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
     options = request.options

@@ -91,8 +91,10 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
-                     calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16") -> list[Row]:
+                     calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
+                     allow_long_context: bool = False) -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in."""
+    from planner.model.context import check_context
     from planner.model.load import load_model
     from planner.search.explain import no_layout_error
     from planner.search.search import search
@@ -108,6 +110,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         n = v.run.get("gpus", gpus)
         cluster = load_cluster(v.cluster, n, v.overrides)
         seq = v.run.get("seq_len", seq_len) or default_seq_len(model.max_seq_len)
+        check_context(model, seq, allow_long_context, "--what-if seq_len" if "seq_len" in v.run else "--seq-len")
         profile = load_calibration(calibration, cluster.gpu)
         result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1,
                         precision=precision)

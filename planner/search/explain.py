@@ -11,6 +11,7 @@ from typing import Any
 
 from planner.engines import get_engine
 from planner.layout import Layout, recompute_label
+from planner.model.context import long_context_sentence
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
 from planner.search.candidates import Pins
@@ -265,4 +266,5 @@ def build_plan(model: ModelSpec, cluster: Cluster, result: SearchResult, engine:
     return Plan(model=model, cluster=cluster, training=training, layout=best.layout, engine=engine,
                 prediction=best.result.prediction(),
                 alternatives=tuple(alternative_json(s, best) for s in result.ranked[1:]),
-                explanation=explanation(result, cluster))
+                explanation=explanation(result, cluster) + tuple(
+                    s for s in [long_context_sentence(model, training.seq_len)] if s))
