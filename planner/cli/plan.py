@@ -11,6 +11,7 @@ import click
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
+from planner.figures import percent, sig
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, recompute_label
 from planner.search.candidates import Pins
 from planner.training import ATTENTION_KINDS, PRECISIONS, RECIPE_KEYS, parse_recipe
@@ -239,7 +240,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
                       f"{lay.micro_batch_size}x{lay.grad_accum_steps}", recompute_label(lay), sched,
-                      f"{r.step_time_s:.3f}", si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
+                      sig(r.step_time_s), si(r.tokens_per_s), percent(r.mfu), sig(r.memory.peak_bytes / 2**30))
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)

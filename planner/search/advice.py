@@ -83,11 +83,11 @@ def bubble_split(ctx: Context, training: TrainingSpec, layout: Layout) -> Bubble
 
 
 def chunk_words(split: BubbleSplit) -> str:
-    """'the last stage (output layer and loss)' for the heavy chunk."""
+    """How the explanation names the heavy chunk: 'the last stage, which also runs the output layer and the loss,'."""
     if split.heavy_chunk == split.n_chunks - 1:
-        return "the last stage (it also runs the output layer and the loss)"
+        return "the last stage, which also runs the output layer and the loss,"
     if split.heavy_chunk == 0:
-        return "the first stage (it also runs the embedding)"
+        return "the first stage, which also runs the embedding,"
     return f"stage {split.heavy_chunk + 1} of {split.n_chunks}"
 
 
@@ -147,9 +147,17 @@ def wider_dp_options(training: TrainingSpec, layout: Layout) -> list[tuple[str, 
     batch = training.global_batch_size * 2
     wider = training.replace(global_batch_size=batch)
     grow = {"dp_shard": layout.dp_shard * 2} if layout.zero_stage > 0 else {"dp_replicate": layout.dp_replicate * 2}
+    changes = []
+    if layout.pp % 2 == 0:
+        pp = layout.pp // 2
+        changes.append({"pp": pp, **({} if pp > 1 else {"pp_schedule": "1f1b", "virtual_stages": 1})})
+    if layout.tp % 2 == 0:
+        tp = layout.tp // 2
+        changes.append({"tp": tp, **({} if tp > 1 else {"sequence_parallel": False})})
     out = []
-    if layout.pp > 1:
-        out.append((f"--global-batch {batch}", wider, layout.replace(pp=layout.pp // 2, **grow)))
-    if layout.tp > 1:
-        out.append((f"--global-batch {batch}", wider, layout.replace(tp=layout.tp // 2, **grow)))
-    return [(c, t, lay) for c, t, lay in out if lay.pp >= 1 and lay.tp >= 1]
+    for change in changes:
+        try:
+            out.append((f"--global-batch {batch}", wider, layout.replace(**change, **grow)))
+        except MeshplanError:  # a layout the rules refuse (the experts' grid, the schedule's chunks) is no option
+            continue
+    return out
