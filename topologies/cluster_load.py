@@ -19,7 +19,8 @@ from typing import Any
 
 from topologies.cluster import Cluster
 from topologies.errors import TopologyError, nearest
-from topologies.hardware import GIB, TFLOPS, GPUSpec, get_gpu, nearest_by_family
+from topologies.gpu_names import nearest_by_family
+from topologies.hardware import GIB, TFLOPS, GPUSpec, get_gpu
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -202,7 +202,7 @@ _SMI_NAMES = (
 
 def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
     """Map a driver's GPU name ('NVIDIA A100-SXM4-80GB', 'AMD Instinct MI300X') to the catalog, with its memory."""
-    from topologies.hardware import unknown_gpu_hint
+    from topologies.gpu_names import unknown_gpu_hint
 
     up = name.upper().replace(" ", "")
     key = next((key for pattern, key in _SMI_NAMES if re.search(pattern, up)), None)

@@ -74,9 +74,3 @@ def band_words(engine: str, gpu: str, moe: bool) -> str:
     runs = "held-out runs" if band.held_out else "runs, fitted ones included"
     share = "90% of" if band.rows >= 10 else "all"  # the 90th percentile of fewer than 10 rows is their worst
     return f" (±{percent(band.p90_abs_error, 2)}: {share} {band.rows} measured {runs} within it)"
-
-
-def band_cell(engine: str, gpu: str, moe: bool) -> str:
-    """'±8.1%' or '-' for tables."""
-    band = band_for(engine, gpu, moe)
-    return f"±{percent(band.p90_abs_error, 2)}" if band else "n/v"

@@ -46,7 +46,13 @@ class Row:
     speedup: float | None = None
     price_per_gpu_hour: float | None = None
     cost_per_million_tokens: float | None = None
-    band: str = "n/v"  # the prediction's measured uncertainty (planner.accuracy.bands), "n/v": not validated
+    uncertainty: dict[str, Any] = field(default_factory=dict)  # planner.accuracy.bands.uncertainty_json
+
+    @property
+    def band(self) -> str:
+        """'±6.2%', or 'n/v' where no bench validates the engine on this GPU family."""
+        u = self.uncertainty
+        return f"±{percent(u['band'], 2)}" if u.get("validated") else "n/v"
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"label": self.variant.label, "cluster": self.variant.cluster,
@@ -54,7 +60,8 @@ class Row:
                                 "gpus": self.gpus, "gpu": self.gpu_name}
         if self.best is None:
             return {**data, "feasible": False, "error": self.error}
-        return {**data, "feasible": True, "uncertainty": self.band, "global_batch_size": self.best.training.global_batch_size,
+        return {**data, "feasible": True, "uncertainty": self.uncertainty,
+                "global_batch_size": self.best.training.global_batch_size,
                 "seq_len": self.best.training.seq_len, "parallel": self.best.layout.to_json(),
                 "prediction": self.best.result.prediction().to_json(), "speedup": self.speedup,
                 "price_per_gpu_hour": self.price_per_gpu_hour, "cost_per_million_tokens": self.cost_per_million_tokens}
@@ -96,7 +103,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
                      calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
                      allow_long_context: bool = False) -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in."""
-    from planner.accuracy.bands import band_cell
+    from planner.accuracy.bands import uncertainty_json
     from planner.model.context import check_context
     from planner.model.load import load_model
     from planner.search.explain import no_layout_error
@@ -119,7 +126,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
                         precision=precision)
         if result.ranked:
             rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best,
-                            band=band_cell(engine, cluster.gpu.name, model.moe is not None)))
+                            uncertainty=uncertainty_json(engine, cluster.gpu.name, model.moe is not None)))
             continue
         error = no_layout_error(result, Pins(), cluster.world_size, engine)
         if not isinstance(error, InfeasibleError):
@@ -154,7 +161,7 @@ def _with_ratios(rows: list[Row], prices: list[float | None]) -> list[Row]:
         tps = r.best.result.tokens_per_s
         cost = price * r.gpus / 3600.0 / tps * 1e6 if price is not None else None
         out.append(Row(r.variant, r.gpus, r.gpu_name, r.best, speedup=tps / base, price_per_gpu_hour=price,
-                       cost_per_million_tokens=cost, band=r.band))
+                       cost_per_million_tokens=cost, uncertainty=r.uncertainty))
     return out
 
 

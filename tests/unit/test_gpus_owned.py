@@ -10,7 +10,8 @@ from planner.search.candidates import Pins
 from topologies.cluster_load import GPU_KEYS, load_cluster, preset_names
 from topologies.collectives import CollectiveModel, bus_bandwidth_gbytes_per_s
 from topologies.errors import InfeasibleError, TopologyError
-from topologies.hardware import GIB, GPU_OVERRIDE_KEYS, GPUS, get_gpu, gpu_family, nearest_by_family
+from topologies.gpu_names import GPU_OVERRIDE_KEYS, gpu_family, nearest_by_family
+from topologies.hardware import GIB, GPUS, get_gpu
 from topologies.links import EFFICIENCY
 from topologies.smi_topo import gpu_from_smi_name
 
