@@ -219,8 +219,8 @@ def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
 
 def _run(args: list[str]) -> str:
     if shutil.which("nvidia-smi") is None:
-        raise HardwareError("no NVIDIA GPU here: nvidia-smi is not installed or not on PATH; "
-                            "run this on the GPU node, or pass --from-file with saved `nvidia-smi topo -m` output")
+        raise HardwareError("no GPU tools here: neither nvidia-smi nor rocm-smi is on PATH; run this on the GPU "
+                            "node, or pass --from-file with saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output")
     proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise HardwareError(f"nvidia-smi {' '.join(args)} failed (exit {proc.returncode}): "
