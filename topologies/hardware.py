@@ -288,8 +288,8 @@ GPUS: dict[str, GPUSpec] = {
         # AMD Instinct MI350X / MI355X datasheets (CDNA 4, 256 CUs of 8,192 dense FP8 FLOPs per clock,
         # ISSCC 2026): MI355X (1,400 W, 2.4 GHz) 157.3 FP32, 2516.6 BF16/FP16, 5033.2 FP8 and MXFP8
         # TFLOP/s dense; MI350X (1,000 W, 2.2 GHz) 144.2 FP32, 2306.9 BF16/FP16, 4613.7 FP8/MXFP8;
-        # 288 GB HBM3E at 8 TB/s; Infinity Fabric 7 links of 153.6 GB/s bidirectional; PCIe Gen5. CDNA 4
-        # has no TF32 matrix rate (0: not catalogued).
+        # 288 GB HBM3E at 8 TB/s; Infinity Fabric 7 links of 153.6 GB/s bidirectional; PCIe Gen5. The
+        # datasheets list no TF32 matrix rate (0: not catalogued; fp32 plans use the FP32 rate).
         _gpu("mi355x", 288 * GIB, 8000, 157.3, 0, 2516.6, 2516.6, fp8=5033.2, mxfp8=5033.2, pcie_gen=5,
              xgmi_links=7, xgmi_link_gbytes_per_s=76.8, sm_count=256),
         _gpu("mi350x", 288 * GIB, 8000, 144.2, 0, 2306.9, 2306.9, fp8=4613.7, mxfp8=4613.7, pcie_gen=5,
