@@ -5,8 +5,9 @@ A Cluster never knows the model it will run. Presets (TOML files under
 resolved into one of these at the edge, by `load_cluster`.
 
 Inside a node the GPUs either all meet at an NVSwitch (`intra_node =
-"nvswitch"`), hang off a PCIe tree (`"pcie"`), or are CPU ranks sharing one
-host (`"host"`). A PCIe tree is described by three group sizes, in GPU index
+"nvswitch"`), are joined pair by pair by their own Infinity Fabric links (`"xgmi"`,
+AMD Instinct platforms: a full mesh without a switch), hang off a PCIe tree
+(`"pcie"`), or are CPU ranks sharing one host (`"host"`). A PCIe tree is described by three group sizes, in GPU index
 order: GPUs behind one PCIe switch (nvidia-smi PIX between them), behind one
 root port through cascaded switches (PXB), and on one NUMA node (NODE; SYS
 across sockets). `nvlink_bridge_pairs` adds NVLink bridges between GPUs 2i and
@@ -32,7 +33,7 @@ from typing import Any
 from topologies.errors import TopologyError
 from topologies.hardware import GPUSpec, get_gpu
 
-INTRA_NODE_KINDS = ("nvswitch", "pcie", "host")
+INTRA_NODE_KINDS = ("nvswitch", "xgmi", "pcie", "host")
 # Sizes beyond any machine built (the largest 2025 clusters hold ~2^17 GPUs; the
 # largest NVLink domain, NVL576, 576): a larger number is a typo, and bounding it
 # keeps every per-rank table the planner and `topo bench` build small.
@@ -46,7 +47,7 @@ class Cluster:
     gpu: GPUSpec
     gpus_per_node: int
     n_nodes: int = 1
-    intra_node: str = "nvswitch"  # nvswitch: all-to-all NVLink; pcie: PCIe switches; host: CPU ranks
+    intra_node: str = "nvswitch"  # nvswitch: all-to-all NVLink; xgmi: AMD's full mesh; pcie: PCIe switches; host: CPU ranks
     nics_per_node: int = 8  # inter-node NICs per node (rail-aligned when == gpus_per_node)
     nic_gbit_per_s: float = 400.0  # line rate of one NIC, per direction
     inter_node_oversubscription: float = 1.0  # fat-tree oversubscription above a leaf (1 = non-blocking)
@@ -82,6 +83,12 @@ class Cluster:
             raise TopologyError(
                 f"cluster {self.name!r}: intra_node 'nvswitch' needs a GPU with NVLink, and {self.gpu.name} has "
                 "none; use intra_node=pcie"
+            )
+        if self.intra_node == "xgmi" and self.gpu.xgmi_links < self.gpus_per_node - 1:
+            raise TopologyError(
+                f"cluster {self.name!r}: intra_node 'xgmi' joins every GPU pair of a node by its own Infinity "
+                f"Fabric link, so {self.gpus_per_node} GPUs need {self.gpus_per_node - 1} xGMI links per GPU and "
+                f"{self.gpu.name} has {self.gpu.xgmi_links}; use intra_node=pcie or fewer gpus_per_node"
             )
         if self.nvlink_bridge_pairs and self.gpu.nvlink_links == 0:
             raise TopologyError(f"cluster {self.name!r}: nvlink_bridge_pairs needs NVLink, {self.gpu.name} has none")

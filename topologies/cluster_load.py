@@ -19,6 +19,7 @@ from typing import Any
 
 from topologies.cluster import Cluster
 from topologies.errors import TopologyError, nearest
+from topologies.gpu_names import nearest_by_family
 from topologies.hardware import GIB, TFLOPS, GPUSpec, get_gpu
 
 if sys.version_info >= (3, 11):
@@ -85,6 +86,8 @@ GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "nvlink_gbytes_per_s": ("nvlink_gbytes_per_s", _as_float),
     "nvlink_links": ("nvlink_links", _as_int),
     "pcie_gen": ("pcie_gen", _as_int),
+    "pcie_p2p": ("pcie_p2p", _as_bool),
+    "xgmi_link_gbytes_per_s": ("xgmi_link_gbytes_per_s", _as_float),
     **{f"gpu_{d}_tflops": (f"{d}_flops", lambda v: _as_float(v) * TFLOPS) for d in ("fp32", "tf32", "bf16", "fp16", "fp8")},
 }
 SETTABLE_KEYS: tuple[str, ...] = ("gpu", *CLUSTER_KEYS, *GPU_KEYS)
@@ -130,9 +133,10 @@ def read_cluster_source(name_or_path: str) -> dict[str, Any]:
     key = name_or_path.strip().lower()
     names = preset_names()
     if key not in names:
+        gpus = {name: str(_read_toml(str(PRESET_DIR / f"{name}.toml")).get("gpu", "")) for name in names}
         raise TopologyError(
-            f"unknown cluster {name_or_path!r}{nearest(key, names)}; presets: {', '.join(names)} "
-            "(or give the path of a .toml file)"
+            f"unknown cluster {name_or_path!r}{nearest_by_family(key, gpus)}; presets: {', '.join(names)} "
+            "(or give the path of a .toml file; `meshplan topo list` shows each preset's GPU)"
         )
     data = dict(_read_toml(str(PRESET_DIR / f"{key}.toml")))
     data.setdefault("name", key)
@@ -221,8 +225,11 @@ def write_cluster_toml(cluster: Cluster, path: str) -> None:
     defaults = Cluster(name="x", gpu=cluster.gpu, gpus_per_node=1)
     lines = [f"# {cluster.description or cluster.name}", f"gpu = {_toml_value(cluster.gpu.name)}"]
     base = get_gpu(cluster.gpu.name)
-    if cluster.gpu.memory_bytes != base.memory_bytes:
-        lines.append(f"gpu_memory_gib = {cluster.gpu.memory_bytes / GIB!r}")
+    for key, (field, _) in GPU_KEYS.items():  # the GPU what-ifs it carries, in the unit each key is typed in
+        value, catalogued = getattr(cluster.gpu, field), getattr(base, field)
+        if value != catalogued:
+            typed = value / GIB if key == "gpu_memory_gib" else value / TFLOPS if key.endswith("_tflops") else value
+            lines.append(f"{key} = {_toml_value(typed)}")
     for key in CLUSTER_KEYS:
         value = getattr(cluster, key)
         if key in ("name", "gpus_per_node", "description") or value != getattr(defaults, key):

@@ -5,7 +5,9 @@ its effective bandwidth. Each algorithm NCCL could pick is priced and the
 fastest wins, as NCCL's tuner would choose:
 
 - ring: n-1 steps for all-gather/reduce-scatter, 2(n-1) for all-reduce; each
-  rank moves (n-1)/n S (twice for all-reduce) over the slowest ring hop.
+  rank moves (n-1)/n S (twice for all-reduce) over the slowest ring hop. On a
+  full mesh of direct links (AMD xGMI) k GPUs of a node run k-1 rings at once,
+  one per link of each GPU, so the hop carries (k-1) links' bandwidth.
   Across nodes the ring leaves each node once per channel, so a node's share
   of the fabric carries one ring's traffic: bus bandwidth = min(in-node hop,
   ranks-per-node * per-GPU NIC share / oversubscription).
@@ -38,7 +40,14 @@ from typing import NamedTuple
 from topologies.cluster import Cluster
 from topologies.errors import TopologyError
 from topologies.graph import LinkTable, gpu_nic_paths, link_between, nic_share_gbytes_per_s, node_link_table
-from topologies.links import EFFICIENCY, NET_HOP_LATENCY_S, SPINE_EXTRA_LATENCY_S, crosses_spine, link_class
+from topologies.links import (
+    EFFICIENCY,
+    NET_HOP_LATENCY_S,
+    SPINE_EXTRA_LATENCY_S,
+    crosses_spine,
+    full_mesh,
+    link_class,
+)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 _ALIASES = {"sendrecv": "send_recv", "allreduce": "all_reduce", "allgather": "all_gather",
@@ -199,6 +208,12 @@ class CollectiveModel:
         """
         pairs = [(a, b) for a in pattern for b in pattern if a != b]
         pair = min((self._bw[a][b] for a, b in pairs), default=math.inf)
+        if full_mesh(node_link_table(self.cluster).labels, pattern):
+            # k GPUs joined pair by pair (xGMI): k - 1 rings run at once, each over other links, and an
+            # all-to-all sends to every peer on its own link, so a GPU moves data on k - 1 links together
+            links = len(pattern) - 1
+            lat = max(self._lat[a][b] for a, b in pairs)
+            return pair * links, lat, pair * links
         best_order = pattern
         if len(pattern) > 2 and pair < max(self._bw[a][b] for a, b in pairs):
             best_order = best_ring_order(node_link_table(self.cluster), pattern)

@@ -23,7 +23,7 @@ Vertices are named "n{node}/gpu{i}", "n{node}/nvswitch", "n{node}/sw{s}"
 (PCIe switch), "n{node}/root{r}" (root port with cascaded switches),
 "n{node}/cpu{u}" (socket / NUMA node with its host bridges),
 "n{node}/nic{j}", "leaf{l}" and "spine". Edges carry `gbytes_per_s` (raw,
-per direction), `latency_s` (one way), `kind` (nvlink, pcie, nic, net, shm,
+per direction), `latency_s` (one way), `kind` (nvlink, xgmi, pcie, nic, net, shm,
 measured) and `level` (the nvidia-smi label a path through it reaches).
 A path's latency is the sum of its edges, so each PCIe level's edge holds half
 the latency step between its label and the one below (a pair climbs it twice).
@@ -208,6 +208,11 @@ def node_graph(c, node: int = 0) -> Graph:
         elif c.nvlink_bridge_pairs:
             for i in range(0, c.gpus_per_node - 1, 2):
                 _edge(g, f"{p}gpu{i}", f"{p}gpu{i + 1}", nv_bw, nv_lat, "nvlink")
+        elif c.intra_node == "xgmi":  # a full mesh: one Infinity Fabric link per pair, no switch
+            for i in range(c.gpus_per_node):
+                for j in range(i + 1, c.gpus_per_node):
+                    _edge(g, f"{p}gpu{i}", f"{p}gpu{j}", label_gbytes_per_s("XGMI", c.gpu), LATENCY_S["XGMI"],
+                          "xgmi")
     _add_nics(g, c, p)
     return g
 
@@ -281,6 +286,8 @@ def path_label(g: Graph, path: list[str], nvlink_links: int) -> str:
     kinds = [g.edges[u, v]["kind"] for u, v in zip(path[:-1], path[1:], strict=True)]
     if kinds and all(k == "nvlink" for k in kinds):
         return f"NV{nvlink_links or 1}"
+    if kinds == ["xgmi"]:
+        return "XGMI"
     if all(k == "shm" for k in kinds):
         return "SHM"
     if kinds == ["measured"]:

@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from topologies.errors import TopologyError, nearest
+from topologies.errors import TopologyError
+from topologies.gpu_names import nearest_by_family, unknown_gpu_hint
 
 GIB = 1 << 30
 GB = 10**9
@@ -66,10 +67,14 @@ class GPUSpec:
     # Streaming multiprocessors; communication kernels that run beside a GEMM take some of them
     # (planner.simulate.tp_overlap). 0 where not catalogued: no SM share is priced.
     sm_count: int = 0
+    # AMD Infinity Fabric (xGMI): direct links to peer GPUs, one per peer on an 8-GPU Instinct platform
+    # (no switch: a pair of GPUs gets one link, a collective over k GPUs k - 1 of them at once).
+    xgmi_links: int = 0
+    xgmi_link_gbytes_per_s: float = 0.0  # one xGMI link, per direction; 0: no xGMI
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
-                    "fp8_flops", "nvlink_gbytes_per_s", "exp_per_s"):
+                    "fp8_flops", "nvlink_gbytes_per_s", "exp_per_s", "xgmi_link_gbytes_per_s"):
             value = getattr(self, key)
             # NaN passes every comparison below and would price a link or a GEMM as free
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
@@ -82,8 +87,13 @@ class GPUSpec:
             )
         if isinstance(self.sm_count, bool) or not isinstance(self.sm_count, int) or self.sm_count < 0:
             raise TopologyError(f"GPU {self.name!r}: sm_count must be an integer >= 0, got {self.sm_count!r}")
-        if self.nvlink_gbytes_per_s < 0 or self.nvlink_links < 0:
-            raise TopologyError(f"GPU {self.name!r}: NVLink bandwidth and link count must be >= 0")
+        for key in ("nvlink_links", "xgmi_links"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TopologyError(f"GPU {self.name!r}: {key} must be an integer >= 0, got {value!r}")
+        if bool(self.xgmi_links) != bool(self.xgmi_link_gbytes_per_s):
+            raise TopologyError(f"GPU {self.name!r}: xgmi_links ({self.xgmi_links}) and xgmi_link_gbytes_per_s "
+                                f"({self.xgmi_link_gbytes_per_s}) must both be 0 or both positive")
         if self.kind not in ("gpu", "cpu"):
             raise TopologyError(f"GPU {self.name!r}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
 
@@ -94,6 +104,9 @@ class GPUSpec:
         if value is None:
             raise TopologyError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32, tf32, fp8 or mxfp8")
         if value <= 0:
+            if dtype == "bf16" and self.fp16_flops > 0:  # Turing (T4), Volta (V100): fp16 with loss scaling
+                raise TopologyError(f"{self.name} has no bf16 tensor cores; train in fp16 with --precision fp16 "
+                                    "(dynamic loss scaling), or pick a GPU with bf16 (Ampere or later)")
             raise TopologyError(f"{self.name} has no {dtype} tensor cores; pick another dtype or GPU")
         return value
 
@@ -101,6 +114,11 @@ class GPUSpec:
     def pcie_gbytes_per_s(self) -> float:
         """PCIe x16 payload bandwidth per direction: raw rate * PCIE_PAYLOAD_EFFICIENCY."""
         return PCIE_PAYLOAD_EFFICIENCY * PCIE_X16_RAW_GBYTES_PER_S[self.pcie_gen]
+
+    @property
+    def xgmi_gbytes_per_s(self) -> float:
+        """All xGMI links of one GPU together, per direction (0 without xGMI)."""
+        return self.xgmi_links * self.xgmi_link_gbytes_per_s
 
     @property
     def nvlink_link_gbytes_per_s(self) -> float:
@@ -157,6 +175,17 @@ GPUS: dict[str, GPUSpec] = {
         # NVLink bridge 600 GB/s bidirectional (pairs); PCIe Gen5.
         _gpu("h100-pcie", 80 * GIB, 2000, 51, 378, 756.5, 756.5, fp8=1513,
              nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=4, pcie_gen=5, sm_count=114),
+        # NVIDIA H100 NVL datasheet (2023, per GPU): 60 FP32, 835 TF32*, 1671 BF16/FP16*, 3341 FP8* (sparse:
+        # halved); 94 GB HBM3 at 3.9 TB/s; NVLink bridge 600 GB/s bidirectional (pairs); PCIe Gen5; the
+        # full 132-SM GH100 of the SXM part at a lower power limit (400 W).
+        _gpu("h100-nvl", 94 * GIB, 3900, 60, 417.5, 835.5, 835.5, fp8=1670.5,
+             nvlink_gbytes_per_s=300, nvlink_links=12, nvlink_gen=4, pcie_gen=5, sm_count=132),
+        # NVIDIA HGX H20 product brief (export part): 44 FP32, 74 TF32, 148 BF16/FP16, 296 FP8 TFLOP/s
+        # dense (tensor rate capped under the export rules' total processing performance); 96 GB HBM3
+        # at 4.0 TB/s; NVLink4 900 GB/s bidirectional over 18 links; PCIe Gen5. 78 SMs (its Geekbench 6
+        # listing, as Wccftech reported it; 78 x 128 FP32 lanes x 2 x ~2.2 GHz gives the sheet's 44 TFLOP/s).
+        _gpu("h20", 96 * GIB, 4000, 44, 74, 148, 148, fp8=296,
+             nvlink_gbytes_per_s=450, nvlink_links=18, nvlink_gen=4, pcie_gen=5, sm_count=78),
         # NVIDIA H200 Tensor Core GPU datasheet, SXM: compute as H100 SXM (67 FP32, 989 TF32*, 1979
         # BF16/FP16*, 3958 FP8*); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional; PCIe Gen5.
         _gpu("h200", 141 * GB, 4800, 67, 494.7, 989.4, 989.4, fp8=1978.9,
@@ -200,6 +229,33 @@ GPUS: dict[str, GPUSpec] = {
         # NVIDIA L40S datasheet: 91.6 FP32, 366 TF32*, 733 BF16/FP16*, 1466 FP8* TFLOP/s (sparse,
         # halved); 48 GB GDDR6 at 864 GB/s; no NVLink; PCIe Gen4 x16.
         _gpu("l40s", 48 * GB, 864, 91.6, 183, 362.05, 362.05, fp8=733, pcie_gen=4, sm_count=142),
+        # NVIDIA L4 datasheet: 30.3 FP32, 120 TF32*, 242 BF16/FP16*, 485 FP8* TFLOP/s (sparse, halved);
+        # 24 GB GDDR6 at 300 GB/s; no NVLink; PCIe Gen4 x16; 58 SMs (AD104, Ada whitepaper).
+        _gpu("l4", 24 * GB, 300, 30.3, 60, 121, 121, fp8=242.5, pcie_gen=4, sm_count=58),
+        # NVIDIA A10 datasheet: 31.2 FP32, 62.5 TF32, 125 BF16/FP16 TFLOP/s dense (250 sparse); 24 GB
+        # GDDR6 at 600 GB/s; no NVLink; PCIe Gen4; 72 SMs (GA102). Data-center part: FP16/BF16 with
+        # FP32 accumulate at the full tensor rate.
+        _gpu("a10", 24 * GB, 600, 31.2, 62.5, 125, 125, pcie_gen=4, sm_count=72),
+        # AWS's A10G (EC2 G5; NVIDIA publishes no datasheet; AWS G5 documentation and Baseten, "NVIDIA A10
+        # vs A10G for ML model inference", 2023): 80 SMs of GA102 at 1.71 GHz, 35 FP32, 35 TF32, 70
+        # BF16/FP16 TFLOP/s dense (tensor math at GeForce's half rate with FP32 accumulate: 80 x 4 x 64
+        # FMA x 2 x 1.71 GHz); 24 GB GDDR6 at 600 GB/s; PCIe Gen4.
+        _gpu("a10g", 24 * GB, 600, 35, 35, 70, 70, pcie_gen=4, sm_count=80),
+        # NVIDIA RTX A6000 datasheet: 38.7 FP32, 309.7 tensor TFLOP/s (sparse: 154.8 BF16/FP16 dense with
+        # FP32 accumulate, 77.4 TF32); 48 GB GDDR6 at 768 GB/s; NVLink bridge 112.5 GB/s bidirectional
+        # (4 links of NVLink3, pairs); PCIe Gen4; 84 SMs (GA102). Workstation cards allow PCIe peer-to-peer.
+        _gpu("a6000", 48 * GB, 768, 38.7, 77.4, 154.8, 154.8,
+             nvlink_gbytes_per_s=56.25, nvlink_links=4, nvlink_gen=3, pcie_gen=4, sm_count=84),
+        # NVIDIA RTX 6000 Ada Generation datasheet: 91.1 FP32, 1457 FP8 tensor TFLOP/s (sparse: 728.5 FP8,
+        # 364.25 BF16/FP16, 182.1 TF32 dense, FP32 accumulate at the full rate on this workstation part);
+        # 48 GB GDDR6 at 960 GB/s; no NVLink; PCIe Gen4; 142 SMs (AD102).
+        _gpu("rtx6000-ada", 48 * GB, 960, 91.1, 182.1, 364.25, 364.25, fp8=728.5, pcie_gen=4, sm_count=142),
+        # NVIDIA RTX Blackwell GPU architecture whitepaper, GeForce RTX 5090 column: 104.8 FP32; with FP32
+        # accumulate 104.8 TF32, 209.5 BF16/FP16, 419 FP8 TFLOP/s dense (half of the FP16-accumulate rate,
+        # 838 FP16 sparse); 32 GB GDDR7 at 1792 GB/s; no NVLink; PCIe Gen5; 170 SMs (GB202). GeForce:
+        # the driver disables PCIe peer-to-peer.
+        _gpu("rtx5090", 32 * GB, 1792, 104.8, 104.8, 209.5, 209.5, fp8=419, pcie_gen=5, pcie_p2p=False,
+             sm_count=170),
         # NVIDIA Ada GPU architecture whitepaper, GeForce RTX 4090 column: 82.6 FP32; with FP32
         # accumulate 82.6 TF32, 165.2 BF16/FP16, 330.3 FP8 TFLOP/s dense; 24 GB GDDR6X at 1008 GB/s;
         # no NVLink; PCIe Gen4. The GeForce driver disables PCIe peer-to-peer.
@@ -216,6 +272,28 @@ GPUS: dict[str, GPUSpec] = {
         # BF16 or TF32 (Volta); HBM2 at 900 GB/s; NVLink2 300 GB/s bidirectional over 6 links; Gen3.
         _gpu("v100", 32 * GIB, 900, 15.7, 0, 0, 125,
              nvlink_gbytes_per_s=150, nvlink_links=6, nvlink_gen=2, pcie_gen=3, sm_count=80),
+        # AMD Instinct MI300X datasheet (OAM): 163.4 FP32 (matrix), 653.7 TF32, 1307.4 BF16/FP16, 2614.9 FP8
+        # TFLOP/s dense (sparsity doubles them); 192 GB HBM3 at 5.3 TB/s (rocm-smi reports 192 GiB); 304
+        # CUs; Infinity Fabric: 7 links of 128 GB/s bidirectional to the 7 peer GPUs of the 8-GPU platform
+        # (AMD ROCm blog "Understanding RCCL Bandwidth and xGMI Performance on AMD Instinct MI300X", 2025:
+        # 64 GB/s per link and direction, fully connected mesh); PCIe Gen5 x16 host link. sm_count holds
+        # the compute units (the SM's counterpart). PyTorch runs it through ROCm's RCCL under the `nccl`
+        # backend name.
+        _gpu("mi300x", 192 * GIB, 5300, 163.4, 653.7, 1307.4, 1307.4, fp8=2614.9, pcie_gen=5,
+             xgmi_links=7, xgmi_link_gbytes_per_s=64, sm_count=304),
+        # AMD Instinct MI325X datasheet: compute as MI300X (same CDNA 3 die: 1307.4 BF16, 2614.9 FP8 dense);
+        # 256 GB HBM3E at 6.0 TB/s; Infinity Fabric 7 x 128 GB/s bidirectional; PCIe Gen5.
+        _gpu("mi325x", 256 * GIB, 6000, 163.4, 653.7, 1307.4, 1307.4, fp8=2614.9, pcie_gen=5,
+             xgmi_links=7, xgmi_link_gbytes_per_s=64, sm_count=304),
+        # AMD Instinct MI350X / MI355X datasheets (CDNA 4, 256 CUs of 8,192 dense FP8 FLOPs per clock,
+        # ISSCC 2026): MI355X (1,400 W, 2.4 GHz) 157.3 FP32, 2516.6 BF16/FP16, 5033.2 FP8 and MXFP8
+        # TFLOP/s dense; MI350X (1,000 W, 2.2 GHz) 144.2 FP32, 2306.9 BF16/FP16, 4613.7 FP8/MXFP8;
+        # 288 GB HBM3E at 8 TB/s; Infinity Fabric 7 links of 153.6 GB/s bidirectional; PCIe Gen5. The
+        # datasheets list no TF32 matrix rate (0: not catalogued; fp32 plans use the FP32 rate).
+        _gpu("mi355x", 288 * GIB, 8000, 157.3, 0, 2516.6, 2516.6, fp8=5033.2, mxfp8=5033.2, pcie_gen=5,
+             xgmi_links=7, xgmi_link_gbytes_per_s=76.8, sm_count=256),
+        _gpu("mi350x", 288 * GIB, 8000, 144.2, 0, 2306.9, 2306.9, fp8=4613.7, mxfp8=4613.7, pcie_gen=5,
+             xgmi_links=7, xgmi_link_gbytes_per_s=76.8, sm_count=256),
         # CPU stand-in for the `cpu` cluster: numbers of a small server core complex;
         # only used to run the executor and its tests, never to rank GPU layouts.
         GPUSpec("cpu", 16 * GIB, 20, 0.2 * TFLOPS, 0.0, 0.2 * TFLOPS, 0.2 * TFLOPS, pcie_gen=4, kind="cpu"),
@@ -227,4 +305,5 @@ def get_gpu(name: str) -> GPUSpec:
     key = name.strip().lower()
     if key in GPUS:
         return GPUS[key]
-    raise TopologyError(f"unknown GPU {name!r}{nearest(key, list(GPUS))}; known: {', '.join(GPUS)}")
+    raise TopologyError(f"unknown GPU {name!r}{nearest_by_family(key, {g: g for g in GPUS})}; known: "
+                        f"{', '.join(GPUS)}{unknown_gpu_hint()}")

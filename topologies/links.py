@@ -4,7 +4,8 @@ Inside a node a GPU pair is joined by one link class, named as nvidia-smi
 names it: NV<k> (k NVLink links, direct or through an NVSwitch), PIX (one PCIe
 switch), PXB (several switches, no host bridge), PHB (through a PCIe host
 bridge), NODE (between host bridges of one NUMA node), SYS (across the CPU
-socket interconnect), and SHM for CPU ranks sharing one host. Between nodes a
+socket interconnect), XGMI (AMD Infinity Fabric: one direct link per GPU pair, as `rocm-smi
+--showtopo` names it), and SHM for CPU ranks sharing one host. Between nodes a
 GPU reaches the fabric through its NIC (rail-aligned: GPU i uses NIC
 i * nics / gpus).
 
@@ -36,7 +37,8 @@ _NV = re.compile(r"^NV(\d+)$")
 # (GeForce) every PCIe pair bounces through host memory: two copies.
 PCIE_SHARE = {"PIX": 1.0, "PXB": 1.0, "PHB": 0.9, "NODE": 0.8, "SYS": 0.5}
 NO_P2P_SHARE = 0.5
-LATENCY_S = {"NV": 0.7e-6, "PIX": 1.2e-6, "PXB": 1.4e-6, "PHB": 1.6e-6, "NODE": 2.0e-6, "SYS": 2.8e-6,
+# An xGMI hop is priced as an NVLink hop: one direct SerDes link, no measurement of its own here.
+LATENCY_S = {"NV": 0.7e-6, "XGMI": 0.7e-6, "PIX": 1.2e-6, "PXB": 1.4e-6, "PHB": 1.6e-6, "NODE": 2.0e-6, "SYS": 2.8e-6,
              "SHM": 10e-6}
 NET_HOP_LATENCY_S = 2.0e-6  # NIC -> leaf switch -> NIC (InfiniBand/RoCE); the PCIe legs to the NICs add theirs
 SPINE_EXTRA_LATENCY_S = 1.0e-6  # two more switch traversals when a path climbs to the spine
@@ -52,6 +54,9 @@ EFFICIENCY = {
     # NVLink SHARP (in-switch reduction, H100 and later): all_reduce moves S per direction instead of
     # 2(n-1)/n S. 8x H100 peaks at ~480 GB/s busbw = ~275 GB/s algbw of 450 (NVIDIA/nccl-tests#212).
     "nvls": 0.6,
+    # xGMI on MI300X: 64 GB/s per link and direction rated, ~48 usable after CRC and protocol overhead
+    # (AMD ROCm blog "Understanding RCCL Bandwidth and xGMI Performance on AMD Instinct MI300X", 2025).
+    "xgmi": 0.75,
     "pcie": 0.9,  # P2P copies over PCIe switches reach ~90% of the payload rate
     # ConnectX-6/7 InfiniBand: NCCL reaches ~24 of 25 GB/s per HDR NIC (NVIDIA/nccl#412) and
     # 48-49 of 50 GB/s per NDR NIC (NVIDIA/nccl-tests#267).
@@ -69,18 +74,18 @@ def check_label(label: str, diagonal: bool = False) -> None:
         if label != "X":
             raise TopologyError(f"GPU link matrix: the diagonal must be 'X', got {label!r}")
         return
-    if label in PCIE_LABELS or label == "SHM" or _NV.match(label):
+    if label in PCIE_LABELS or label in ("SHM", "XGMI") or _NV.match(label):
         return
     raise TopologyError(
-        f"GPU link label {label!r} is unknown; use NV<links>, {', '.join(PCIE_LABELS)} or SHM"
+        f"GPU link label {label!r} is unknown; use NV<links>, XGMI, {', '.join(PCIE_LABELS)} or SHM"
     )
 
 
 def link_class(label: str) -> str:
-    """The efficiency class of a label: nvlink, pcie or shm."""
+    """The efficiency class of a label: nvlink, xgmi, pcie or shm."""
     if _NV.match(label):
         return "nvlink"
-    return "shm" if label == "SHM" else "pcie"
+    return {"SHM": "shm", "XGMI": "xgmi"}.get(label, "pcie")
 
 
 def derive_labels(cluster) -> tuple[tuple[str, ...], ...]:
@@ -95,6 +100,8 @@ def _pair_label(cluster, i: int, j: int) -> str:
     nv = f"NV{cluster.gpu.nvlink_links or 1}"
     if cluster.intra_node == "host":
         return "SHM"
+    if cluster.intra_node == "xgmi":
+        return "XGMI"
     if cluster.intra_node == "nvswitch" or (cluster.nvlink_bridge_pairs and i // 2 == j // 2):
         return nv
     return pcie_label(cluster, i, j)
@@ -121,12 +128,20 @@ def label_gbytes_per_s(label: str, gpu) -> float:
         return min(links * per_link, gpu.nvlink_gbytes_per_s) if gpu.nvlink_gbytes_per_s else 0.0
     if label == "SHM":
         return HOST_SHM_GBYTES_PER_S
+    if label == "XGMI":
+        return gpu.xgmi_link_gbytes_per_s
     share = PCIE_SHARE[label] if gpu.pcie_p2p else min(PCIE_SHARE[label], NO_P2P_SHARE)
     return share * gpu.pcie_gbytes_per_s
 
 
 def label_latency_s(label: str) -> float:
     return LATENCY_S["NV"] if _NV.match(label) else LATENCY_S[label]
+
+
+def full_mesh(labels: tuple[tuple[str, ...], ...], pattern: tuple[int, ...]) -> bool:
+    """Every pair of `pattern` (local GPU indices) has its own direct xGMI link: a collective over
+    them can drive k - 1 links of each GPU at once, as RCCL's rings on a fully connected node do."""
+    return len(pattern) > 1 and all(labels[a][b] == "XGMI" for a in pattern for b in pattern if a != b)
 
 
 def nic_of_gpu(cluster, gpu: int) -> int:

@@ -147,43 +147,68 @@ def guess_gpu(topo: SmiTopology) -> GPUSpec:
     )
 
 
-def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected") -> Cluster:
-    """A one-node Cluster with the measured labels: NVSwitch when every GPU pair is NVLink, else PCIe."""
+def detect_cluster(topo: SmiTopology, gpu: GPUSpec, name: str = "detected", source: str = "nvidia-smi topo -m",
+                   lists_nics: bool = True) -> Cluster:
+    """A one-node Cluster with the measured labels: NVSwitch when every GPU pair is NVLink, an xGMI mesh when
+    every pair has its own Infinity Fabric link, else PCIe. A source that lists no NICs (`lists_nics`
+    False: rocm-smi) gets one per GPU, rail-aligned, and the description says it was assumed."""
     off_diag = [lab for i, row in enumerate(topo.gpu_links) for j, lab in enumerate(row) if i != j]
     nvlinked = [lab for lab in off_diag if lab.startswith("NV")]
     if nvlinked and gpu.nvlink_gbytes_per_s <= 0:
         raise TopologyError(
             f"the matrix shows NVLink ({nvlinked[0]}) but {gpu.name} has none; pass the right --gpu"
         )
-    keep = _near_nics(topo)
+    xgmi = [lab for lab in off_diag if lab == "XGMI"]
+    if xgmi and not gpu.xgmi_links:
+        raise TopologyError(f"the matrix shows Infinity Fabric (XGMI) links but {gpu.name} has none; pass the "
+                            "right --gpu (mi300x, mi325x, mi350x, mi355x)")
     all_nv = bool(off_diag) and len(nvlinked) == len(off_diag)
+    all_xgmi = bool(off_diag) and len(xgmi) == len(off_diag) and gpu.xgmi_links >= len(topo.gpus) - 1
+    n = len(topo.gpus)
+    if lists_nics:
+        keep = _near_nics(topo)
+        nics = f"{len(keep)} NIC(s) ({', '.join(topo.nics[j] for j in keep) or 'none'})"
+        nic_links = tuple(tuple(row[j] for j in keep) for row in topo.gpu_nic_links)
+        n_nics = len(keep)
+    else:
+        nics, nic_links, n_nics = f"NICs not listed: {n} assumed, one per GPU (set nics_per_node)", (), n
     return Cluster(
         name=name,
         gpu=gpu,
-        gpus_per_node=len(topo.gpus),
-        intra_node="nvswitch" if all_nv else "pcie",
-        nics_per_node=len(keep),
+        gpus_per_node=n,
+        intra_node="nvswitch" if all_nv else "xgmi" if all_xgmi else "pcie",
+        nics_per_node=n_nics,
         nic_gbit_per_s=DETECTED_NIC_GBIT_PER_S,
-        description=f"detected by nvidia-smi topo -m: {len(topo.gpus)}x {gpu.name}, "
-                    f"{len(keep)} NIC(s) ({', '.join(topo.nics[j] for j in keep) or 'none'}), "
+        description=f"detected by {source}: {n}x {gpu.name}, {nics}, "
                     f"line rate assumed {DETECTED_NIC_GBIT_PER_S:g} Gbit/s",
         gpu_links=topo.gpu_links,
-        gpu_nic_links=tuple(tuple(row[j] for j in keep) for row in topo.gpu_nic_links),
+        gpu_nic_links=nic_links,
     )
 
 
+# `nvidia-smi --query-gpu=name`, `rocm-smi --showproductname`'s "Card Series" and torch's
+# get_device_name -> catalog, first match wins (specific before general: H200 before H20, A100
+# before A10, L40S before L4). Names are matched upper-case with spaces removed.
+_SMI_NAMES = (
+    (r"GB300", "gb300"), (r"GB200", "gb200"), (r"B300", "b300"), (r"B200", "b200"), (r"H200", "h200"),
+    (r"H800.*PCIE", "h100-pcie"), (r"H800", "h800"), (r"H20(?!\d)", "h20"), (r"H100.*NVL", "h100-nvl"),
+    (r"H100.*PCIE", "h100-pcie"), (r"H100", "h100-sxm"), (r"A(100|800).*PCIE", "a100-80g-pcie"),
+    (r"A(100|800).*40GB", "a100-40g-sxm"), (r"A100|A800", "a100-80g-sxm"), (r"A10G", "a10g"), (r"A10(?!\d)", "a10"),
+    (r"RTXA6000", "a6000"), (r"RTX6000ADA", "rtx6000-ada"), (r"L40S", "l40s"), (r"L4(?!\d)", "l4"),
+    (r"5090", "rtx5090"), (r"4090", "rtx4090"), (r"3090", "rtx3090"), (r"(?<!R)T4(?!\d)", "t4"), (r"V100", "v100"),
+    (r"MI300X", "mi300x"), (r"MI325X", "mi325x"), (r"MI350X", "mi350x"), (r"MI355X", "mi355x"),
+)
+
+
 def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
-    """Map `nvidia-smi --query-gpu=name` (e.g. 'NVIDIA A100-SXM4-80GB') to the catalog, with its memory."""
+    """Map a driver's GPU name ('NVIDIA A100-SXM4-80GB', 'AMD Instinct MI300X') to the catalog, with its memory."""
+    from topologies.gpu_names import unknown_gpu_hint
+
     up = name.upper().replace(" ", "")
-    rules = [("H200", "h200"), ("GB200", "gb200"), ("GB300", "gb300"), ("B200", "b200"), ("B300", "b300"),
-             ("H800", "h800"), ("L40S", "l40s"), ("4090", "rtx4090"), ("3090", "rtx3090"), ("T4", "t4"), ("V100", "v100")]
-    key = next((v for k, v in rules if k in up), None)
-    if "H100" in up or ("H800" in up and "PCIE" in up):
-        key = "h100-pcie" if ("PCIE" in up or "NVL" in up) else "h100-sxm"
-    elif "A100" in up or "A800" in up:
-        key = "a100-80g-pcie" if "PCIE" in up else ("a100-40g-sxm" if "40GB" in up else "a100-80g-sxm")
+    key = next((key for pattern, key in _SMI_NAMES if re.search(pattern, up)), None)
     if key is None:
-        raise TopologyError(f"GPU {name!r} is not in the catalog; pass --gpu NAME (one of {', '.join(GPUS)})")
+        raise TopologyError(f"GPU {name!r} is not in the catalog; pass --gpu NAME (one of {', '.join(GPUS)})"
+                            f"{unknown_gpu_hint()}")
     spec = get_gpu(key)
     if memory_mib:
         import dataclasses
@@ -194,8 +219,8 @@ def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
 
 def _run(args: list[str]) -> str:
     if shutil.which("nvidia-smi") is None:
-        raise HardwareError("no NVIDIA GPU here: nvidia-smi is not installed or not on PATH; "
-                            "run this on the GPU node, or pass --from-file with saved `nvidia-smi topo -m` output")
+        raise HardwareError("no GPU tools here: neither nvidia-smi nor rocm-smi is on PATH; run this on the GPU "
+                            "node, or pass --from-file with saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output")
     proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise HardwareError(f"nvidia-smi {' '.join(args)} failed (exit {proc.returncode}): "

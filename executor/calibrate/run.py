@@ -94,7 +94,8 @@ def local_cluster(machine: Machine, n: int):
 
     if machine.device == "cpu":
         return load_cluster("cpu", n)
-    intra = "nvswitch" if machine.gpu.nvlink_gbytes_per_s > 0 and n > 2 else "pcie"
+    intra = "nvswitch" if machine.gpu.nvlink_gbytes_per_s > 0 and n > 2 else \
+        "xgmi" if machine.gpu.xgmi_links >= n - 1 > 0 else "pcie"
     return Cluster(name="local", gpu=machine.gpu, gpus_per_node=n, intra_node=intra, nics_per_node=1)
 
 

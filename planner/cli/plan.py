@@ -11,6 +11,7 @@ import click
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_NAMES
+from planner.figures import percent, sig
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, recompute_label
 from planner.search.candidates import Pins
 from planner.training import ATTENTION_KINDS, PRECISIONS, RECIPE_KEYS, parse_recipe
@@ -41,11 +42,17 @@ def _common(f):
                      help="Override a cluster field, e.g. --set nic_gbit_per_s=200 (repeatable)."),
         click.option("--seq-len", type=POSITIVE, default=None,
                      help="Tokens per sequence. Default: the model's native context, at most 4096."),
+        click.option("--allow-long-context", "allow_long_context", is_flag=True,
+                     help="Plan a --seq-len beyond the model's native context (max_position_embeddings): you extend "
+                          "its positions yourself (rope_scaling, rope_theta). Refused without it."),
         click.option("--global-batch", type=POSITIVE, default=None,
                      help="Sequences per optimizer step. Default: about 1M tokens (2^20 / seq-len), rounded to a "
                           "multiple of each layout's data-parallel degree (within 25%)."),
         click.option("--engine", type=click.Choice(ENGINE_NAMES), default="meshplan", show_default=True,
                      help="Whose precision recipe and overlap the prediction assumes."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
+                     help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
+                          "Blackwell) around a bf16 model. GPUs without bf16 (T4, V100): fp16."),
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="Calibration profile JSON (default: the shipped profile of the cluster's GPU)."),
         click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout."),
@@ -71,9 +78,6 @@ def _common(f):
 @click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
 @click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
 # ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
-              help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
-                   "Blackwell) around a bf16 model.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
               help="Pin activation recomputation: selective = attention core (Megatron), op = per-op "
                    "selective checkpointing (torchtitan), full = whole blocks. Default: searched.")
@@ -102,8 +106,9 @@ def _common(f):
               help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
-def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, tp, pp, dp,
-         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp, precision,
+def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision, calibration,
+         as_json, tp, pp,
+         dp, dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp,
          recompute, recompute_modules, attention, compile_, async_tp, recipe, top, output, png, headroom_pct, tokens,
          price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
@@ -130,7 +135,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
     request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
                           headroom_fraction(headroom_pct),
                           TrainingOptions(precision, attention or "", compile_, async_tp,
-                                          tuple(parse_recipe(recipe).items())))
+                                          tuple(parse_recipe(recipe).items())), allow_long_context)
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep
@@ -171,8 +176,8 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
               help="Price of one GPU-hour, for the cost per million tokens: one for all variants, or one per variant.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a bar chart of tokens/s (and cost) per variant.")
-def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, calibration, as_json, what_if,
-            price_per_gpu_hour, png):
+def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision,
+            calibration, as_json, what_if, price_per_gpu_hour, png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
     from planner.search.sweep import parse_gpus
@@ -187,7 +192,7 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     model = resolve_model_arg(model)
     load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
     rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
-                            price_per_gpu_hour)
+                            price_per_gpu_hour, precision=precision, allow_long_context=allow_long_context)
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:
@@ -235,7 +240,7 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
                       f"{lay.micro_batch_size}x{lay.grad_accum_steps}", recompute_label(lay), sched,
-                      f"{r.step_time_s:.3f}", si(r.tokens_per_s), f"{r.mfu:.1%}", f"{r.memory.peak_bytes / 2**30:.1f}")
+                      sig(r.step_time_s), si(r.tokens_per_s), percent(r.mfu), sig(r.memory.peak_bytes / 2**30))
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)

@@ -36,6 +36,10 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
     from topologies.errors import TopologyError, UsageError
 
     eng = get_engine(engine)
+    if options.precision == "bf16" and gpu.kind != "cpu" and gpu.bf16_flops <= 0:
+        raise UsageError(f"--precision bf16 (the default): {gpu.name} has no bf16 tensor cores (Turing T4, Volta "
+                         "V100); pass --precision fp16 (16-bit weights and activations with dynamic loss scaling, "
+                         f"{gpu.fp16_flops / 1e12:g} TFLOP/s on {gpu.name}), or pick a GPU with bf16 (Ampere or later)")
     if options.precision in ("fp8", "mxfp8") and gpu.kind == "cpu":
         raise UsageError(f"--precision {options.precision}: CPU ranks run in fp32 and have no 8-bit matrix units; "
                          "plan fp8 on a GPU cluster that has it (e.g. --cluster dgx-h100), or drop --precision")
@@ -131,10 +135,12 @@ class PlanRequest:
     top: int
     usable_fraction: float
     options: TrainingOptions = TrainingOptions()
+    allow_long_context: bool = False  # --allow-long-context: a --seq-len past the native context is the user's call
 
 
 def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     """(model, cluster, SearchResult) for `request` on `gpus` GPUs; the result may hold no layout."""
+    from planner.model.context import check_context
     from planner.search.candidates import check_pins
     from planner.search.search import search
     from planner.simulate.calibration import load_calibration
@@ -144,6 +150,7 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     model = load_model_arg(request.model)
     cluster = load_cluster(request.cluster, gpus, parse_overrides(request.overrides))
     seq = request.seq_len or default_seq_len(model.max_seq_len)
+    check_context(model, seq, request.allow_long_context)
     profile = load_calibration(request.calibration, cluster.gpu)
     check_pins(cluster.world_size, model, seq, request.global_batch, request.pins)
     options = request.options

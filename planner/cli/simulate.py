@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import click
 
-from topologies.terminal import console, emit_json, gib, log
+from topologies.terminal import console, emit_json, log
 
-# The order the breakdown is shown in; the first four sum to the step time.
-BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("bubble", "pipeline bubble"),
-                  ("optimizer", "optimizer step"), ("tp_comm", "  of which TP"), ("cp_comm", "  of which CP"),
-                  ("ep_comm", "  of which EP"), ("fsdp_comm", "  of which FSDP gathers"),
-                  ("offload_comm", "  of which host->GPU weight copies"),
-                  ("dp_comm", "  of which DP reduction"), ("param_gather", "  of which parameter gather"),
-                  ("embedding_sync", "  of which tied-embedding sync"))
+# The order the breakdown is shown in; the unindented rows sum to the step time.
+BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("tp_comm", "  of which TP"),
+                  ("cp_comm", "  of which CP"), ("ep_comm", "  of which EP"), ("fsdp_comm", "  of which FSDP gathers"),
+                  ("offload_comm", "  of which host->GPU weight copies"), ("dp_comm", "  of which DP reduction"),
+                  ("param_gather", "  of which parameter gather"),
+                  ("embedding_sync", "  of which tied-embedding sync"), ("bubble", "pipeline bubble"),
+                  ("bubble_schedule", "  of which the schedule's warm-up/cool-down"),
+                  ("bubble_imbalance", "  of which stage imbalance"), ("optimizer", "optimizer step"))
 
 
 @click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n")
@@ -64,11 +65,16 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
                    "plan_prediction": plan.prediction.to_json() if plan.prediction else None,
                    "calibration": cal.source, "trace": trace_path, "png": png_path})
         return
-    _print_human(plan, result, cal.source)
+    _print_human(plan, result, cal)
 
 
-def _print_human(plan, result, calibration_source: str) -> None:
+def _print_human(plan, result, cal) -> None:
     from rich.table import Table
+
+    from planner.accuracy.bands import band_words
+    from planner.figures import percent, seconds, sig, thousands
+    from planner.search.advice import Context, bubble_split
+    from topologies.hardware import GIB
 
     out = console()
     lay = plan.layout
@@ -77,20 +83,24 @@ def _print_human(plan, result, calibration_source: str) -> None:
               f"dp {lay.dp_replicate}x{lay.dp_shard} (ZeRO-{lay.zero_stage}), cp {lay.cp}, "
               f"micro-batch {lay.micro_batch_size} x {lay.grad_accum_steps}, recompute {lay.recompute}, "
               f"engine {plan.engine}")
-    out.print(f"step {result.step_time_s:.3f} s   {result.tokens_per_s:,.0f} tokens/s   "
-              f"{result.model_tflops_per_gpu:.1f} TFLOP/s per GPU   MFU {100 * result.mfu:.1f}%   "
-              f"peak memory {gib(result.memory.peak_bytes)} (stage {result.memory.worst_stage})")
+    out.print(f"step {seconds(result.step_time_s)}   {thousands(result.tokens_per_s)} tokens/s   "
+              f"{sig(result.model_tflops_per_gpu)} TFLOP/s per GPU   MFU {percent(result.mfu)}   "
+              f"peak memory {sig(result.memory.peak_bytes / GIB)} GiB (stage {result.memory.worst_stage})")
+    out.print(f"uncertainty{band_words(plan.engine, plan.cluster.gpu.name, plan.model.moe is not None)}")
     if plan.prediction is not None:
         before = plan.prediction.step_time_s
-        out.print(f"plan.json predicted {before:.3f} s; re-simulated {result.step_time_s:.3f} s "
+        out.print(f"plan.json predicted {seconds(before)}; re-simulated {seconds(result.step_time_s)} "
                   f"({100 * (result.step_time_s / before - 1):+.1f}%)")
     table = Table(title=f"where the step goes (slowest stage: {result.critical_stage})")
     table.add_column("part")
-    table.add_column("seconds", justify="right")
+    table.add_column("time", justify="right")
     table.add_column("share", justify="right")
-    b = result.time_breakdown_s
+    b = dict(result.time_breakdown_s)
+    split = bubble_split(Context(plan.model, plan.cluster, cal, plan.engine, 0), plan.training, lay)
+    if split is not None:  # planner.search.advice: the simulator's idle time by cause
+        b["bubble_schedule"], b["bubble_imbalance"] = split.schedule_s, split.imbalance_s
     for key, label in BREAKDOWN_ROWS:
         if key in b and (b[key] > 0 or not label.startswith(" ")):
-            table.add_row(label, f"{b[key]:.4f}", f"{100 * b[key] / result.step_time_s:.1f}%")
+            table.add_row(label, seconds(b[key]), percent(b[key] / result.step_time_s))
     out.print(table)
-    out.print(f"calibration: {calibration_source}")
+    out.print(f"calibration: {cal.source}")

@@ -7,6 +7,8 @@ or writes what it found. The best count's plan is what -o and --png get.
 
 from __future__ import annotations
 
+from planner.accuracy.bands import band_words, uncertainty_json
+from planner.figures import percent, thousands
 from planner.search.sweep import (
     SCALING_WORTH_IT,
     GpuRange,
@@ -56,15 +58,18 @@ def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float |
             the_plan.save(output)
         if png:
             plot_plan_memory(the_plan, best.result, png, request.usable_fraction)
+    model, cluster = built[best.gpus]
     if as_json:
         emit_json({"model": request.model, "cluster": request.cluster, **found.to_json(),
                    "fastest_gpus": fastest.gpus,
+                   "uncertainty": uncertainty_json(request.engine, cluster.gpu.name, model.moe is not None),
                    **({"training_cost": {str(k): v for k, v in costs.items()}} if costs else {})})
         return
-    _print_sweep(request, found, costs, output)
+    _print_sweep(request, found, costs, output,
+                 band_words(request.engine, cluster.gpu.name, model.moe is not None))
 
 
-def _print_sweep(request, found: Sweep, costs: dict, output: str | None) -> None:
+def _print_sweep(request, found: Sweep, costs: dict, output: str | None, band: str) -> None:
     from rich import box
     from rich.table import Table
 
@@ -92,21 +97,22 @@ def _print_sweep(request, found: Sweep, costs: dict, output: str | None) -> None
         extra = []
         if costs:
             c = costs[p.gpus]
-            extra.append(f"{c['days']:.1f}")
+            extra.append(thousands(c["days"]))
             if "cost" in c:
-                extra.append(f"${c['cost']:,.0f}")
-        table.add_row(str(p.gpus), "yes", si(p.tokens_per_s), si(p.tokens_per_s_per_gpu), f"{r.mfu:.1%}",
+                extra.append(f"${thousands(c['cost'])}")
+        table.add_row(str(p.gpus), "yes", si(p.tokens_per_s), si(p.tokens_per_s_per_gpu), percent(r.mfu),
                       short(p.result.best.layout), *extra)
     out.print(table)
+    out.print(f"Predicted step times{band}.")
     out.print(f"Smallest count that fits: {best.gpus} GPUs ({short(winner.layout)})."
               + (f" Ruled out without a search (model state alone exceeds memory): {', '.join(map(str, found.ruled_out))}."
                  if found.ruled_out else ""))
     fits = [p for p in found.points if p.fits]
     efficient = max(fits, key=lambda p: p.tokens_per_s_per_gpu)
-    line = f"Most tokens/s per GPU: {efficient.gpus} GPUs ({efficient.tokens_per_s_per_gpu:,.0f})"
+    line = f"Most tokens/s per GPU: {efficient.gpus} GPUs ({thousands(efficient.tokens_per_s_per_gpu)})"
     if costs and "cost" in costs[best.gpus]:
         cheapest = min(fits, key=lambda p: costs[p.gpus]["cost"])
-        line += f"; cheapest to train: {cheapest.gpus} GPUs (${costs[cheapest.gpus]['cost']:,.0f})"
+        line += f"; cheapest to train: {cheapest.gpus} GPUs (${thousands(costs[cheapest.gpus]['cost'])})"
     out.print(line + ".")
     if found.stopped_paying_at is not None:
         out.print(f"Scaling stops paying after {found.stopped_paying_at} GPUs: the next doubling gives less than "

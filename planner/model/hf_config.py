@@ -292,7 +292,23 @@ def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
         sliding_layers=sliding_layers,
         mtp_layers=r.int("num_nextn_predict_layers", 0, low=0),
         glu_clamp=r.float("swiglu_limit", 0.0) if family == "gpt_oss" else 0.0,
+        **_rope_scaling(r),
     )
+
+
+def _rope_scaling(r: _Reader) -> dict[str, Any]:
+    """config.json's rope_scaling (transformers' rope_type, or type in older configs) as ModelSpec fields."""
+    block = r.data.get("rope_scaling")
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise r.fail("rope_scaling", "an object such as {\"rope_type\": \"yarn\", \"factor\": 4.0} or null")
+    scaling = _Reader(block, f"{r.source} rope_scaling")
+    kind = scaling.str("rope_type", scaling.str("type", ""))
+    if kind in ("", "default"):
+        return {}
+    return {"rope_scaling": kind, "rope_scaling_factor": scaling.float("factor", 0.0),
+            "rope_original_context": scaling.int("original_max_position_embeddings", 0, low=0)}
 
 
 def _from_gpt2(r: _Reader, name: str) -> ModelSpec:

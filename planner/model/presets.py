@@ -13,12 +13,18 @@ from planner.model.hf_config import model_from_hf_config
 from planner.model.spec import ModelSpec, MoESpec
 
 
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, ctx, tie=False) -> ModelSpec:
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, ctx, tie=False, rope=("", 0.0, 0)) -> ModelSpec:
     return ModelSpec(
         name=name, n_layers=layers, hidden=hidden, n_heads=heads, n_kv_heads=kv,
         head_dim=hidden // heads, ffn_hidden=ffn, vocab=vocab, max_seq_len=ctx,
         mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=tie,
+        rope_scaling=rope[0], rope_scaling_factor=rope[1], rope_original_context=rope[2],
     )
+
+
+# Llama 3.1 / 3.2's rope_scaling in their released config.json: Llama 3's 8K context stretched by
+# rope_type "llama3" (factor 8 for 3.1, 32 for 3.2).
+_LLAMA31_ROPE, _LLAMA32_ROPE = ("llama3", 8.0, 8192), ("llama3", 32.0, 8192)
 
 
 def _gpt(name, layers, hidden, heads, vocab, ctx, position="learned") -> ModelSpec:
@@ -38,7 +44,7 @@ def _hf(name: str, config: dict) -> ModelSpec:
 # openai/gpt-oss-120b and -20b, mistralai/Mixtral-8x22B-v0.1, xai-org/grok-1 (its run.py, in HF names),
 # meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E text_config).
 _MOE = [
-    _hf("deepseek-v3", {'model_type': 'deepseek_v3', 'hidden_size': 7168, 'num_hidden_layers': 61, 'num_attention_heads': 128, 'intermediate_size': 18432, 'vocab_size': 129280, 'n_routed_experts': 256, 'n_shared_experts': 1, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2048, 'first_k_dense_replace': 3, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'num_nextn_predict_layers': 1, 'topk_method': 'noaux_tc', 'max_position_embeddings': 163840}),
+    _hf("deepseek-v3", {'model_type': 'deepseek_v3', 'hidden_size': 7168, 'num_hidden_layers': 61, 'num_attention_heads': 128, 'intermediate_size': 18432, 'vocab_size': 129280, 'n_routed_experts': 256, 'n_shared_experts': 1, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2048, 'first_k_dense_replace': 3, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'num_nextn_predict_layers': 1, 'topk_method': 'noaux_tc', 'max_position_embeddings': 163840, 'rope_scaling': {'type': 'yarn', 'factor': 40, 'original_max_position_embeddings': 4096}}),
     _hf("deepseek-v2", {'model_type': 'deepseek_v2', 'hidden_size': 5120, 'num_hidden_layers': 60, 'num_attention_heads': 128, 'intermediate_size': 12288, 'vocab_size': 102400, 'n_routed_experts': 160, 'n_shared_experts': 2, 'num_experts_per_tok': 6, 'moe_intermediate_size': 1536, 'first_k_dense_replace': 1, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'topk_method': 'group_limited_greedy', 'max_position_embeddings': 163840}),
     _hf("kimi-k2", {'model_type': 'kimi_k2', 'hidden_size': 7168, 'num_hidden_layers': 61, 'num_attention_heads': 64, 'intermediate_size': 18432, 'vocab_size': 163840, 'n_routed_experts': 384, 'n_shared_experts': 1, 'num_experts_per_tok': 8, 'moe_intermediate_size': 2048, 'first_k_dense_replace': 1, 'moe_layer_freq': 1, 'q_lora_rank': 1536, 'kv_lora_rank': 512, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64, 'v_head_dim': 128, 'num_nextn_predict_layers': 0, 'topk_method': 'noaux_tc', 'max_position_embeddings': 131072}),
     _hf("qwen3-235b-a22b", {'model_type': 'qwen3_moe', 'hidden_size': 4096, 'num_hidden_layers': 94, 'num_attention_heads': 64, 'num_key_value_heads': 4, 'head_dim': 128, 'intermediate_size': 12288, 'vocab_size': 151936, 'num_experts_per_tok': 8, 'moe_intermediate_size': 1536, 'num_experts': 128, 'decoder_sparse_step': 1, 'max_position_embeddings': 40960}),
@@ -60,11 +66,11 @@ _ALL = [
     # Code Llama 34B (Llama 2 architecture with GQA).
     _llama("codellama-34b", 48, 8192, 64, 8, 22016, 32000, 16384),
     # Llama 3 / 3.1 / 3.2 (Dubey et al. 2024, table 3 and released configs).
-    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 131072, tie=True),
-    _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tie=True),
+    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 131072, tie=True, rope=_LLAMA32_ROPE),
+    _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tie=True, rope=_LLAMA32_ROPE),
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 131072),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 131072, rope=_LLAMA31_ROPE),
     # GPT-3 175B (Brown et al. 2020, table 2.1), GPT-2 vocabulary.
     _gpt("gpt3-175b", 96, 12288, 96, 50257, 2048),
     # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1).

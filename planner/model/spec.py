@@ -93,6 +93,11 @@ class ModelSpec:
     sliding_layers: int = 0  # how many layers use it (GPT-OSS and Gemma 2: every other one)
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer (DeepSeek-V3)
     glu_clamp: float = 0.0  # GLU inputs clamped to this limit before the activation (GPT-OSS swiglu_limit 7; 0: none)
+    # How the config stretches RoPE to reach max_seq_len (config.json rope_scaling): its rope_type ("llama3",
+    # "yarn", "linear", "dynamic", "longrope"; "" none), factor, and the context trained before scaling.
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 0.0
+    rope_original_context: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -131,6 +136,13 @@ class ModelSpec:
                 raise ModelError(f"model {self.name!r}: {key} must be an integer in [{low}, {high}], got {value!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
             raise ModelError(f"model {self.name!r}: dropout must be a number, got {self.dropout!r}")
+        if not isinstance(self.rope_scaling, str) or isinstance(self.rope_scaling_factor, bool) or \
+                not isinstance(self.rope_scaling_factor, (int, float)) or not 0 <= self.rope_scaling_factor < 1e6 or \
+                isinstance(self.rope_original_context, bool) or not isinstance(self.rope_original_context, int) or \
+                self.rope_original_context < 0:
+            raise ModelError(f"model {self.name!r}: rope_scaling must be a name, rope_scaling_factor a number >= 0 "
+                             f"and rope_original_context an integer >= 0, got {self.rope_scaling!r}, "
+                             f"{self.rope_scaling_factor!r}, {self.rope_original_context!r}")
         clamp = self.glu_clamp
         if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0.0 <= clamp < float("inf"):
             raise ModelError(f"model {self.name!r}: glu_clamp must be a finite number >= 0 (0: no clamp), "

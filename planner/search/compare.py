@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.charts import save_figure
+from planner.figures import percent, sig, thousands
 from planner.search.candidates import Pins
 from topologies.errors import InfeasibleError, UsageError
 from topologies.hardware import GIB
@@ -45,6 +46,13 @@ class Row:
     speedup: float | None = None
     price_per_gpu_hour: float | None = None
     cost_per_million_tokens: float | None = None
+    uncertainty: dict[str, Any] = field(default_factory=dict)  # planner.accuracy.bands.uncertainty_json
+
+    @property
+    def band(self) -> str:
+        """'±6.2%', or 'n/v' where no bench validates the engine on this GPU family."""
+        u = self.uncertainty
+        return f"±{percent(u['band'], 2)}" if u.get("validated") else "n/v"
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"label": self.variant.label, "cluster": self.variant.cluster,
@@ -52,7 +60,8 @@ class Row:
                                 "gpus": self.gpus, "gpu": self.gpu_name}
         if self.best is None:
             return {**data, "feasible": False, "error": self.error}
-        return {**data, "feasible": True, "global_batch_size": self.best.training.global_batch_size,
+        return {**data, "feasible": True, "uncertainty": self.uncertainty,
+                "global_batch_size": self.best.training.global_batch_size,
                 "seq_len": self.best.training.seq_len, "parallel": self.best.layout.to_json(),
                 "prediction": self.best.result.prediction().to_json(), "speedup": self.speedup,
                 "price_per_gpu_hour": self.price_per_gpu_hour, "cost_per_million_tokens": self.cost_per_million_tokens}
@@ -91,8 +100,11 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
-                     calibration: str | None, price_per_gpu_hour: str | None) -> list[Row]:
+                     calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
+                     allow_long_context: bool = False) -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in."""
+    from planner.accuracy.bands import uncertainty_json
+    from planner.model.context import check_context
     from planner.model.load import load_model
     from planner.search.explain import no_layout_error
     from planner.search.search import search
@@ -108,10 +120,13 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         n = v.run.get("gpus", gpus)
         cluster = load_cluster(v.cluster, n, v.overrides)
         seq = v.run.get("seq_len", seq_len) or default_seq_len(model.max_seq_len)
+        check_context(model, seq, allow_long_context, "--what-if seq_len" if "seq_len" in v.run else "--seq-len")
         profile = load_calibration(calibration, cluster.gpu)
-        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1)
+        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1,
+                        precision=precision)
         if result.ranked:
-            rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best))
+            rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best,
+                            uncertainty=uncertainty_json(engine, cluster.gpu.name, model.moe is not None)))
             continue
         error = no_layout_error(result, Pins(), cluster.world_size, engine)
         if not isinstance(error, InfeasibleError):
@@ -146,7 +161,7 @@ def _with_ratios(rows: list[Row], prices: list[float | None]) -> list[Row]:
         tps = r.best.result.tokens_per_s
         cost = price * r.gpus / 3600.0 / tps * 1e6 if price is not None else None
         out.append(Row(r.variant, r.gpus, r.gpu_name, r.best, speedup=tps / base, price_per_gpu_hour=price,
-                       cost_per_million_tokens=cost))
+                       cost_per_million_tokens=cost, uncertainty=r.uncertainty))
     return out
 
 
@@ -161,20 +176,19 @@ def print_compare(rows: list[Row], out, png: str | None) -> None:
     table = Table(title="best layout per variant (speed-up vs the first feasible)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     priced = any(r.cost_per_million_tokens is not None for r in rows)
-    for col in ["variant", "GPUs", "layout", "step s", "tokens/s", "speed-up", "MFU", "GiB"] + \
+    for col in ["variant", "GPUs", "layout", "step s", "band", "tokens/s", "speed-up", "MFU", "GiB"] + \
                (["$/M tokens"] if priced else []):
         table.add_column(col, justify="left" if col in ("variant", "layout") else "right",
                          no_wrap=col != "layout")
     for r in rows:
         if r.best is None:
             table.add_row(r.variant.label, f"{r.gpus} x {r.gpu_name}", f"[red]{r.error}[/]",
-                          *["-"] * (5 + priced))
+                          *["-"] * (6 + priced))
             continue
         res = r.best.result
-        table.add_row(r.variant.label, f"{r.gpus} x {r.gpu_name}", short(r.best.layout), f"{res.step_time_s:.3f}",
-                      f"{res.tokens_per_s:,.0f}", f"{r.speedup:.2f}x", f"{res.mfu:.1%}",
-                      f"{res.memory.peak_bytes / GIB:.1f}",
-                      *([f"{r.cost_per_million_tokens:.3f}"] if priced else []))
+        table.add_row(r.variant.label, f"{r.gpus} x {r.gpu_name}", short(r.best.layout), sig(res.step_time_s),
+                      r.band, thousands(res.tokens_per_s), f"{sig(r.speedup)}x", percent(res.mfu),
+                      sig(res.memory.peak_bytes / GIB), *([sig(r.cost_per_million_tokens)] if priced else []))
     out.print(table)
     if png:
         out.print(f"wrote chart to {png}")

@@ -7,14 +7,28 @@ be able to check each claim against the table.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from planner.accuracy.bands import band_words, uncertainty_json
 from planner.engines import get_engine
-from planner.layout import Layout, recompute_label
+from planner.figures import percent, seconds, sig, thousands
+from planner.layout import Layout, recompute_fields, recompute_label
+from planner.model.context import long_context_sentence
 from planner.model.spec import ModelSpec
 from planner.plan import Plan
+from planner.search.advice import (
+    BubbleSplit,
+    Context,
+    best_suggestion,
+    bubble_split,
+    chunk_words,
+    larger_batch_options,
+    wider_dp_options,
+)
 from planner.search.candidates import Pins
 from planner.search.search import NearMiss, Scored, SearchResult
+from planner.simulate.step import step_memory
 from topologies.cluster import Cluster
 from topologies.errors import InfeasibleError, MeshplanError, PlanError
 from topologies.hardware import GIB
@@ -97,33 +111,65 @@ def why_lost(loser: Scored, winner: Scored) -> str:
     diff = layout_diff(loser.layout, winner.layout)
     if slower < 1e-9:
         extra = (loser.result.memory.peak_bytes - winner.result.memory.peak_bytes) / GIB
-        return f"as fast, but needs {extra:.2f} GiB more per GPU: {diff}"
+        return f"as fast, but needs {sig(extra)} GiB more per GPU: {diff}"
     tokens = winner.training.tokens_per_step
     deltas = {k: (_per_token(loser, k) - _per_token(winner, k)) * tokens for k in STEP_PARTS}
     part = max(deltas, key=lambda k: deltas[k])
-    share = f"{slower:.1%}" if slower >= 1e-3 else f"{slower:.3%}"
-    return f"{share} slower ({PART_WORDS[part]} +{deltas[part] * 1e3:.1f} ms per step): {diff}"
+    return f"{percent(slower)} slower ({PART_WORDS[part]} +{seconds(deltas[part])} per step): {diff}"
 
 
-def _limit(best: Scored, cluster: Cluster) -> str:
+def _micro_batches(n: int) -> str:
+    return f"{n} micro-batch{'es' if n != 1 else ''}"
+
+
+def _bubble_words(split: BubbleSplit, step_s: float, layout: Layout) -> str:
+    """The pipeline's idle time as the simulator's two causes: stage imbalance and the schedule's bubble."""
+    schedule = f"the {layout.pp_schedule} schedule's own warm-up and cool-down " \
+               f"({_micro_batches(layout.grad_accum_steps)} over {layout.pp} stages)"
+    if split.imbalance_s < 0.01 * step_s:
+        return f"{percent(split.bubble_s / step_s)} idle in the pipeline, {schedule}"
+    return (f"{percent(split.bubble_s / step_s)} idle in the pipeline: {percent(split.schedule_s / step_s)} "
+            f"{schedule}, and {percent(split.imbalance_s / step_s)} stage imbalance, which more micro-batches do "
+            f"not shrink: {chunk_words(split)} takes {seconds(split.heavy_s)} per micro-batch against "
+            f"{seconds(split.mean_s)} on average")
+
+
+def _memory_claim(best: Scored, ctx: Context) -> str:
+    """What full memory rules out, each claim checked: the heavier choice's memory over the plan's limit."""
+    lay, ruled = best.layout, []
+    if lay.grad_accum_steps % 2 == 0:
+        bigger = lay.replace(micro_batch_size=2 * lay.micro_batch_size, grad_accum_steps=lay.grad_accum_steps // 2)
+        need = step_memory(ctx.model, best.training, bigger, ctx.cluster, ctx.calibration, ctx.engine).peak_bytes
+        if need > ctx.capacity_bytes:
+            ruled.append(f"micro-batch {bigger.micro_batch_size} ({sig(need / GIB)} GiB)")
+    if lay.recompute != "none":
+        lighter = lay.replace(**recompute_fields("none", 0, ()))
+        need = step_memory(ctx.model, best.training, lighter, ctx.cluster, ctx.calibration, ctx.engine).peak_bytes
+        if need > ctx.capacity_bytes:
+            ruled.append(f"no recomputation ({sig(need / GIB)} GiB)")
+    return f", which rules out {' and '.join(ruled)}" if ruled else ""
+
+
+def _limit(best: Scored, cluster: Cluster, ctx: Context, split: BubbleSplit | None) -> str:
     """What limits the winner: its largest non-compute time, and memory when that is what stops it growing."""
     t = best.result.time_breakdown_s
     step = best.result.step_time_s
     part = max(STEP_PARTS[1:], key=lambda k: t.get(k, 0.0))
     share = t.get(part, 0.0) / step
-    compute = f"compute is {t.get('compute', 0.0) / step:.0%} of the step"
+    compute = f"compute is {percent(t.get('compute', 0.0) / step)} of the step"
     if share < 0.02:
         text = f"Limited by compute: {compute}, communication is hidden under it"
+    elif part == "bubble" and split is not None:
+        text = f"Besides compute ({compute}), the step spends {_bubble_words(split, step, best.layout)}"
     else:
-        text = f"Besides compute ({compute}), the step spends {share:.0%} in {PART_WORDS[part]}"
+        text = f"Besides compute ({compute}), the step spends {percent(share)} in {PART_WORDS[part]}"
     memory = best.result.memory.peak_bytes / cluster.gpu.memory_bytes
     if memory > 0.85:
-        blocked = ["a larger micro-batch"] + (["less recomputation"] if best.layout.recompute != "none" else [])
-        text += f"; memory is {memory:.0%} full, which rules out {' or '.join(blocked)}"
+        text += f"; memory is {percent(memory)} full{_memory_claim(best, ctx)}"
     return text + "."
 
 
-LINK_WORDS = {"nvswitch": "NVLink", "pcie": "PCIe", "host": "shared memory"}
+LINK_WORDS = {"nvswitch": "NVLink", "xgmi": "Infinity Fabric", "pcie": "PCIe", "host": "shared memory"}
 
 
 def _placement(layout: Layout, cluster: Cluster) -> str:
@@ -143,25 +189,34 @@ def _mesh(layout: Layout) -> tuple[int, ...]:
     return layout.tp, layout.pp, layout.dp, layout.cp
 
 
-def explanation(result: SearchResult, cluster: Cluster) -> tuple[str, ...]:
-    """Short sentences on why the winner wins and what limits it."""
+def advice_context(result: SearchResult, cluster: Cluster, model: ModelSpec) -> Context:
+    """The inputs the search simulated with, to simulate a suggested change the same way."""
+    return Context(model, cluster, result.calibration, result.engine,
+                   int(cluster.gpu.memory_bytes * result.usable_fraction))
+
+
+def explanation(result: SearchResult, cluster: Cluster, model: ModelSpec) -> tuple[str, ...]:
+    """Short sentences on why the winner wins and what limits it; every figure the simulator's."""
     best = result.best
     r = best.result
     s = result.stats
+    ctx = advice_context(result, cluster, model)
+    split = bubble_split(ctx, best.training, best.layout)
     out = [
         f"Best of {s.candidates} candidates ({s.simulated} simulated, the rest ruled out by memory or by a "
         f"lower bound on step time): {describe(best.layout)}.",
-        f"Predicted {r.step_time_s:.3f} s per step, {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}; "
-        f"{r.memory.peak_bytes / GIB:.1f} of {cluster.gpu.memory_bytes / GIB:.0f} GiB per GPU.",
+        f"Predicted {seconds(r.step_time_s)} per step{band_words(result.engine, cluster.gpu.name, model.moe is not None)}, "
+        f"{thousands(r.tokens_per_s)} tokens/s, MFU {percent(r.mfu)}; "
+        f"{sig(r.memory.peak_bytes / GIB)} of {cluster.gpu.memory_bytes / GIB:.0f} GiB per GPU.",
         _placement(best.layout, cluster),
-        _limit(best, cluster),
+        _limit(best, cluster, ctx, split),
     ]
     if len(result.ranked) > 1:
         out.append(f"Runner-up: {why_lost(result.ranked[1], best)}.")
     other = next((x for x in result.ranked[2:] if _mesh(x.layout) != _mesh(best.layout)), None)
     if other is not None and _mesh(result.ranked[1].layout) == _mesh(best.layout):
         out.append(f"Best other mesh in the top {len(result.ranked)}: {why_lost(other, best)}.")
-    limit = batch_limit(best)
+    limit = batch_limit(best, ctx, split)
     if limit:
         out.append(limit)
     batch = best.training.global_batch_size
@@ -171,31 +226,40 @@ def explanation(result: SearchResult, cluster: Cluster) -> tuple[str, ...]:
     return tuple(out)
 
 
-# A pipeline bubble above this share of the step is worth a sentence on the batch.
+# The schedule's own bubble (not stage imbalance) above this share of the step is worth a larger batch.
 BUBBLE_WORTH_NAMING = 0.10
 
 
-def batch_limit(best: Scored) -> str | None:
-    """A sentence when the global batch, not the hardware, limits the layout: a large bubble or dp at its cap.
+def batch_limit(best: Scored, ctx: Context, split: BubbleSplit | None) -> str | None:
+    """A sentence when the global batch, not the hardware, limits the layout, with a change that helps.
 
-    The bubble of a 1F1B-like schedule with m micro-batches over p stages is
-    about (p - 1) / (m + p - 1) of the step, so the simulated bubble is scaled
-    by that ratio to say what a larger batch would leave.
+    Two cases: the schedule's bubble (split from stage imbalance, planner.search.advice) is over
+    BUBBLE_WORTH_NAMING of the step, or dp already gives each replica one sequence. The change
+    proposed (twice the global batch, on this layout or with dp doubled out of pp or tp) is
+    simulated as a layout of its own; the sentence appears only when it fits the memory limit
+    and is faster per token, and gives its predicted tokens/s, gain and memory.
     """
     r, lay = best.result, best.layout
     batch = best.training.global_batch_size
-    bubble = r.time_breakdown_s.get("bubble", 0.0) / r.step_time_s if r.step_time_s > 0 else 0.0
-    if lay.pp > 1 and bubble > BUBBLE_WORTH_NAMING:
-        m, p = lay.grad_accum_steps, lay.pp
-        want = max(4 * p, 2 * m)
-        after = bubble * (m + p - 1) / (want + p - 1)
-        return (f"The global batch limits this layout: {m} micro-batches over {p} pipeline stages leave a "
-                f"{bubble:.0%} pipeline bubble; --global-batch {lay.dp * lay.micro_batch_size * want} ({want} "
-                f"micro-batches) would cut it to about {after:.0%}.")
+    if split is not None and split.schedule_s / r.step_time_s > BUBBLE_WORTH_NAMING:
+        found = best_suggestion(ctx, r, larger_batch_options(best.training, lay))
+        if found is None:
+            return None
+        after = bubble_split(ctx, found.training, found.layout)
+        return (f"The global batch limits this layout: {_micro_batches(lay.grad_accum_steps)} over {lay.pp} stages "
+                f"leave the {lay.pp_schedule} schedule a {percent(split.schedule_s / r.step_time_s)} bubble; "
+                f"{found.change} ({_micro_batches(found.layout.grad_accum_steps)}) is predicted at "
+                f"{thousands(found.result.tokens_per_s)} tokens/s ({percent(found.gain)} more), a "
+                f"{percent(after.schedule_s / found.result.step_time_s)} bubble and "
+                f"{sig(found.result.memory.peak_bytes / GIB)} GiB per GPU, if training allows the larger batch.")
     if lay.dp == batch and (lay.pp > 1 or lay.tp > 1):
+        found = best_suggestion(ctx, r, wider_dp_options(best.training, lay))
+        if found is None:
+            return None
         return (f"The global batch limits data parallelism: dp {lay.dp} already gives each replica one of the "
-                f"{batch} sequences, so the rest of the GPUs go to tp/pp; --global-batch {2 * batch} would let "
-                "dp grow.")
+                f"{batch} sequences; {found.change} with {layout_diff(found.layout, lay)} is predicted at "
+                f"{thousands(found.result.tokens_per_s)} tokens/s ({percent(found.gain)} more) and "
+                f"{sig(found.result.memory.peak_bytes / GIB)} GiB per GPU, if training allows the larger batch.")
     return None
 
 
@@ -262,7 +326,11 @@ def build_plan(model: ModelSpec, cluster: Cluster, result: SearchResult, engine:
     best = result.best
     eng = get_engine(engine)  # plan.json names the attention kernel: no engine default left to resolve
     training = best.training.replace(attention="fused" if eng.fused_attention(best.training) else "eager")
+    prediction = best.result.prediction()
+    prediction = dataclasses.replace(prediction, extra={
+        **prediction.extra, "uncertainty": uncertainty_json(engine, cluster.gpu.name, model.moe is not None)})
     return Plan(model=model, cluster=cluster, training=training, layout=best.layout, engine=engine,
-                prediction=best.result.prediction(),
+                prediction=prediction,
                 alternatives=tuple(alternative_json(s, best) for s in result.ranked[1:]),
-                explanation=explanation(result, cluster))
+                explanation=explanation(result, cluster, model) + tuple(
+                    s for s in [long_context_sentence(model, training.seq_len)] if s))

@@ -111,6 +111,10 @@ class SearchResult:
     batch_fixed: bool  # True when the user gave --global-batch
     stats: SearchStats
     near_miss: NearMiss | None = None
+    # what the ranked layouts were simulated with, so an explanation can simulate a suggested change alike
+    calibration: CalibrationProfile | None = None
+    engine: str = "meshplan"
+    usable_fraction: float = USABLE_MEMORY_FRACTION
 
     @property
     def best(self) -> Scored:
@@ -208,7 +212,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     if not ranked:  # the counts and the refusal the error names
         bounds.ask_refusals(families)
     ctx.stats.elapsed_s = time.perf_counter() - started
-    return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss)
+    return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss, calibration,
+                        engine, usable_memory_fraction)
 
 
 def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.figures import thousands
+
 if TYPE_CHECKING:
     from planner.search.search import SearchResult
 from topologies.cluster import MAX_WORLD_SIZE
@@ -196,7 +198,8 @@ def training_cost(tokens: float, tokens_per_s: float, gpus: int, price_per_gpu_h
 
 
 def describe_cost(cost: dict, currency: str = "$") -> str:
-    text = f"{cost['tokens'] / 1e12:.3g}T tokens take {cost['days']:.1f} days ({cost['gpu_hours']:,.0f} GPU-hours)"
+    text = f"{cost['tokens'] / 1e12:.3g}T tokens take {thousands(cost['days'])} days ({thousands(cost['gpu_hours'])} " \
+           "GPU-hours)"
     if "cost" in cost:
-        text += f", {currency}{cost['cost']:,.0f} at {currency}{cost['price_per_gpu_hour']:g} per GPU-hour"
+        text += f", {currency}{thousands(cost['cost'])} at {currency}{cost['price_per_gpu_hour']:g} per GPU-hour"
     return text

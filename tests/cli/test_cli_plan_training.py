@@ -44,3 +44,17 @@ def test_options_an_engine_or_gpu_cannot_honour_are_usage_errors(cli, args, mess
 def test_new_presets_plan(cli, preset):
     r = cli("plan", "--model", "8B", "--gpus", "8", "--cluster", preset, "--engine", "megatron", "--json")
     assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize("cluster, gpu", [("t4-pcie", "t4"), ("dgx-a100-80g", "v100")])
+def test_gpus_without_bf16_name_precision_fp16(cluster, gpu):
+    """T4 and V100 have no bf16 tensor cores: plan and compare both say to pass --precision fp16, and it plans."""
+    from conftest import invoke_cli
+
+    sets = () if gpu == "t4" else ("--set", "gpu=v100")
+    for verb in ("plan", "compare"):
+        r = invoke_cli(verb, "--model", "llama3.2-1b", "--cluster", cluster, "--gpus", "4", *sets)
+        assert r.code == 2 and "--precision fp16" in r.stderr and gpu in r.stderr, r.stderr
+        ok = invoke_cli(verb, "--model", "llama3.2-1b", "--cluster", cluster, "--gpus", "4", *sets,
+                        "--precision", "fp16", "--seq-len", "1024", "--json")
+        assert ok.code == 0, ok.stderr

@@ -58,7 +58,8 @@ def test_detect_save_then_use_as_cluster(cli, tmp_path):
 def test_detect_without_nvidia_smi_says_so_and_exits_1(cli, tmp_path):
     r = cli("topo", "detect", env={"PATH": str(tmp_path)})
     assert r.code == 1
-    assert "nvidia-smi" in r.stderr and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+    assert "nvidia-smi" in r.stderr and "rocm-smi" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0
 
 
 def test_bench_json_keys(cli):
@@ -90,3 +91,32 @@ def test_bench_sweep_prints_an_nccl_tests_table(cli):
 def test_bench_usage_errors_exit_2(cli, args, words):
     r = cli("topo", "bench", *args)
     assert r.code == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_detect_rocm_smi_capture_json(cli, tmp_path):
+    """A saved `rocm-smi --showtopo --showproductname --showmeminfo vram` reads like nvidia-smi's matrix."""
+    saved = tmp_path / "mi300x.toml"
+    r = cli("topo", "detect", "--from-file", str(DATA / "rocm_mi300x_8gpu.txt"), "--json", "--save", str(saved))
+    assert r.code == 0, r.stderr
+    data = r.json()
+    assert data["gpu"] == "mi300x" and data["intra_node"] == "xgmi" and data["source"] == "rocm-smi --showtopo"
+    assert data["gpu_links"][0][1:] == ["XGMI"] * 7 and data["gpu_pair_gbytes_per_s"][0][1] == 64
+    r = cli("plan", "--model", "llama3.2-1b", "--cluster", str(saved), "--gpus", "8", "--json")
+    assert r.code == 0, r.stderr
+    assert r.json()["cluster"]["intra_node"] == "xgmi"
+
+
+def test_detect_rocm_capture_without_product_names_asks_for_the_gpu(cli):
+    r = cli("topo", "detect", "--from-file", str(DATA / "rocm_mi300x_topo_only.txt"))
+    assert r.code == 2 and "pass --gpu NAME (mi300x" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_detect_runs_rocm_smi_where_nvidia_smi_is_absent(cli, tmp_path):
+    """A ROCm node: `topo detect` runs `rocm-smi --showtopo --showproductname --showmeminfo vram` itself."""
+    fake = tmp_path / "rocm-smi"
+    fake.write_text(f"#!/bin/sh\n[ \"$*\" = \"--showtopo --showproductname --showmeminfo vram\" ] || exit 9\n"
+                    f"exec /bin/cat {DATA / 'rocm_mi300x_8gpu.txt'}\n")
+    fake.chmod(0o755)
+    r = cli("topo", "detect", "--json", env={"PATH": str(tmp_path)})  # no nvidia-smi on it, even on a GPU node
+    assert r.code == 0, r.stderr
+    assert r.json()["gpu"] == "mi300x" and r.json()["intra_node"] == "xgmi"

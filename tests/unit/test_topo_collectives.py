@@ -88,9 +88,16 @@ def test_two_node_tree_beats_ring_and_the_nic_bound():
 
 
 def ring_bound(cluster, ranks):
-    """Raw upper bound on a ring's busbw: each rank sends over its widest link, each node over its NICs."""
+    """Raw upper bound on a ring's busbw: each rank sends over its widest link (over all its links to the
+    group's peers where each peer has its own, AMD's xGMI mesh), each node over its NICs."""
     g = cluster.gpus_per_node
-    bound = min(max(link_between(cluster, a, b)[0] for b in ranks if b // g == a // g and b != a)
+    mesh = cluster.intra_node == "xgmi"
+
+    def widest(a, peers):
+        links = [link_between(cluster, a, b)[0] for b in peers]
+        return sum(links) if mesh else max(links)
+
+    bound = min(widest(a, [b for b in ranks if b // g == a // g and b != a])
                 for a in ranks if sum(1 for b in ranks if b // g == a // g) > 1) \
         if any(sum(1 for b in ranks if b // g == a // g) > 1 for a in ranks) else float("inf")
     nodes = {r // g for r in ranks}

@@ -21,6 +21,7 @@ from topologies.errors import TopologyError
 from topologies.graph import gpu_nic_paths, node_graph, node_link_table, widest_path
 from topologies.hardware import get_gpu
 from topologies.links import derive_labels, label_gbytes_per_s, label_latency_s, nic_label, nic_of_gpu
+from topologies.rocm_topo import is_rocm_topo, parse_rocm_topo
 from topologies.smi_topo import detect_cluster, guess_gpu, parse_topo
 
 FIXTURES = sorted((Path(__file__).parent.parent / "data" / "topo").glob("*.txt"))
@@ -48,7 +49,11 @@ def _clusters():
     for name in preset_names():
         yield name, load_cluster(name)
     for path in FIXTURES:
-        topo = parse_topo(path.read_text())
+        text = path.read_text()
+        if is_rocm_topo(text):  # rocm-smi captures: AMD's xGMI or PCIe nodes, priced as MI300X
+            yield path.name, detect_cluster(parse_rocm_topo(text).topo, get_gpu("mi300x"), lists_nics=False)
+            continue
+        topo = parse_topo(text)
         # the matrix names no GPU in some fixtures: price them as V100s (NVLink) when guessing fails
         try:
             gpu = guess_gpu(topo)

@@ -59,7 +59,7 @@ def cluster_summary(c: Cluster) -> dict:
 
 @click.group(epilog="\b\nExamples:\n  meshplan topo list\n  meshplan topo show dgx-h100 --gpus 16\n  meshplan topo bench --op all_reduce --size 1KiB:1GiB --gpus 16\n  meshplan topo detect --save mynode.toml\n")
 def topo() -> None:
-    """Clusters: presets, custom TOML files, nvidia-smi detection and collective costs."""
+    """Clusters: presets, custom TOML files, nvidia-smi / rocm-smi detection and collective costs."""
 
 
 @topo.command("list")
@@ -102,35 +102,51 @@ def show_cluster(name: str, gpus: int | None, sets: tuple[str, ...], as_json: bo
 
 @topo.command("detect")
 @click.option("--from-file", "from_file", type=click.Path(dir_okay=False), default=None,
-              help="Saved output of `nvidia-smi topo -m` (default: run nvidia-smi here).")
-@click.option("--gpu", "gpu_name", default=None, help="GPU model (default: nvidia-smi --query-gpu, or a guess).")
+              help="Saved output of `nvidia-smi topo -m` or `rocm-smi --showtopo [--showproductname]` (default: run "
+                   "nvidia-smi, or rocm-smi, here).")
+@click.option("--gpu", "gpu_name", default=None,
+              help="GPU model (default: what the driver names, or a guess from NVLink counts).")
 @click.option("--save", type=click.Path(dir_okay=False), default=None,
               help="Write the detected node as a cluster TOML file for --cluster PATH.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def detect(from_file: str | None, gpu_name: str | None, save: str | None, as_json: bool) -> None:
-    """Read this node's topology from nvidia-smi (or a saved `nvidia-smi topo -m`)."""
+    """Read this node's topology from nvidia-smi or rocm-smi (or a saved copy of either's output)."""
+    import shutil
+
     from topologies.files import check_output
     from topologies.hardware import get_gpu
+    from topologies.rocm_topo import gpu_of_capture, is_rocm_topo, parse_rocm_topo, query_live_rocm
     from topologies.smi_topo import detect_cluster, guess_gpu, parse_topo, query_live
 
     check_output(save, "--save")
+    live_gpu = None
     if from_file:
         try:
             text = Path(from_file).read_text(errors="replace")
         except OSError as exc:
             raise UsageError(f"cannot read --from-file {from_file}: {exc.strerror}") from None
-        topo_text, live_gpu = text, None
+    elif shutil.which("nvidia-smi") is None and shutil.which("rocm-smi") is not None:
+        text = query_live_rocm()
     else:
-        topo_text, live_gpu = query_live()
-    parsed = parse_topo(topo_text)
+        text, live_gpu = query_live()
+    rocm = is_rocm_topo(text)
+    if rocm:
+        capture = parse_rocm_topo(text)
+        parsed, source = capture.topo, "rocm-smi --showtopo"
+        live_gpu = None if gpu_name else gpu_of_capture(capture)
+    else:
+        parsed, source = parse_topo(text), "nvidia-smi topo -m"
     if gpu_name:
         gpu = get_gpu(gpu_name)
     elif live_gpu is not None:
         gpu = live_gpu
+    elif rocm:
+        raise UsageError("the rocm-smi output names no GPU (no 'Card Series' lines): pass --gpu NAME (mi300x, "
+                         "mi325x, mi350x, mi355x), or save `rocm-smi --showtopo --showproductname --showmeminfo vram`")
     else:
         gpu = guess_gpu(parsed)
         log(f"assuming GPU {gpu.name} from the NVLink counts; pass --gpu NAME to choose")
-    c = detect_cluster(parsed, gpu)
+    c = detect_cluster(parsed, gpu, source=source, lists_nics=not rocm)
     if save:
         from topologies.cluster_load import write_cluster_toml
 
@@ -140,7 +156,7 @@ def detect(from_file: str | None, gpu_name: str | None, save: str | None, as_jso
     if as_json:
         emit_json({"gpus_per_node": c.gpus_per_node, "gpu_links": summary["gpu_links"],
                    "gpu_pair_gbytes_per_s": summary["gpu_pair_gbytes_per_s"], "gpu": gpu.name,
-                   "intra_node": c.intra_node, "nics": list(parsed.nics),
+                   "intra_node": c.intra_node, "nics": list(parsed.nics), "source": source,
                    "numa_affinity": list(parsed.numa_affinity), "cluster": c.to_json()})
         return
     from topologies.cli.view import print_cluster

@@ -20,7 +20,7 @@ from topologies.links import (
 )
 from topologies.terminal import console
 
-_STYLE = {"PIX": "yellow", "PXB": "yellow", "PHB": "dark_orange", "NODE": "red", "SYS": "red", "SHM": "cyan"}
+_STYLE = {"XGMI": "green", "PIX": "yellow", "PXB": "yellow", "PHB": "dark_orange", "NODE": "red", "SYS": "red", "SHM": "cyan"}
 ELEMENT_BYTES = 4  # nccl-tests' default type is float
 
 
@@ -32,6 +32,10 @@ def _styled(label: str) -> str:
 def _gpu_line(c: Cluster) -> str:
     g = c.gpu
     nvlink = f", NVLink{g.nvlink_gen} {g.nvlink_gbytes_per_s:g} GB/s/dir" if g.nvlink_gbytes_per_s else ""
+    if g.xgmi_links:
+        nvlink += f", Infinity Fabric {g.xgmi_links} x {g.xgmi_link_gbytes_per_s:g} GB/s/dir"
+    if not g.pcie_p2p:
+        nvlink += " (no PCIe peer-to-peer: GPU traffic through host memory)"
     bf16 = f"{g.bf16_flops / 1e12:g} BF16" if g.bf16_flops else f"{g.fp16_flops / 1e12:g} FP16"
     return (f"{g.name}: {g.memory_bytes / GIB:.1f} GiB at {g.memory_gbytes_per_s:g} GB/s, {bf16} TFLOP/s dense, "
             f"PCIe Gen{g.pcie_gen}{nvlink}")
@@ -61,7 +65,8 @@ def print_cluster(c: Cluster) -> None:
     out.print(f"  net  {_fabric_line(c)}")
     labels = derive_labels(c)
     n = c.gpus_per_node
-    matrix = Table(title="GPU-to-GPU links in one node (nvidia-smi topo -m labels)", show_lines=False)
+    matrix = Table(title="GPU-to-GPU links in one node (nvidia-smi topo -m / rocm-smi --showtopo labels)",
+                   show_lines=False)
     matrix.add_column("")
     for j in range(n):
         matrix.add_column(f"GPU{j}", justify="center")
