@@ -137,7 +137,7 @@ def plan(cluster, model, gpus, overrides, seq_len, global_batch, engine, calibra
 
             run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
             return
-        the_plan, result = search_plan_request(request, gpu_range.lo)
+        the_plan, result = search_plan_request(request, gpu_range.lo, quiet=as_json)
     except InfeasibleError as exc:
         if as_json:  # a script reading stdout gets an answer too, not an empty string
             emit_json({"feasible": False, "error": str(exc), "exit_code": exc.exit_code})
@@ -186,8 +186,11 @@ def compare(clusters, model, gpus, overrides, seq_len, global_batch, engine, cal
     gpus = gpu_range.lo
     model = resolve_model_arg(model)
     load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
-    rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
-                            price_per_gpu_hour)
+    from topologies.terminal import Progress
+
+    with Progress("compare", unit="variants", quiet=as_json) as bar:
+        rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
+                                price_per_gpu_hour, progress=bar)
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:

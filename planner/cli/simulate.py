@@ -24,7 +24,8 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome/Perfetto trace of one step (open it at ui.perfetto.dev).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a Gantt chart of one step to this PNG.")
+              help="Write a chart of one step to this PNG: per stage compute (bubble shaded) and each kind of "
+                   "communication, the first and last micro-batches drawn, the steady state folded.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
               help="Calibration profile JSON (default: the shipped profile of the plan's GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
@@ -44,18 +45,22 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
                            events=want_events)
     layout = plan.layout
+    timeline = None
+    if want_events:
+        from planner.simulate.timeline import timeline_of
+
+        timeline = timeline_of(result, layout)
     if trace_path:
         from planner.simulate.trace import write_trace
 
-        write_trace(result, layout.pp_schedule, layout.pp, layout.virtual_stages, trace_path)
+        write_trace(timeline, trace_path)
         log(f"wrote trace {trace_path}")
     if png_path:
-        from planner.simulate.trace import plot_gantt
+        from planner.charts.timeline import plot_step_chart, step_chart
 
         c = plan.cluster
-        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path,
-                   title=f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): tp {layout.tp}, pp "
-                         f"{layout.pp}, dp {layout.dp}, ZeRO-{layout.zero_stage}")
+        plot_step_chart(step_chart(timeline, f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): "
+                                             f"{layout_words(layout)}"), png_path)
         log(f"wrote {png_path}")
     prediction = result.prediction()
     if as_json:
@@ -65,6 +70,15 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
                    "calibration": cal.source, "trace": trace_path, "png": png_path})
         return
     _print_human(plan, result, cal.source)
+
+
+def layout_words(layout) -> str:
+    """tp 1, pp 4, dp 2, cp 2, ZeRO-1, micro-batch 1 x 128: a layout in a chart's title."""
+    dp = f"{layout.dp_replicate}x{layout.dp_shard}" if layout.hsdp else str(layout.dp)
+    parts = [f"tp {layout.tp}", f"pp {layout.pp}", f"dp {dp}"] + [f"{axis} {getattr(layout, axis)}"
+                                                                 for axis in ("cp", "ep") if getattr(layout, axis) > 1]
+    return ", ".join(parts + [f"ZeRO-{layout.zero_stage}",
+                              f"micro-batch {layout.micro_batch_size} x {layout.grad_accum_steps}"])
 
 
 def _print_human(plan, result, calibration_source: str) -> None:
