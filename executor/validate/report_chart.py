@@ -121,10 +121,11 @@ def draw_report_chart(chart: ReportChart):
     for ax, key in ((ax_loss, "loss"), (ax_tps, "tokens_per_s"), (ax_time, "step_time"), (ax_mem, "memory")):
         xlabel, ylabel = PANEL_LABELS[key]
         ax.set(xlabel=xlabel, ylabel=ylabel)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, **({"loc": "upper left", "ncol": 2} if key == "memory" else {}))
     for ax in (ax_time, ax_mem):
         ax.set_xticks(list(x), names, fontsize=8)
         ax.margins(y=0.15)
+    ax_mem.set_ylim(top=ax_mem.get_ylim()[1] * 1.6)  # room for the categories' legend above the bars
     ax_loss.set_title("loss (hollow: warm-up, not counted)", fontsize=9)
     ax_tps.set_title("tokens/s: measured, predicted dashed", fontsize=9)
     ax_time.set_title("step time: predicted vs measured (error of the prediction)", fontsize=9)

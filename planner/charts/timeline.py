@@ -36,7 +36,7 @@ COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#8C8C3C", "optimizer": "#8172B3"
           "TP": "#DD8452", "CP": "#E5AE38", "EP": "#64B5CD", "FSDP": "#C44E52", "offload": "#999999",
           "PP": "#937860", "DP": "#DA8BC3"}
 LANE_LABELS = {"TP": "TP", "CP": "CP", "EP": "EP a2a", "FSDP": "FSDP", "offload": "offload", "PP": "PP send",
-               "DP": "DP / tail"}
+               "DP": "DP"}
 LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("bubble", "bubble (idle)"),
           ("optimizer", "optimizer"), ("TP", "TP comm (exposed)"), ("CP", "CP comm (exposed)"),
           ("EP", "EP all-to-all (exposed)"), ("FSDP", "FSDP gather/scatter (exposed)"),
@@ -221,7 +221,7 @@ def draw_step_chart(chart: StepChart):
                     edgecolor="#BBBBBB" if k == "bubble" else COLORS[k]) for k, label in LEGEND if k in used]
     if chart.timeline.virtual_stages > 1:
         legend.append(Patch(facecolor=_color("F1", 2), edgecolor="white", label="lighter: a stage's later chunk"))
-    fig.legend(handles=legend, loc="lower center", ncol=min(len(legend), 7), fontsize=7, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=min(len(legend), 8), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))
     return fig
 

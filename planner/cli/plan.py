@@ -94,7 +94,8 @@ def _common(f):
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
-              help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
+              help="Write a chart: memory per GPU by category for the chosen layout's pipeline stages and the "
+                   "ranked layouts; with --gpus auto or a range, tokens/s, days and cost against the GPU count.")
 # How many GPUs, how long, how much (planner.search.sweep), and how much memory to leave free.
 @click.option("--memory-headroom", "headroom_pct", type=FiniteFloat(0, 90), default=None, metavar="PCT",
               help="Percent of GPU memory a plan leaves free [default: 5].")
