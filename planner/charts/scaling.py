@@ -136,7 +136,7 @@ def scaling_chart(found: Sweep, title: str, tokens: float | None = None, price_p
 
 def draw_scaling_chart(chart: ScalingChart):
     plt = pyplot()
-    from matplotlib.ticker import FixedLocator, NullLocator
+    from matplotlib.ticker import FixedLocator, LogLocator, NullLocator
 
     panels = chart.panels
     cols = 2
@@ -175,6 +175,7 @@ def draw_scaling_chart(chart: ScalingChart):
         ax.set_xticklabels([str(n) for n in counts], fontsize=7)
         if chart.log_y(panel.key):
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # labels within a decade too
         ax.yaxis.set_major_formatter(lambda v, _, key=panel.key: (CURRENCY if key == "cost" else "") + si(v))
         ax.yaxis.set_minor_formatter(lambda v, _: "")
         ax.set_title(panel.title, fontsize=9)

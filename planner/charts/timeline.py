@@ -195,7 +195,9 @@ def draw_step_chart(chart: StepChart):
             ax.text((x0 + x1) / 2, y + h / 2, str(i.micro_batch), ha="center", va="center", fontsize=6,
                     color="white")
     for (y, h, key, idle), spans in bars.items():
-        ax.broken_barh(spans, (y, h), facecolors=_color(key, chart.timeline.virtual_stages), edgecolor="#BBBBBB" if idle else "white",
+        # operations side by side keep a white seam; communication, often hairlines, keeps its colour
+        edge = "#BBBBBB" if idle else "white" if h == COMPUTE_HEIGHT else "face"
+        ax.broken_barh(spans, (y, h), facecolors=_color(key, chart.timeline.virtual_stages), edgecolor=edge,
                        linewidth=0.3, hatch="////" if idle else None, zorder=1 if idle else 2)
     for f in chart.folds:
         x0 = chart.x(f.start_s)
