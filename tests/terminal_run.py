@@ -19,8 +19,8 @@ import time
 
 from conftest import REPO, CliResult
 
-# rich reads these; a CI runner's FORCE_COLOR or NO_COLOR must not decide what the test sees
-_RICH_ENV = ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "LINES", "CI")
+# rich reads these (rich.console.Console); a runner's FORCE_COLOR or NO_COLOR must not decide what the test sees
+_RICH_ENV = ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "LINES", "COLORTERM")
 
 
 def run_on_terminal(*args: str, timeout: float = 120) -> CliResult:

@@ -153,7 +153,8 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
     with Progress(label, total=len(steps), unit="measured", quiet=quiet) as progress:
         times = measure_kernels(steps, machine.device, sharing, threads,
                                 on_progress=lambda done: progress.update(completed=done))
-        progress.phase(f"collectives over 2..{machine.max_ranks} ranks")
+        progress.phase(f"collectives over 2..{machine.max_ranks} ranks" if machine.max_ranks > 1 else
+                       "collectives: one rank, nothing to measure")
         block = (model, micro_batches[-1], seq_len or min(model.max_seq_len, 4096)) if model is not None else None
         comm, other, blocks = measure_collectives(
             machine.device, grid["comm"], machine.max_ranks, threads=threads, block=block,

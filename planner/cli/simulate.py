@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from topologies.terminal import console, emit_json, gib, log
+from topologies.terminal import Progress, console, emit_json, gib, log
 
 # The order the breakdown is shown in; the first four sum to the step time.
 BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("bubble", "pipeline bubble"),
@@ -31,7 +31,7 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
 def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calibration: str | None,
              as_json: bool) -> None:
-    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a Gantt chart."""
+    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a chart of the step."""
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
@@ -42,26 +42,31 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     plan = load_plan(plan_path)
     cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)
-    result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
-                           events=want_events)
     layout = plan.layout
-    timeline = None
-    if want_events:
-        from planner.simulate.timeline import timeline_of
+    # a step of thousands of operations, its trace and its chart take seconds on a large plan
+    with Progress("simulate", quiet=as_json or not want_events) as bar:
+        result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
+                               events=want_events)
+        timeline = None
+        if want_events:
+            from planner.simulate.timeline import timeline_of
 
-        timeline = timeline_of(result, layout)
-    if trace_path:
-        from planner.simulate.trace import write_trace
+            timeline = timeline_of(result, layout)
+        if trace_path:
+            from planner.simulate.trace import write_trace
 
-        write_trace(timeline, trace_path)
-        log(f"wrote trace {trace_path}")
-    if png_path:
-        from planner.charts.timeline import plot_step_chart, step_chart
+            bar.describe("writing the trace")
+            write_trace(timeline, trace_path)
+        if png_path:
+            from planner.charts.timeline import plot_step_chart, step_chart
 
-        c = plan.cluster
-        plot_step_chart(step_chart(timeline, f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): "
-                                             f"{layout_words(layout)}"), png_path)
-        log(f"wrote {png_path}")
+            bar.describe("drawing the chart")
+            c = plan.cluster
+            plot_step_chart(step_chart(timeline, f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): "
+                                                 f"{layout_words(layout)}"), png_path)
+    for path, what in ((trace_path, "trace "), (png_path, "")):
+        if path:
+            log(f"wrote {what}{path}")
     prediction = result.prediction()
     if as_json:
         # plan.json's `prediction` keys at the top, then where it came from and what was written

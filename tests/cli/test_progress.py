@@ -41,7 +41,7 @@ def test_no_bar_in_a_pipe(cli):
     assert r.code == 3 and r.stderr.startswith("error: no layout fits") and "\x1b" not in r.stderr
 
 
-def test_validate_memory_and_dry_run_show_what_they_build(tmp_path):
+def test_validate_memory_dry_run_and_simulate_show_what_they_do(tmp_path):
     plan = tmp_path / "p.json"
     made = run_on_terminal("plan", "--model", "debug", "--cluster", "cpu", "--gpus", "2", "--dp", "2",
                            "--global-batch", "4", "--seq-len", "64", "-o", str(plan))
@@ -55,3 +55,8 @@ def test_validate_memory_and_dry_run_show_what_they_build(tmp_path):
     dry = run_on_terminal("execute", str(plan), "--dry-run")
     assert dry.code == 0, dry.stderr
     assert HIDE_CURSOR in dry.stderr and "dry run: " in dry.stderr and "dry run:" in dry.stdout
+    png = tmp_path / "step.png"
+    drawn = run_on_terminal("simulate", str(plan), "--png", str(png))
+    assert drawn.code == 0 and HIDE_CURSOR in drawn.stderr and "simulate" in drawn.stderr and png.exists()
+    quiet = run_on_terminal("simulate", str(plan), "--png", str(png), "--json")
+    assert quiet.code == 0 and HIDE_CURSOR not in quiet.stderr and json.loads(quiet.stdout)["png"] == str(png)
