@@ -121,7 +121,7 @@ class Sweep:
     def recommended(self) -> SweepPoint | None:
         """The fitting count with the most tokens/s per GPU: the fewest GPU-hours, so the lowest cost, per
         token at any price (cost = GPUs x hours, hours = tokens / tokens/s). More GPUs than this buy time
-        with money; fewer buy nothing. The smallest count wins a tie."""
+        with money; fewer cost more and take longer. The smallest count wins a tie."""
         fits = [p for p in self.points if p.fits]
         return max(fits, key=lambda p: p.tokens_per_s_per_gpu) if fits else None
 

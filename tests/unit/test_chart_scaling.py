@@ -34,7 +34,7 @@ def test_70b_chart_holds_the_sweep(sweep_70b):
         assert point.days == pytest.approx(TOKENS / p.tokens_per_s / 86400)
         assert point.cost == pytest.approx(TOKENS / p.tokens_per_s / 3600 * p.gpus * PRICE)
     best = max(fits, key=lambda p: p.tokens_per_s_per_gpu)
-    assert chart.recommended_gpus == best.gpus == found.recommended.gpus
+    assert chart.recommended_gpus == best.gpus == found.recommended.gpus == found.to_json()["recommended_gpus"]
     assert chart.recommended.cost == min(p.cost for p in chart.fitting)  # most tokens/s per GPU = cheapest
     assert chart.smallest_fit_gpus == found.smallest_fit.gpus > min(p.gpus for p in found.points)
     assert [p.key for p in chart.panels] == ["tokens_per_s", "tokens_per_s_per_gpu", "days", "cost"]
