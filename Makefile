@@ -75,7 +75,7 @@ bench: setup
 	$(BIN)/python bench/validate_memory_1b.py
 
 # The README's pictures (docs/*.png), each from the verb that draws it; the report's runs are the small
-# CPU Llama of bench/closed_loop.py on 2 ranks after `calibrate --quick` (about 4 minutes on 2 cores).
+# CPU Llama of bench/closed_loop.py on 2 ranks after `calibrate --quick` (a few minutes on 2 cores).
 PICS := build/pictures
 SMALL := bench/data/llama_small_cpu.json
 SMALL_TRAINING := --cluster cpu --gpus 2 --model $(SMALL) --seq-len 256 --global-batch 8 --micro-batch 2 \
