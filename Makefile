@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshplan-installed
 # machines to the CUDA build of the same version. Never leave torch open-ended.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup plan test test-fast test-slow test-consumers lint bench clean
+.PHONY: setup plan test test-fast test-slow test-consumers lint bench pictures clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,28 @@ bench: setup
 	$(BIN)/python bench/accuracy_moe.py
 	$(BIN)/python bench/search_speed.py --quick
 	$(BIN)/python bench/validate_memory_1b.py
+
+# The README's pictures (docs/*.png), each from the verb that draws it; the report's runs are the small
+# CPU Llama of bench/closed_loop.py on 2 ranks after `calibrate --quick` (a few minutes on 2 cores).
+PICS := build/pictures
+SMALL := bench/data/llama_small_cpu.json
+SMALL_TRAINING := --cluster cpu --gpus 2 --model $(SMALL) --seq-len 256 --global-batch 8 --micro-batch 2 \
+	--recompute none --calibration $(PICS)/cpu.json
+
+pictures: setup
+	@mkdir -p $(PICS) docs
+	$(BIN)/meshplan plan --model 13B --gpus 16 -o $(PICS)/13b.json --png docs/memory.png
+	$(BIN)/meshplan simulate $(PICS)/13b.json --png docs/timeline.png
+	$(BIN)/meshplan plan --model 70B --gpus auto --tokens 2T --price-per-gpu-hour 2.5 --png docs/scaling.png
+	$(BIN)/meshplan calibrate --quick --max-ranks 2 --model $(SMALL) --seq-len 256 --micro-batch 2 \
+		--out $(PICS)/cpu.json > /dev/null
+	$(BIN)/meshplan plan $(SMALL_TRAINING) --dp 2 --zero 0 -o $(PICS)/ddp.json > /dev/null
+	$(BIN)/meshplan plan $(SMALL_TRAINING) --dp 2 --zero 3 -o $(PICS)/zero3.json > /dev/null
+	$(BIN)/meshplan plan $(SMALL_TRAINING) --tp 2 --no-sequence-parallel -o $(PICS)/tp2.json > /dev/null
+	for run in ddp zero3 tp2; do \
+		$(BIN)/meshplan execute $(PICS)/$$run.json --steps 10 --log-every 10 --out $(PICS)/$$run --overwrite || exit 1; \
+	done
+	$(BIN)/meshplan report $(PICS)/ddp $(PICS)/zero3 $(PICS)/tp2 --png docs/report.png
 
 clean:
 	rm -rf $(VENV) $(CVENV) $(TVENV) *.egg-info .pytest_cache

@@ -22,7 +22,7 @@ from executor.parallel.mesh import build_mesh, dp_flat
 from executor.parallel.parallelize import compute_dtype, shard
 from planner.layout import MESH_AXES, stage_ranges
 from planner.plan import Plan
-from topologies.terminal import console
+from topologies.terminal import Progress, console
 
 MIB = 1 << 20
 
@@ -33,8 +33,10 @@ def dry_run(plan: Plan) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        mesh = build_mesh(plan, "cpu")
-        parts, stages, dp_kind, _ = shard(build_model(plan.model), plan, mesh, compute_dtype(plan, torch.device("cpu")))
+        with Progress(f"dry run: building rank 0 of {plan.world_size} on the meta device"):
+            mesh = build_mesh(plan, "cpu")
+            parts, stages, dp_kind, _ = shard(build_model(plan.model), plan, mesh,
+                                              compute_dtype(plan, torch.device("cpu")))
         out = console()
         if not out.is_terminal:
             out.width = 140  # a pipe or a file: do not wrap tables at 80 columns

@@ -162,12 +162,26 @@ def write_text(path: str | Path, text: str, *, what: str = "file", mode: int | N
 
 
 def save_figure(fig, path: str | Path, flag: str = "--png") -> None:
-    """Save a matplotlib figure at 120 dpi in the format the path names, through `write_with`; always closed."""
+    """Save a matplotlib figure at 120 dpi in the format the path names, through `write_with`; always closed.
+
+    A PNG is written with a 256-colour palette (Pillow's median cut, which matplotlib installs): charts of a
+    few flat colours look the same at a third of the bytes.
+    """
     import matplotlib.pyplot as plt
 
     try:
         fmt = image_format(path, flag)
-        write_with(path, lambda f: fig.savefig(f, format=fmt, dpi=120), what="chart")
+        if fmt == "png":
+            import io
+
+            from PIL import Image
+
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=120)
+            image = Image.open(buffer).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+            write_with(path, lambda f: image.save(f, format="png", optimize=True), what="chart")
+        else:
+            write_with(path, lambda f: fig.savefig(f, format=fmt, dpi=120), what="chart")
     finally:
         plt.close(fig)
 

@@ -49,6 +49,14 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
+def si(value: float) -> str:
+    """1234567 -> '1.23M': 3 significant digits and a k/M/B/T suffix, for narrow tables and chart labels."""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{unit}"
+    return f"{value:.3g}"
+
+
 def gib(n_bytes: float) -> str:
     """Bytes as GiB with two decimals, for tables."""
     return f"{n_bytes / GIB:.2f} GiB"
@@ -61,7 +69,10 @@ class Progress:
     asked for `--json` (`quiet=True`), so machine-read output never carries
     bar characters. `total=None` shows a spinner with the count done so far.
     Use as a context manager; `advance(n)` moves it, `describe(text)` changes
-    the label (e.g. the item being worked on).
+    the label (e.g. the item being worked on), `update(completed=, total=)`
+    sets either outright (a total learnt once the work starts), `phase(label,
+    total)` starts the next piece of work on a line of its own. The bar is
+    transient: it leaves nothing behind on the terminal once the work is done.
     """
 
     def __init__(self, label: str, total: float | None = None, unit: str = "", quiet: bool = False) -> None:
@@ -82,10 +93,12 @@ class Progress:
             )
             from rich.progress import Progress as RichProgress
 
-            columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
-            if self.unit:
-                columns.append(TextColumn(self.unit))
-            columns += [TimeElapsedColumn(), TimeRemainingColumn()]
+            columns = [SpinnerColumn(), TextColumn("{task.description}")]
+            if self.total is not None or self.unit:  # something counted: a bar, the count and the time left
+                columns += [BarColumn(), MofNCompleteColumn(), *([TextColumn(self.unit)] if self.unit else []),
+                            TimeElapsedColumn(), TimeRemainingColumn()]
+            else:  # one piece of work: a spinner and the time it has taken
+                columns.append(TimeElapsedColumn())
             self._bar = RichProgress(*columns, console=console(stderr=True), transient=True)
             self._task = self._bar.add_task(self.label, total=self.total)
             self._bar.start()
@@ -98,6 +111,16 @@ class Progress:
     def describe(self, text: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, description=f"{self.label}: {text}")
+
+    def update(self, completed: float | None = None, total: float | None = None) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed, total=total)
+
+    def phase(self, label: str, total: float | None = None) -> None:
+        """The next piece of work (collectives after kernels): a new line; the previous one stays as it stands."""
+        self.label, self.total = label, total
+        if self._bar is not None:
+            self._task = self._bar.add_task(label, total=total)
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:

@@ -120,16 +120,16 @@ def plan_steps(grid: dict[str, Any], machine: Machine, name: str, shapes: Any) -
 
 def run_calibration(device: str | None = None, quick: bool = False, max_ranks: int | None = None,
                     out: Path | None = None, grid_name: str | None = None, model: Any = None,
-                    seq_len: int | None = None, micro_batches: tuple[int, ...] = (1, 2),
+                    seq_len: int | None = None, micro_batches: tuple[int, ...] = (1, 2), quiet: bool = False,
                     ) -> tuple[Any, dict[str, Any]]:
     """Measure, fit, write the profile (and its samples); returns (profile, summary).
 
     With `model` (a ModelSpec), the GEMMs, attention, AdamW and messages of its
     layouts on up to max_ranks ranks at `seq_len` and `micro_batches` join the
     grid, and the GEMM, attention and per-collective fits use those shapes only.
+    A progress bar on a terminal follows the measurements (none with `quiet`).
     """
     import torch
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from executor.calibrate.comm import measure_collectives
     from executor.calibrate.fit import fit_profile, prediction_errors
@@ -137,7 +137,7 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
     from executor.calibrate.shapes import plan_shapes
     from planner.simulate.calibration import default_calibration
     from planner.training import DTYPE_BYTES
-    from topologies.terminal import console
+    from topologies.terminal import Progress
 
     machine = detect_machine(device, max_ranks)
     name = grid_name or ("quick" if quick else "full")
@@ -150,20 +150,16 @@ def run_calibration(device: str | None = None, quick: bool = False, max_ranks: i
     cores = usable_cores()
     sharing = ranks if machine.device == "cpu" else 1  # GPUs: one rank per device, nothing shared
     threads = threads_per_rank(cores, ranks, os.environ.get("OMP_NUM_THREADS")) if machine.device == "cpu" else 1
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console(stderr=True), transient=False) as progress:
-        label = f"{machine.gpu.name}: kernels" + (f" ({sharing} ranks x {threads} threads at once)" if sharing > 1 else "")
-        task = progress.add_task(label, total=len(steps))
+    label = f"{machine.gpu.name}: kernels" + (f" ({sharing} ranks x {threads} threads at once)" if sharing > 1 else "")
+    with Progress(label, total=len(steps), unit="measured", quiet=quiet) as progress:
         times = measure_kernels(steps, machine.device, sharing, threads,
-                                on_progress=lambda done: progress.update(task, completed=done))
-        comm_task = progress.add_task(f"collectives over 2..{machine.max_ranks} ranks", total=None)
+                                on_progress=lambda done: progress.update(completed=done))
+        progress.phase(f"collectives over 2..{machine.max_ranks} ranks" if machine.max_ranks > 1 else
+                       "collectives: one rank, nothing to measure")
         block = (model, micro_batches[-1], seq_len or min(model.max_seq_len, 4096)) if model is not None else None
         comm, other, blocks = measure_collectives(
             machine.device, grid["comm"], machine.max_ranks, threads=threads, block=block,
-            on_progress=lambda d, t: progress.update(comm_task, completed=d, total=t))
-        if not comm:
-            progress.update(comm_task, description="collectives: one rank, nothing to measure", completed=1, total=1)
+            on_progress=lambda d, t: progress.update(completed=d, total=t))
     results, extra = samples_from_times(steps, times)
     if machine.device == "cuda" and other is None:
         dev = torch.device("cuda", 0)

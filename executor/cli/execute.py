@@ -100,8 +100,10 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     if compile_:
         check_compile(plan)
     if dry_run:
-        from executor.dryrun import dry_run as run_dry
+        from topologies.terminal import Progress
 
+        with Progress("dry run: importing torch"):
+            from executor.dryrun import dry_run as run_dry
         run_dry(plan)
         return
     if node_rank == 0:  # other nodes may share node 0's directory; node 0 alone decides what it holds

@@ -54,7 +54,7 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
         raise UsageError("--seq-len and --micro-batch describe the shapes of --model: add --model NAME")
     profile, summary = run_calibration(device=device, quick=quick, max_ranks=max_ranks, out=Path(out),
                                        grid_name=grid_name, model=model, seq_len=seq_len,
-                                       micro_batches=micro_batches or (1, 2))
+                                       micro_batches=micro_batches or (1, 2), quiet=as_json)
     if as_json:
         emit_json(profile.to_json())
         return
@@ -63,40 +63,50 @@ def calibrate(out: str, device: str | None, quick: bool, max_ranks: int | None, 
     render_summary(summary, out)
 
 
-@click.command(epilog="\b\nExamples:\n  meshplan report runs/p\n  meshplan report runs/p --png report.png --update-calibration h100.json\n")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON only: predicted, measured, error.")
+@click.command(epilog="\b\nExamples:\n  meshplan report runs/p\n  meshplan report runs/p --png report.png --update-calibration h100.json\n  meshplan report runs/ddp runs/fsdp runs/tp2 --png runs.png\n")
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON only: predicted, measured, error (several runs: {\"runs\": [...]}).")
 @click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
-              help="Write a chart: step time per step and peak memory, measured against predicted.")
+              help="Write a chart: loss and tokens/s over steps, step time and peak memory against the prediction; "
+                   "several runs overlaid.")
 @click.option("--update-calibration", "profile_path", type=click.Path(dir_okay=False), default=None,
-              help="Fold this run into a calibration profile (created from the GPU's defaults if absent).")
+              help="Fold this run into a calibration profile (created from the GPU's defaults if absent; one run).")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
               help="Leading steps to skip (default 2 when at least 3 remain).")
-def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | None,
+def report(run_dirs: tuple[str, ...], as_json: bool, png: str | None, profile_path: str | None,
            warmup_steps: int | None) -> None:
-    """A run's measured step time, tokens/s, MFU and peak memory next to its plan's prediction."""
-    from executor.validate.report import build_report, plot_report, render_report
+    """Runs' measured step time, tokens/s, MFU and peak memory next to their plans' predictions."""
+    from executor.validate.report import build_report, render_report
+    from topologies.errors import UsageError
     from topologies.files import check_output
 
     check_output(png, "--png", image=True)
     check_output(profile_path, "--update-calibration", stdout_ok=False)
-    doc, rows = build_report(run_dir, warmup_steps)
+    if profile_path and len(run_dirs) > 1:
+        raise UsageError(f"--update-calibration folds one run into a profile; got {len(run_dirs)} run directories: "
+                         "give one at a time")
+    built = [build_report(run_dir, warmup_steps) for run_dir in run_dirs]
+    docs = [doc for doc, _ in built]
     if profile_path:
         from executor.calibrate.fit import update_profile_from_run
 
-        update = update_profile_from_run(Path(run_dir) / "plan.json", doc["measured"], Path(profile_path))
-        doc["calibration_update"] = update
+        update = update_profile_from_run(Path(run_dirs[0]) / "plan.json", docs[0]["measured"], Path(profile_path))
+        docs[0]["calibration_update"] = update
         from executor.calibrate.fold import describe
 
         log(f"updated {profile_path}: time of " + describe(update)
             + (f"; other_bytes {update['other_bytes']:,}" if "other_bytes" in update else ""))
     if png:
-        plot_report(doc, rows, png)
+        from executor.validate.report_chart import plot_report_chart, report_chart
+
+        plot_report_chart(report_chart(built), png)
         log(f"wrote {png}")
     if as_json:
-        emit_json(doc)
+        emit_json(docs[0] if len(docs) == 1 else {"runs": docs})
     else:
-        render_report(doc)
+        for doc in docs:
+            render_report(doc)
 
 
 @click.command("validate-memory", epilog="\b\nExamples:\n  meshplan validate-memory plan.json\n  meshplan validate-memory plan.json --rank 0 --rank 7 --json\n")
@@ -107,9 +117,13 @@ def report(run_dir: str, as_json: bool, png: str | None, profile_path: str | Non
 def validate_memory(plan_path: str, as_json: bool, ranks: tuple[int, ...]) -> None:
     """Run one training step of the plan's real model for one rank of its full world, on CPU under a
     fake process group and FakeTensorMode, and compare PyTorch's memory tracker with the prediction."""
-    from executor.validate.memory import render_validation, validate_plan_file
+    from topologies.terminal import Progress
 
-    doc = validate_plan_file(plan_path, ranks or None)
+    with Progress("validate-memory", unit="ranks", quiet=as_json) as bar:
+        bar.describe("importing torch")
+        from executor.validate.memory import render_validation, validate_plan_file
+
+        doc = validate_plan_file(plan_path, ranks or None, progress=bar)
     if as_json:
         emit_json(doc)
     else:

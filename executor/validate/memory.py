@@ -107,15 +107,28 @@ def compare(plan: Plan, rank: int, raw: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def validate_plan(plan: Plan, ranks: list[int] | None = None) -> dict[str, Any]:
-    """Track one steady-state step for each rank; the worst tracked rank gives the top-level figures."""
+def validate_plan(plan: Plan, ranks: list[int] | None = None, progress=None) -> dict[str, Any]:
+    """Track one steady-state step for each rank; the worst tracked rank gives the top-level figures.
+
+    progress: a `topologies.terminal.Progress`, advanced per rank and told each rank's phase.
+    """
     from executor.validate.memory_step import tracked_peak
 
     ranks = ranks or ranks_to_check(plan)
     bad = [r for r in ranks if not 0 <= r < plan.world_size]
     if bad:
         raise PlanError(f"--rank {bad} is outside the plan's world of {plan.world_size} ranks (0..{plan.world_size - 1})")
-    reports = [compare(plan, r, tracked_peak(plan, r)) for r in ranks]
+    if progress is not None:
+        progress.update(total=len(ranks))
+    reports = []
+    for r in ranks:
+        def phase(text: str, rank: int = r) -> None:
+            if progress is not None:
+                progress.describe(f"rank {rank}: {text}")
+
+        reports.append(compare(plan, r, tracked_peak(plan, r, on_phase=phase)))
+        if progress is not None:
+            progress.advance()
     worst = max(reports, key=lambda rep: rep["tracked_peak_bytes"])
     return {
         "model": plan.model.name,
@@ -129,8 +142,8 @@ def validate_plan(plan: Plan, ranks: list[int] | None = None) -> dict[str, Any]:
     }
 
 
-def validate_plan_file(path: str, ranks: tuple[int, ...] | list[int] | None = None) -> dict[str, Any]:
-    return validate_plan(load_plan(path), list(ranks) if ranks else None)
+def validate_plan_file(path: str, ranks: tuple[int, ...] | list[int] | None = None, progress=None) -> dict[str, Any]:
+    return validate_plan(load_plan(path), list(ranks) if ranks else None, progress)
 
 
 def render_validation(doc: dict[str, Any]) -> None:

@@ -316,8 +316,12 @@ def _peak_snapshot(tracker) -> dict[str, int]:  # noqa: ANN001
     return out
 
 
-def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
-    """PyTorch's tracker's peak for `rank` over one steady-state step of the plan (see module docstring)."""
+def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
+    """PyTorch's tracker's peak for `rank` over one steady-state step of the plan (see module docstring).
+
+    on_phase(text), when given, hears what the rank is doing: building its model, tracking its step.
+    """
+    on_phase = on_phase or (lambda text: None)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -339,6 +343,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
         gpu_rms_norm = mock.patch("torch.nn.functional.rms_norm", _cuda_rms_norm)
         with FakeTensorMode(), plan_dtype_on_cpu(plan) as dtype, skip_check, _real_device_meshes(), gpu_rms_norm, \
                 _balanced_routing(), _stages_built_afresh(plan):
+            on_phase("building and parallelizing the model under FakeTensorMode")
             pm = parallelize(_fake_model(plan), plan, mesh, torch.device("cpu"))
             optimizers = build_optimizers(pm.parts, plan, mesh, lr=1e-4)
             _prime_optimizers(optimizers, pm.parts)
@@ -360,6 +365,7 @@ def tracked_peak(plan: Plan, rank: int) -> dict[str, int]:
                 # ZeroRedundancyOptimizer keeps its shard's state in the wrapped local optimizer
                 tracker.track_external(*pm.parts, *(getattr(o, "optim", o) for o in optimizers))
             stand_ins = _instrument_ddp(pm.runners[0], grad_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
+            on_phase("tracking one training step")
             with tracker, _quiet_known_warnings():
                 _train_step(plan, pm, optimizers, mesh, tokens, tracker, dtype)
             del stand_ins  # the bucket stand-ins were alive until the backward started

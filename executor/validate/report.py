@@ -113,7 +113,7 @@ def render_report(report: dict[str, Any]) -> None:
 
     from topologies.terminal import console
 
-    table = Table(title=f"{report['model']} on {report['cluster']}: {report['steps_counted']} steps counted "
+    table = Table(title=f"{report['run_dir']}: {report['model']} on {report['cluster']}, {report['steps_counted']} steps counted "
                         f"(first {report['warmup_steps']} skipped as warm-up)")
     for col in ("figure", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "figure" else "right")
@@ -130,32 +130,3 @@ def render_report(report: dict[str, Any]) -> None:
         out.print(f"loss {meas['loss_first']:.4f} -> {meas['loss_last']:.4f} over the counted steps; "
                   f"step time {_fmt('step_time_s', meas['step_time_min_s'])} .. "
                   f"{_fmt('step_time_s', meas['step_time_max_s'])}")
-
-
-def plot_report(report: dict[str, Any], rows: list[dict[str, Any]], path: str | Path) -> None:
-    """PNG: step time per step against the prediction, and peak memory measured vs predicted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    steps = [r["step"] for r in rows]
-    ax_t.plot(steps, [r["step_time_s"] for r in rows], "o-", label="measured")
-    ax_t.axhline(report["predicted"]["step_time_s"], color="C1", ls="--", label="predicted")
-    ax_t.axvspan(steps[0] - 0.5, steps[0] + report["warmup_steps"] - 0.5, color="0.9", label="warm-up")
-    ax_t.set(xlabel="step", ylabel="step time (s)", title="step time")
-    ax_t.legend()
-    breakdown = report["predicted"].get("memory_breakdown_bytes") or {}
-    bottom = 0.0
-    for i, (category, value) in enumerate(breakdown.items()):
-        ax_m.bar("predicted", value / GIB, bottom=bottom, color=f"C{i}", label=category)
-        bottom += value / GIB
-    measured = report["measured"]["peak_memory_bytes"]
-    ax_m.bar("measured", (measured or 0) / GIB, color="0.4")
-    ax_m.set(ylabel="GiB", title="peak memory (worst rank)")
-    ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    from topologies.files import save_figure
-
-    save_figure(fig, path)

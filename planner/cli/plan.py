@@ -98,7 +98,8 @@ def _common(f):
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="Layouts to rank.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write plan.json here.")
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
-              help="Write a stacked-bar chart of the ranked layouts' memory per GPU.")
+              help="Write a chart: memory per GPU by category for the chosen layout's pipeline stages and the "
+                   "ranked layouts; with --gpus auto or a range, tokens/s, days and cost against the GPU count.")
 # How many GPUs, how long, how much (planner.search.sweep), and how much memory to leave free.
 @click.option("--memory-headroom", "headroom_pct", type=FiniteFloat(0, 90), default=None, metavar="PCT",
               help="Percent of GPU memory a plan leaves free [default: 5].")
@@ -142,7 +143,7 @@ def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_ba
 
             run_sweep(request, gpu_range, train_tokens, price, as_json, output, png)
             return
-        the_plan, result = search_plan_request(request, gpu_range.lo)
+        the_plan, result = search_plan_request(request, gpu_range.lo, quiet=as_json)
     except InfeasibleError as exc:
         if as_json:  # a script reading stdout gets an answer too, not an empty string
             emit_json({"feasible": False, "error": str(exc), "exit_code": exc.exit_code})
@@ -191,8 +192,12 @@ def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, globa
     gpus = gpu_range.lo
     model = resolve_model_arg(model)
     load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
-    rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
-                            price_per_gpu_hour, precision=precision, allow_long_context=allow_long_context)
+    from topologies.terminal import Progress
+
+    with Progress("compare", unit="variants", quiet=as_json) as bar:
+        rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
+                                price_per_gpu_hour, precision=precision,
+                                allow_long_context=allow_long_context, progress=bar)
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from planner.cli.inputs import load_model_arg
 from planner.search.candidates import Pins
+from topologies.terminal import si  # noqa: F401  (the short numbers of plan's tables)
 
 # "needs at least N GPUs" looks this far past the count asked for (and no further
 # than this many seconds), so an infeasible plan answers in a few seconds.
@@ -165,8 +166,9 @@ def search_at(request: PlanRequest, gpus: int, top: int | None = None):
     return model, cluster, result
 
 
-def search_plan_request(request: PlanRequest, gpus: int):
-    """(Plan, SearchResult) on `gpus` GPUs; InfeasibleError naming how many GPUs would fit when none does."""
+def search_plan_request(request: PlanRequest, gpus: int, quiet: bool = False):
+    """(Plan, SearchResult) on `gpus` GPUs; InfeasibleError naming how many GPUs would fit when none does
+    (a search of a few seconds at most, with a progress line on a terminal unless `quiet`)."""
     from planner.search.explain import build_plan, no_layout_error
     from topologies.errors import InfeasibleError
 
@@ -174,7 +176,7 @@ def search_plan_request(request: PlanRequest, gpus: int):
     if not result.ranked:
         error = no_layout_error(result, request.pins, cluster.world_size, request.engine)
         if isinstance(error, InfeasibleError):
-            error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
+            error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster, quiet)}")
         raise error
     return build_plan(model, cluster, result, request.engine), result
 
@@ -185,14 +187,20 @@ def node_size(request) -> int:
     return load_cluster(request.cluster, None, parse_overrides(request.overrides)).gpus_per_node
 
 
-def gpus_needed_sentence(request, cluster) -> str:
+def gpus_needed_sentence(request, cluster, quiet: bool = False) -> str:
     """'; needs at least N GPUs of CLUSTER' from a short sweep above the count asked for ('' if none found)."""
     from planner.search.sweep import AUTO_MAX_GPUS, allowed_counts, sweep
+    from topologies.terminal import Progress
 
     n = cluster.world_size
     counts = allowed_counts(node_size(request), n + 1, min(AUTO_MAX_GPUS, n * NEEDED_SEARCH_FACTOR))
-    found = sweep(counts, lambda count: search_at(request, count, top=1)[2], auto=True,
-                  state_bound=request.pins.offload in (None, "none"), max_fits=1, budget_s=NEEDED_SEARCH_BUDGET_S)
+    with Progress(f"nothing fits on {n} GPUs; looking for a count that does", quiet=quiet) as bar:
+        def at(count: int):
+            bar.describe(f"{count} GPUs")
+            return search_at(request, count, top=1)[2]
+
+        found = sweep(counts, at, auto=True, state_bound=request.pins.offload in (None, "none"), max_fits=1,
+                      budget_s=NEEDED_SEARCH_BUDGET_S)
     fit = found.smallest_fit
     if fit is None:
         return ""
@@ -200,20 +208,14 @@ def gpus_needed_sentence(request, cluster) -> str:
 
 
 def plot_plan_memory(the_plan, result, png: str, usable_fraction: float) -> None:
-    """The memory chart of the ranked layouts, titled with model, GPUs and cluster, with the planning limit."""
-    from planner.memory.chart import plot_memory
+    """The plan's memory picture: the chosen layout by pipeline stage, then the ranked layouts' worst ranks,
+    against the GPU's memory and the planning limit."""
+    from planner.charts.memory import MemoryChart, plot_memory_chart, ranked_panel, stage_panel
     from planner.search.explain import short
 
     c = the_plan.cluster
-    plot_memory([(f"#{i + 1} " + short(s.layout).replace(" Z", "\nZ", 1), s.result.memory.breakdown_bytes)
-                 for i, s in enumerate(result.ranked)], png, capacity_bytes=c.gpu.memory_bytes,
-                title=f"{the_plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): memory per GPU",
-                limit_bytes=int(c.gpu.memory_bytes * usable_fraction))
-
-
-def si(value: float) -> str:
-    """1234567 -> '1.23M': short numbers for narrow tables."""
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= div:
-            return f"{value / div:.3g}{unit}"
-    return f"{value:.3g}"
+    best = result.ranked[0]
+    panels = (stage_panel(best.result.memory, best.layout, f"#1 {short(best.layout)}, by pipeline stage"),
+              ranked_panel(result.ranked, short))
+    plot_memory_chart(MemoryChart(f"{the_plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): memory per GPU",
+                                  panels, c.gpu.memory_bytes, int(c.gpu.memory_bytes * usable_fraction)), png)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from topologies.terminal import console, emit_json, log
+from topologies.terminal import Progress, console, emit_json, log
 
 # The order the breakdown is shown in; the unindented rows sum to the step time.
 BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("tp_comm", "  of which TP"),
@@ -25,13 +25,14 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome/Perfetto trace of one step (open it at ui.perfetto.dev).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a Gantt chart of one step to this PNG.")
+              help="Write a chart of one step to this PNG: per stage compute (bubble shaded) and each kind of "
+                   "communication, the first and last micro-batches drawn, the steady state folded.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
               help="Calibration profile JSON (default: the shipped profile of the plan's GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
 def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calibration: str | None,
              as_json: bool) -> None:
-    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a Gantt chart."""
+    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a chart of the step."""
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
@@ -42,22 +43,31 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     plan = load_plan(plan_path)
     cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)
-    result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
-                           events=want_events)
     layout = plan.layout
-    if trace_path:
-        from planner.simulate.trace import write_trace
+    # a step of thousands of operations, its trace and its chart take seconds on a large plan
+    with Progress("simulate", quiet=as_json or not want_events) as bar:
+        result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
+                               events=want_events)
+        timeline = None
+        if want_events:
+            from planner.simulate.timeline import timeline_of
 
-        write_trace(result, layout.pp_schedule, layout.pp, layout.virtual_stages, trace_path)
-        log(f"wrote trace {trace_path}")
-    if png_path:
-        from planner.simulate.trace import plot_gantt
+            timeline = timeline_of(result, layout)
+        if trace_path:
+            from planner.simulate.trace import write_trace
 
-        c = plan.cluster
-        plot_gantt(result, layout.pp_schedule, layout.pp, layout.virtual_stages, png_path,
-                   title=f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): tp {layout.tp}, pp "
-                         f"{layout.pp}, dp {layout.dp}, ZeRO-{layout.zero_stage}")
-        log(f"wrote {png_path}")
+            bar.describe("writing the trace")
+            write_trace(timeline, trace_path)
+        if png_path:
+            from planner.charts.timeline import plot_step_chart, step_chart
+
+            bar.describe("drawing the chart")
+            c = plan.cluster
+            plot_step_chart(step_chart(timeline, f"{plan.model.name} on {c.world_size} x {c.gpu.name} ({c.name}): "
+                                                 f"{layout_words(layout)}"), png_path)
+    for path, what in ((trace_path, "trace "), (png_path, "")):
+        if path:
+            log(f"wrote {what}{path}")
     prediction = result.prediction()
     if as_json:
         # plan.json's `prediction` keys at the top, then where it came from and what was written
@@ -66,6 +76,15 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
                    "calibration": cal.source, "trace": trace_path, "png": png_path})
         return
     _print_human(plan, result, cal)
+
+
+def layout_words(layout) -> str:
+    """tp 1, pp 4, dp 2, cp 2, ZeRO-1, micro-batch 1 x 128: a layout in a chart's title."""
+    dp = f"{layout.dp_replicate}x{layout.dp_shard}" if layout.hsdp else str(layout.dp)
+    parts = [f"tp {layout.tp}", f"pp {layout.pp}", f"dp {dp}"] + [f"{axis} {getattr(layout, axis)}"
+                                                                 for axis in ("cp", "ep") if getattr(layout, axis) > 1]
+    return ", ".join(parts + [f"ZeRO-{layout.zero_stage}",
+                              f"micro-batch {layout.micro_batch_size} x {layout.grad_accum_steps}"])
 
 
 def _print_human(plan, result, cal) -> None:

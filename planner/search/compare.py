@@ -101,8 +101,11 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
                      calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
-                     allow_long_context: bool = False) -> list[Row]:
-    """Search every variant; rows in variant order with speed-up and cost filled in."""
+                     allow_long_context: bool = False, progress=None) -> list[Row]:
+    """Search every variant; rows in variant order with speed-up and cost filled in.
+
+    progress: a `topologies.terminal.Progress` told the number of variants and each one searched.
+    """
     from planner.accuracy.bands import uncertainty_json
     from planner.model.context import check_context
     from planner.model.load import load_model
@@ -116,7 +119,11 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
     todo = variants(clusters, parse_overrides(overrides), parse_what_if(what_if))
     prices = parse_prices(price_per_gpu_hour, len(todo))
     rows = []
+    if progress is not None:
+        progress.update(total=len(todo))
     for v in todo:
+        if progress is not None:
+            progress.describe(v.label)
         n = v.run.get("gpus", gpus)
         cluster = load_cluster(v.cluster, n, v.overrides)
         seq = v.run.get("seq_len", seq_len) or default_seq_len(model.max_seq_len)
@@ -124,6 +131,8 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         profile = load_calibration(calibration, cluster.gpu)
         result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1,
                         precision=precision)
+        if progress is not None:
+            progress.advance()
         if result.ranked:
             rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best,
                             uncertainty=uncertainty_json(engine, cluster.gpu.name, model.moe is not None)))

@@ -119,9 +119,18 @@ class Sweep:
     def smallest_fit(self) -> SweepPoint | None:
         return next((p for p in self.points if p.fits), None)
 
+    @property
+    def recommended(self) -> SweepPoint | None:
+        """The fitting count with the most tokens/s per GPU: the fewest GPU-hours, so the lowest cost, per
+        token at any price (cost = GPUs x hours, hours = tokens / tokens/s). More GPUs than this buy time
+        with money; fewer cost more and take longer. The smallest count wins a tie."""
+        fits = [p for p in self.points if p.fits]
+        return max(fits, key=lambda p: p.tokens_per_s_per_gpu) if fits else None
+
     def to_json(self) -> dict:
-        fit = self.smallest_fit
+        fit, best = self.smallest_fit, self.recommended
         return {"points": [p.to_json() for p in self.points], "smallest_fitting_gpus": fit.gpus if fit else None,
+                "recommended_gpus": best.gpus if best else None,
                 "scaling_stops_paying_after": self.stopped_paying_at, "ruled_out_by_model_state": list(self.ruled_out), "scaling_worth_it": SCALING_WORTH_IT,
                 "elapsed_s": self.elapsed_s}
 

@@ -60,26 +60,15 @@ from planner.simulate.compute import (
 )
 from planner.simulate.context import torch_cp_cost
 from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
+from planner.simulate.events import LAYER_COMM_KEYS, StepEvents, step_events_of
 from planner.simulate.grad_fold import add_grad_fold
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
-from planner.simulate.pipeline import B, F, Op, W, chunk_owner, simulate_pipeline
+from planner.simulate.pipeline import B, F, W, chunk_owner, simulate_pipeline
 from planner.simulate.recompute import recomputed_comm
 from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import PlanError
-
-LAYER_COMM_KEYS = ("tp_comm", "cp_comm", "ep_comm", "fsdp_comm", "offload_comm")
-
-
-@dataclass(frozen=True)
-class StepEvents:
-    """What a trace needs: every pipeline operation and each rank's tail after it."""
-
-    ops: tuple[Op, ...]
-    op_comm_s: dict[tuple[int, int], float]  # (kind, chunk) -> exposed layer communication inside the op
-    p2p_s: tuple[float, ...]  # transfer time across each chunk boundary
-    tails: tuple[tuple[tuple[str, float, float], ...], ...]  # per rank: (name, start, end) after the pipeline
 
 
 @dataclass(frozen=True)
@@ -380,6 +369,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
+    plain_f = durations[F]
     if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
         durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
                                                        comm_kinds)
@@ -402,23 +392,9 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
     step_events = None
     if events:
-        op_comm = {(k, c): layers * sum((unit.comm_f if k == F else unit.comm_b).values())
-                   for c, layers in enumerate(layout.layers_per_stage) for k in (F, B)}
-        step_events = StepEvents(pipe.ops, op_comm, tuple(p2p), tuple(_tail_segments(pipe.rank_end_s, tails)))
+        scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
+        step_events = step_events_of(layout, pipe, (unit.comm_f, unit.comm_b), ends_comm, scale, p2p, tails)
     return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events)
-
-
-def _tail_segments(rank_end: tuple[float, ...], tails: list[dict[str, float]]
-                   ) -> list[tuple[tuple[str, float, float], ...]]:
-    out = []
-    for end, tail in zip(rank_end, tails, strict=True):
-        segments, t = [], end
-        for name in ("dp_comm", "embedding_sync", "optimizer", "param_gather"):
-            if tail[name] > 0:
-                segments.append((name, t, t + tail[name]))
-                t += tail[name]
-        out.append(tuple(segments))
-    return out
 
 
 def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,

@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import math
 
+from terminal_run import run_on_terminal
+
 from planner.simulate.calibration import CalibrationProfile, load_calibration
 from topologies.cluster_load import load_cluster
 from topologies.hardware import get_gpu
 
 
 def test_calibrate_tiny_grid_writes_a_profile_simulate_accepts(cli, tmp_path):
+    """On a terminal: a bar for the kernels, then for the collectives; the profile is what simulate takes."""
     out = tmp_path / "profile.json"
-    r = cli("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--out", str(out), timeout=300)
+    r = run_on_terminal("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--out", str(out),
+                        timeout=300)
     assert r.code == 0, r.stderr
+    assert "\x1b[?25l" in r.stderr and "cpu: kernels" in r.stderr and "collectives over 2..2 ranks" in r.stderr
     data = json.loads(out.read_text())
     profile = CalibrationProfile.from_json(data)  # validates every field's range
     assert profile.gpu == "cpu" and "calibrate" in profile.source
@@ -45,9 +50,11 @@ def _cpu_plan():
 def test_calibrate_with_a_model_measures_its_shapes_and_blocks(cli, tmp_path):
     """--model adds the plan's GEMMs and times one executor block plain, alone, under TP and FSDP on 2 gloo ranks."""
     out = tmp_path / "profile.json"
-    r = cli("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--model", "debug",
-            "--seq-len", "64", "--micro-batch", "2", "--out", str(out), timeout=600)
+    r = run_on_terminal("calibrate", "--device", "cpu", "--grid", "tiny", "--max-ranks", "2", "--model", "debug",
+                        "--seq-len", "64", "--micro-batch", "2", "--out", str(out), "--json", timeout=600)
     assert r.code == 0, r.stderr
+    assert "\x1b[?25l" not in r.stderr and "kernels" not in r.stderr  # --json: no bar, even on a terminal
+    assert json.loads(r.stdout)["gpu"] == "cpu"
     profile = CalibrationProfile.from_json(json.loads(out.read_text()))
     samples = json.loads(out.with_suffix(".samples.json").read_text())
     assert {(g["m"], g["n"], g["k"]) for g in samples["gemm"]} >= {(128, 64 + 2 * 32, 64), (128, 256, 64)}

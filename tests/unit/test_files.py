@@ -137,3 +137,28 @@ def test_save_figure_writes_the_format_the_suffix_names(tmp_path):
     save_figure(fig, tmp_path / "c.svg")
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
     assert sys.modules["matplotlib"] is matplotlib
+
+
+def test_save_figure_writes_a_palette_png(tmp_path):
+    """PNGs are quantized to 256 colours: the image matplotlib rendered, at 120 dpi, in far fewer bytes."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+
+    from topologies.files import save_figure
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1, 2], [0, 1, 0], "o-")
+    full = io.BytesIO()
+    fig.savefig(full, format="png", dpi=120)
+    save_figure(fig, tmp_path / "c.png")
+    image = Image.open(tmp_path / "c.png")
+    assert image.mode == "P" and image.size == (480, 360)
+    assert (tmp_path / "c.png").stat().st_size < len(full.getvalue())
+    rendered = np.asarray(Image.open(io.BytesIO(full.getvalue())).convert("RGB"), dtype=int)
+    assert np.abs(np.asarray(image.convert("RGB"), dtype=int) - rendered).max() < 48  # within a few shades

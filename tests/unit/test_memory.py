@@ -240,17 +240,6 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     assert many.worst_stage == 1
 
 
-def test_memory_chart_writes_png(tmp_path):
-    from planner.memory.chart import plot_memory
-
-    m = load_model("llama2-13b")
-    entries = [(f"zero{z}", estimate_memory(m, BF16, Layout(dp_shard=16, zero_stage=z), H100).breakdown_bytes)
-               for z in (1, 2, 3)]
-    out = tmp_path / "mem.png"
-    plot_memory(entries, out, capacity_bytes=H100.memory_bytes)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
-
-
 # ---- the 13B sanity check --------------------------------------------------
 
 def test_13b_on_16_h100_zero3_breakdown():

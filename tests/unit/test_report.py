@@ -112,7 +112,56 @@ def test_cli_json_keys_and_png(cli, tmp_path):
     for key in ("predicted", "measured", "error"):
         assert {"step_time_s", "peak_memory_bytes", "tokens_per_s", "mfu"} <= set(doc[key])
     assert doc["measured"]["step_time_s"] == pytest.approx(0.545)  # median of steps 3-6
-    assert png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_of_two_runs(tmp_path):
+    """The chart's series are the runs' rows; the figure draws them, the predictions and the memory bars."""
+    from executor.validate.report import build_report
+    from executor.validate.report_chart import draw_report_chart, report_chart
+
+    first = [_row(s, 0.5, loss=6.0 - 0.1 * s) for s in range(1, 7)]
+    second = [_row(1, 1.0, loss=6.0), _row(2, 0.25, loss=5.5), _row(3, 0.25, loss=None), _row(4, 0.3, loss=5.2)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    built = [build_report(_run_dir(tmp_path / "a", first)), build_report(_run_dir(tmp_path / "b", second))]
+    chart = report_chart(built)
+    a, b = chart.runs
+    assert (a.label, b.label) == ("a", "b") and chart.title == "2 runs of debug"
+    assert a.steps == tuple(range(1, 7)) and a.loss == tuple(r["loss"] for r in first)
+    assert a.tokens_per_s == pytest.approx([512 / 0.5] * 6)  # 8 sequences of 64 tokens a step
+    assert a.counted == (False, False, True, True, True, True)  # two warm-up steps
+    assert b.counted == (False, False, True, True)
+    assert b.loss[2] is None and b.measured_step_time_s == pytest.approx(0.275)  # median of 0.25 and 0.3
+    assert a.predicted_step_time_s == 0.5 and a.step_time_error == pytest.approx(0.0)
+    assert a.predicted_peak_bytes == 2.5 * GIB and a.memory_compared and a.measured_peak_bytes == 2 * GIB
+    fig = draw_report_chart(chart)
+    ax_loss, ax_tps, ax_time, ax_mem = fig.axes
+    loss_line = next(line for line in ax_loss.lines if line.get_label() == "a")
+    assert list(loss_line.get_ydata()) == pytest.approx([r["loss"] for r in first])
+    b_line = next(line for line in ax_loss.lines if line.get_label() == "b")
+    assert list(b_line.get_xdata()) == [1, 2, 4]  # the step without a loss is not drawn
+    predicted = next(line for line in ax_tps.lines if line.get_label() == "a predicted")
+    assert predicted.get_ydata()[0] == pytest.approx(1024.0)
+    assert (ax_loss.get_xlabel(), ax_loss.get_ylabel(), ax_tps.get_ylabel()) == ("step", "loss", "tokens/s")
+    assert [t.get_text() for t in ax_time.texts] == ["+0%", "+82%"]  # (0.5 - 0.275) / 0.275
+    assert [t.get_text() for t in ax_time.get_xticklabels()] == ["a", "b"]
+    assert "2.5" in [t.get_text() for t in ax_mem.texts] and "2" in [t.get_text() for t in ax_mem.texts]
+    fig.clf()
+
+
+def test_cli_several_runs(cli, tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = _run_dir(tmp_path / "a", [_row(s, 0.5) for s in range(1, 5)])
+    b = _run_dir(tmp_path / "b", [_row(s, 0.25) for s in range(1, 5)])
+    r = cli("report", str(a), str(b), "--json")
+    assert r.code == 0, r.stderr
+    runs = r.json()["runs"]
+    assert [d["measured"]["step_time_s"] for d in runs] == [0.5, 0.25]
+    human = cli("report", str(a), str(b), "--png", str(tmp_path / "runs.png"))
+    assert human.code == 0 and str(a) in human.stdout and str(b) in human.stdout
+    assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    refused = cli("report", str(a), str(b), "--update-calibration", str(tmp_path / "p.json"))
+    assert refused.code == 2 and "one run" in refused.stderr and not (tmp_path / "p.json").exists()
 
 
 def test_cli_human_table(cli, tmp_path):

@@ -68,6 +68,17 @@ def test_sweep_skips_counts_model_state_rules_out_and_stops_where_scaling_stops_
     assert found.ruled_out == (2, 4, 8)
     assert found.smallest_fit.gpus == 16
     assert found.stopped_paying_at == 64
+    # the most tokens/s per GPU: 16 and 32 GPUs tie at 6.25 per GPU, the smaller count wins; 64 gives 6.09
+    assert found.recommended.gpus == 16
+
+
+def test_recommended_is_the_most_tokens_per_gpu_so_the_cheapest():
+    rates = {8: 80.0, 16: 176.0, 32: 320.0}  # 10, 11, 10 tokens/s per GPU
+    found = sweep([8, 16, 32], lambda n: _result(True, rates[n]), auto=False)
+    assert found.recommended.gpus == 16
+    costs = {n: training_cost(1e9, rates[n], n, 2.0)["cost"] for n in rates}
+    assert min(costs, key=costs.get) == 16
+    assert sweep([8], lambda n: _result(False, needed=2, capacity=1), auto=False).recommended is None
 
 
 def test_sweep_of_a_range_searches_every_count_and_skips_refused_ones():
