@@ -179,10 +179,19 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
     """Megatron split of one block as a plain dict: q/k/v and w1/w3 by columns, wo and w2 by rows.
 
     Column-parallel q/k/v give each rank a / tp query heads and k / tp KV
-    heads; row-parallel wo sums the partial outputs (all-reduce, or
-    reduce-scatter along the sequence under SP). With sequence parallel the
-    norms run on S / tp tokens each and the attention/MLP inputs are
-    all-gathered along the sequence first.
+    heads (their biases split alike); row-parallel wo sums the partial
+    outputs (all-reduce, or reduce-scatter along the sequence under SP). With
+    sequence parallel the norms run on S / tp tokens each and the
+    attention/MLP inputs are all-gathered along the sequence first.
+
+    Qwen3's q/k norms act on this rank's heads: SequenceParallel over the head
+    dimension (torchtitan's Qwen3 plan) keeps their weights replicated
+    DTensors, so each rank's partial weight gradient is all-reduced. MLA
+    (torchtitan's DeepSeek-V3 plan): the up-projections wq (or wq_b) and wkv_b
+    by columns, wo by rows; the down-projections and their norms stay whole on
+    every rank, their gradients equal there because the column-parallel
+    up-projections all-reduce their input gradients; the shared rotary key's
+    partial gradient is all-reduced by the attention itself (`tp_mesh`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -193,12 +202,17 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
     )
 
     out = Shard(1) if sequence_parallel else Replicate()
-    plan: dict = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=out),
-    }
+    attention = block.attention
+    if hasattr(attention, "wkv_b"):  # MLA
+        up = ["attention.wkv_b", "attention.wq" if attention.wq is not None else "attention.wq_b"]
+        plan: dict = {name: ColwiseParallel() for name in up}
+    else:
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel()}
+        if attention.q_norm is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.wo"] = RowwiseParallel(output_layouts=out)
     if not hasattr(block.feed_forward, "router"):  # a MoE MLP stays replicated over tp (experts: ep)
         plan["feed_forward.w1"] = ColwiseParallel()
         plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
@@ -253,6 +267,8 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
         parallelize_module(part, tp_mesh, top)
     for block in part.layers.values():
         parallelize_module(block, tp_mesh, block_tp_plan(block, sequence_parallel))
+        if hasattr(block.attention, "tp_mesh"):  # MLA's shared rotary key (executor.attention)
+            block.attention.tp_mesh = tp_mesh
     if sequence_parallel and part.tok_embeddings is not None and replicated_embedding and len(part.layers):
         first = next(iter(part.layers.values()))
         parallelize_module(first, tp_mesh, PrepareModuleInput(
