@@ -11,8 +11,9 @@ Order, and why (torchtitan's recipe):
      TP or PP): per block, then the part as root; last so it sees the TP DTensors
      and shards them further along the dp axes;
   5. materialize the local shards and initialize them from the seed
-     (`executor.model.init_weights`): after sharding, so no rank ever holds
-     more than its shard;
+     (`executor.model.init_weights`), or read them from a Hugging Face
+     directory (`executor.hf.load.load_part`, --init-from): after sharding, so
+     no rank ever holds more than its shard (and one tensor being read);
   6. DDP (`apply_ddp`, ZeRO-0/1 without TP or PP): needs real tensors, so after init.
 
 ZeRO stage -> PyTorch (ARCHITECTURE.md): 0 DDP; 1 DDP + ZeroRedundancyOptimizer
@@ -112,13 +113,24 @@ def check_supported(plan: Plan) -> None:
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
-                seed: int = 0, compile: bool = False) -> ParallelModel:
-    """Apply the plan to a meta-device `model` on this rank; return the initialized local parts."""
+                seed: int = 0, compile: bool = False, init_from: str | None = None) -> ParallelModel:
+    """Apply the plan to a meta-device `model` on this rank; return the initialized (or loaded) local parts."""
     dtype = compute_dtype(plan, device)
     parts, stages, dp_kind, experts = shard(model, plan, mesh, dtype, compile)
     offloaded = plan.layout.offload != "none" and device.type == "cuda"  # FSDP2 keeps the shards on the host
+    weights = None
+    if init_from is not None:
+        from executor.hf.files import WeightsDir
+
+        weights = WeightsDir(init_from)
     for part in parts:
-        init_weights(part, plan.model, seed, torch.device("cpu") if offloaded else device)
+        where = torch.device("cpu") if offloaded else device
+        if weights is not None:
+            from executor.hf.load import load_part
+
+            load_part(part, plan.model, weights, where)
+        else:
+            init_weights(part, plan.model, seed, where)
         if offloaded:  # buffers (the rope tables) are not offloaded: forward needs them on the GPU
             for module in part.modules():
                 for name, buf in module.named_buffers(recurse=False):
