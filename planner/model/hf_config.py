@@ -283,9 +283,10 @@ def _rope(r: _Reader, family: str, max_pos: int) -> tuple[float, RopeScaling | N
     inner = _Reader(scaling or {}, f"{r.source} ({'rope_parameters' if params is not None else 'rope_scaling'})")
     theta = inner.float("rope_theta", r.float("rope_theta", _THETA_DEFAULT.get(family, 10_000.0)))
     kind = inner.str("rope_type", inner.str("type", "default"))
-    if r.float("partial_rotary_factor", inner.float("partial_rotary_factor", 1.0)) != 1.0:
-        kind = kind + "+partial_rotary"  # read, and refused by the executor by this name
-    if kind == "default" or scaling is None:
+    partial = r.float("partial_rotary_factor", inner.float("partial_rotary_factor", 1.0)) != 1.0
+    if partial:  # rope on part of each head: read, and refused by the executor by this name
+        kind = kind + "+partial_rotary"
+    elif kind == "default" or scaling is None:
         return theta, None
     original = r.int("original_max_position_embeddings", inner.int("original_max_position_embeddings", 0, low=0),
                      low=0)
