@@ -36,13 +36,24 @@ def check_config(spec: ModelSpec, directory: str | Path) -> None:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise UsageError(f"--init-from {str(directory)!r} has no config.json: give a Hugging Face model directory")
-    theirs = load_model(str(path))
-    ours, theirs = spec.to_json(), theirs.to_json()
+    ours, theirs = _effective(spec).to_json(), _effective(load_model(str(path))).to_json()
     differ = [key for key in ours if key != "name" and ours[key] != theirs.get(key)]
     if differ:
         shown = "; ".join(f"{key}: plan {_short(ours[key])}, {path} {_short(theirs.get(key))}" for key in differ)
         raise UsageError(f"--init-from {directory}: its config.json describes another model than the plan's "
                          f"({shown}); re-plan with `meshplan plan --model {directory}`")
+
+
+def _effective(spec: ModelSpec) -> ModelSpec:
+    """What the spec computes, spelled one way: the MLP's own activation named, and a preset's family the one
+    whose config.json it would be exported with (so a run exported from a preset reloads into its plan)."""
+    family = spec.family
+    if not family:
+        try:
+            family = _family(spec)
+        except UsageError:
+            family = ""
+    return dataclasses.replace(spec, activation=spec.mlp_activation, family=family)
 
 
 def _short(value: Any) -> str:
