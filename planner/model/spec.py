@@ -25,6 +25,12 @@ ffn_hidden. Multi-token-prediction modules (DeepSeek-V3) are counted apart
 the published totals of DeepSeek-V3/V2, Kimi-K2, Qwen3-MoE, Qwen2-MoE,
 GPT-OSS, Mixtral, Grok-1 and Llama 4 (tests/unit/test_model_moe.py).
 
+Execution fields (plan.json schema 3) change no count or FLOP: the family the
+spec was read from, rope theta and scaling, the norms' epsilon, the MLP's
+activation, which layers slide (`window_of`) and, in MoESpec, the router's
+scoring, renormalization, scaling and groups. The executor computes the
+model from them as each family's Hugging Face modeling code does.
+
 Training FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B):
 6 * N_matmul + 12 * l * s * a*d (6 * l * s * a*(qk + v) with MLA's two head
 widths; sliding-window layers count min(window, s) keys), where N_matmul counts the weights that take
