@@ -35,7 +35,8 @@ def check_config(spec: ModelSpec, directory: str | Path) -> None:
 
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise UsageError(f"--init-from {str(directory)!r} has no config.json: give a Hugging Face model directory")
+        raise UsageError(f"--init-from {str(directory)!r} has no config.json (the default is plan.json's "
+                         "weights_dir): give a Hugging Face model directory, or --init-from none for random weights")
     ours, theirs = _effective(spec).to_json(), _effective(load_model(str(path))).to_json()
     differ = [key for key in ours if key != "name" and ours[key] != theirs.get(key)]
     if differ:

@@ -78,6 +78,18 @@ def test_random_init_run_saves_a_hugging_face_model(hf_run):
     assert torch.equal(loaded(x), restored(x))
 
 
+def test_checkpoint_export_writes_the_same_model(hf_run, tmp_path):
+    _, out = hf_run
+    r = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "hf"), "--format", "hf")
+    assert r.code == 0, r.stderr
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hf" / name).read_bytes() == (out / "hf" / "step-2" / name).read_bytes(), name
+    again = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "hf"), "--format", "hf")
+    assert again.code == 2 and "already exists and is not an empty directory" in again.stderr
+    r = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "m.pt"), "--dtype", "bf16")
+    assert r.code == 2 and "--dtype applies to --format hf" in r.stderr
+
+
 def test_mismatched_weights_and_unexportable_models_are_refused_before_launch(hf_run, tmp_path):
     plan, out = hf_run
     saved = tmp_path / "saved"
