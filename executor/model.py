@@ -8,6 +8,12 @@ embedding, GELU MLP w2(gelu(w1 x)), biases when the spec says so, output layer
 tied to the token embedding when the spec says so. Any mix of the three
 choices builds; ALiBi is refused.
 
+The numerics of the Hugging Face families (transformers' modeling code) come
+from the spec: rope theta and scaling (executor.rope), the norms' epsilon,
+the MLP's activation, the attention's biases, q/k norms, sliding windows and
+MLA (executor.attention), and per layer a dense MLP or the mixture of
+experts with its family's router (executor.moe).
+
 Parameter names (FQNs) are the contract with checkpoints: they are the same
 under every layout. `layers` is a ModuleDict keyed by str(layer_index), so a
 pipeline stage keeps the original names after deleting the blocks it does not
@@ -35,77 +41,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from executor.attention import Attention, MLAttention, attention_core
 from executor.moe import MoE
-from executor.parallel.context import ContextShard, cp_attention
+from executor.parallel.context import ContextShard
+from executor.rope import rope_tables, rotate_half_apply
 from planner.model.spec import ModelSpec
 from topologies.errors import ModelError
 
+__all__ = ["Attention", "Block", "FeedForward", "MLAttention", "Transformer", "attention_core", "build_model",
+           "full_init_value", "init_weights", "rope_tables", "rotate_half_apply"]
+
 INIT_STD = 0.02  # GPT-2 / nanoGPT: N(0, 0.02) for weights and embeddings
-ROPE_THETA = 10_000.0  # RoFormer / Llama 2 base; ModelSpec carries no theta
-NORM_EPS = 1e-5
 # the MoE's stacked expert w2 and its shared experts' w2 are residual projections too
 RESIDUAL_PROJECTIONS = ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2", "shared.w2.weight")
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return nn.RMSNorm(spec.hidden, eps=NORM_EPS)
-    return nn.LayerNorm(spec.hidden, eps=NORM_EPS, bias=True)
+        return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, bias=True)
 
 
-def rotate_half_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the rotate-half form: x*cos + rot(x)*sin, x of shape (B, S, heads, d).
-
-    Pairs dimension i with i + d/2 (GPT-NeoX / Hugging Face Llama layout);
-    angle of position p, pair i: p * theta^(-2i/d).
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
-
-
-def rope_tables(head_dim: int, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, 1, head_dim), fp32."""
-    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-    return angles.cos(), angles.sin()
-
-
-class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.head_dim = spec.head_dim
-        self.use_rope = spec.position == "rope"
-        self.selective_recompute = False  # recompute the attention core (softmax(QK^T)V) in backward
-        self.cp: ContextShard | None = None  # context parallel: K/V gathered over the cp group
-        self.wq = nn.Linear(spec.hidden, spec.q_dim, bias=spec.bias)
-        self.wk = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
-        self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
-        self.wo = nn.Linear(spec.q_dim, spec.hidden, bias=spec.bias)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if self.use_rope:  # tables already cut to this rank's positions and cast once per forward
-            q = rotate_half_apply(q, cos.to(q.dtype), sin.to(q.dtype))
-            k = rotate_half_apply(k, cos.to(k.dtype), sin.to(k.dtype))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.cp is not None:
-            out = cp_attention(q, k, v, self.cp)
-        elif self.selective_recompute and torch.is_grad_enabled():
-            out = checkpoint(_attention_core, q, k, v, use_reentrant=False)
-        else:
-            out = _attention_core(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax(QK^T / sqrt(d)) V; GQA shares each KV head among a/k query heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+def rope_dim(spec: ModelSpec) -> int:
+    """Width of the rotated part of a head: head_dim, or MLA's qk_rope_head_dim."""
+    return spec.mla.qk_rope_head_dim if spec.mla is not None else spec.head_dim
 
 
 class FeedForward(nn.Module):
@@ -113,25 +73,32 @@ class FeedForward(nn.Module):
         super().__init__()
         f = ffn_hidden or spec.ffn_hidden
         self.swiglu = spec.mlp == "swiglu"
+        self.act = ACTIVATIONS[spec.mlp_activation]
         self.w1 = nn.Linear(spec.hidden, f, bias=spec.bias)
         self.w2 = nn.Linear(f, spec.hidden, bias=spec.bias)
         self.w3 = nn.Linear(spec.hidden, f, bias=spec.bias) if self.swiglu else None
 
+    @staticmethod
+    def activation(spec: ModelSpec):
+        """The spec's MLP activation as a function (the MoE's experts use it too)."""
+        return ACTIVATIONS[spec.mlp_activation]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)))
 
 
 class Block(nn.Module):
     """Pre-norm residual block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = _norm(spec)
-        self.attention = Attention(spec)
+        attention = MLAttention if spec.mla is not None else Attention
+        self.attention = attention(spec, window=spec.window_of(layer))
         self.ffn_norm = _norm(spec)
-        if spec.moe is not None:
+        if spec.moe is not None and spec.moe.is_moe_layer(layer):
             self.feed_forward: nn.Module = MoE(spec, FeedForward)
         else:
             self.feed_forward = FeedForward(spec)
@@ -161,12 +128,12 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab, spec.hidden)
         learned = spec.position == "learned"
         self.pos_embeddings: nn.Embedding | None = nn.Embedding(spec.max_seq_len, spec.hidden) if learned else None
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
         self.norm: nn.Module | None = _norm(spec)
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.tie_weights()
         self.cp: ContextShard | None = None  # context parallel: this rank's load-balanced sequence chunks
-        cos, sin = rope_tables(spec.head_dim, spec.max_seq_len, "meta")
+        cos, sin = rope_tables(rope_dim(spec), spec.max_seq_len, "meta", spec)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -243,8 +210,9 @@ def full_init_value(fqn: str, shape: tuple[int, ...], spec: ModelSpec, seed: int
     """
     if spec.tie_embeddings and fqn == "output.weight":  # a pipeline's last stage holds the tied copy
         fqn = "tok_embeddings.weight"
-    leaf = fqn.rsplit(".", 1)[-1]
-    is_norm = any(part in fqn for part in ("attention_norm.", "ffn_norm.")) or fqn.startswith("norm.")
+    parts = fqn.rsplit(".", 2)
+    leaf = parts[-1]
+    is_norm = len(parts) > 1 and parts[-2].endswith("norm")  # attention_norm, ffn_norm, norm, q/k/kv norms
     if leaf == "bias":
         return torch.zeros(shape, device=device)
     if is_norm:
@@ -255,6 +223,20 @@ def full_init_value(fqn: str, shape: tuple[int, ...], spec: ModelSpec, seed: int
     gen = torch.Generator(device=device)
     gen.manual_seed(param_seed(seed, fqn))
     return torch.randn(shape, generator=gen, device=device) * std
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model (or stage) real, uninitialized storage on `device`, tied weights tied again."""
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+        for module in model.modules():
+            if isinstance(module, Transformer):
+                module.tie_weights()
+
+
+def local_expert_rows(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """id(expert parameter) -> the experts [first, last) of the stacked value this rank holds (expert parallel)."""
+    return {id(p): m.expert_rows for m in model.modules() if hasattr(m, "expert_rows") for p in m.expert_params()}
 
 
 @torch.no_grad()
@@ -268,13 +250,8 @@ def init_weights(model: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=device)
-        for module in model.modules():
-            if isinstance(module, Transformer):
-                module.tie_weights()
-    expert_rows = {id(p): m.expert_rows for m in model.modules() if hasattr(m, "expert_rows")
-                   for p in m.expert_params()}  # expert parallel: this rank's experts of the stacked value
+    materialize(model, device)
+    expert_rows = local_expert_rows(model)
     for fqn, param in model.named_parameters():
         rows = expert_rows.get(id(param))
         shape = (spec.moe.n_experts, *param.shape[1:]) if rows else tuple(param.shape)
@@ -286,8 +263,17 @@ def init_weights(model: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+    for module in model.modules():  # the routers' score-correction biases start at zero (DeepSeek-V3)
+        if isinstance(module, MoE) and module.score_bias is not None:
+            module.score_bias.zero_()
+    init_rope(model, spec, device)
+
+
+@torch.no_grad()
+def init_rope(model: nn.Module, spec: ModelSpec, device: torch.device) -> None:
+    """The rope tables (not persistent: computed from the spec on every start)."""
     for module in model.modules():
         if isinstance(module, Transformer):
-            cos, sin = rope_tables(spec.head_dim, spec.max_seq_len, device)
+            cos, sin = rope_tables(rope_dim(spec), spec.max_seq_len, device, spec)
             module.rope_cos.copy_(cos)
             module.rope_sin.copy_(sin)

@@ -1,13 +1,26 @@
 """Mixture-of-experts MLP: a top-k router, routed experts as stacked weights, optional shared experts.
 
-Router: fp32 softmax over the experts' logits, the top_k per token, their
-probabilities renormalized to sum to 1 (Mixtral's routing); no auxiliary
-loss. Routed experts are SwiGLU (or GELU) MLPs whose weights are stacked
-3-D parameters, w1/w3 (E, h, f_e) and w2 (E, f_e, h), so expert parallelism
-shards them along dim 0. Tokens are sorted by expert and each expert runs
-one matmul chain over its contiguous rows (a grouped matmul done as a loop:
-the debug models have a handful of experts). Shared experts are one dense
-MLP of width n_shared * shared_ffn_hidden every token goes through.
+Routers, as transformers' modeling code of each family computes them (no
+auxiliary loss):
+  softmax (Mixtral, Qwen2/3-MoE): fp32 softmax over the experts' logits, the
+    top_k per token, renormalized to sum to 1 when norm_topk_prob (always for
+    Mixtral; Qwen's config key);
+  sigmoid (DeepSeek-V3): fp32 sigmoid per expert; the choice adds the score
+    correction bias (`score_bias`, transformers' e_score_correction_bias, a
+    buffer: DeepSeek moves it by load balancing, not by gradient, and meshplan
+    keeps it as loaded) and, with n_group groups, keeps only the topk_group
+    groups whose two best scores sum highest; the weights are the chosen
+    experts' unbiased scores, renormalized when norm_topk_prob, times
+    routed_scaling.
+Routed experts are SwiGLU (or GELU) MLPs whose weights are stacked 3-D
+parameters in torchtitan's GroupedExperts layout (E, out, in): w1/w3 (E, f_e,
+h) and w2 (E, h, f_e), each expert's slice the weight of an nn.Linear (and of
+a Hugging Face expert's gate/up/down_proj), so expert parallelism shards them
+along dim 0. Tokens are sorted by expert and each expert runs one matmul chain
+over its contiguous rows (a grouped matmul done as a loop: the debug models
+have a handful of experts). Shared experts are one dense MLP of width
+n_shared * shared_ffn_hidden every token goes through, scaled by
+sigmoid(shared_gate x) in Qwen2-MoE.
 
 Expert parallelism (executor.parallel.expert) gives this module an
 `ExpertGroup`; the rows then travel to the rank owning their expert and
@@ -30,15 +43,23 @@ class MoE(nn.Module):
         moe = spec.moe
         h, f = spec.hidden, moe.expert_ffn_hidden
         self.n_experts, self.top_k = moe.n_experts, moe.top_k
+        self.routing = moe  # scoring, norm_topk_prob, routed_scaling, n_group, topk_group
         self.swiglu = spec.mlp == "swiglu"
+        self.act = dense_mlp.activation(spec)
         self.router = nn.Linear(h, moe.n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(moe.n_experts, h, f))
-        self.w2 = nn.Parameter(torch.empty(moe.n_experts, f, h))
-        self.w3 = nn.Parameter(torch.empty(moe.n_experts, h, f)) if self.swiglu else None
+        if moe.router_bias and moe.scoring == "sigmoid":
+            self.register_buffer("score_bias", torch.empty(moe.n_experts))
+        else:
+            self.score_bias = None
+        self.w1 = nn.Parameter(torch.empty(moe.n_experts, f, h))
+        self.w2 = nn.Parameter(torch.empty(moe.n_experts, h, f))
+        self.w3 = nn.Parameter(torch.empty(moe.n_experts, f, h)) if self.swiglu else None
         shared = moe.n_shared_experts * (moe.shared_ffn_hidden or f)
-        self.shared = None
+        self.shared = self.shared_gate = None
         if shared:  # dense_mlp: executor.model.FeedForward (passed in: model imports this module)
             self.shared = dense_mlp(spec, ffn_hidden=shared)
+            if moe.shared_expert_gate:
+                self.shared_gate = nn.Linear(h, 1, bias=False)
         self.ep = None  # executor.parallel.expert.ExpertGroup under expert parallelism
         self.expert_rows = (0, moe.n_experts)  # the experts this rank holds (expert parallelism cuts them)
 
@@ -49,8 +70,28 @@ class MoE(nn.Module):
         """Local expert e on rows x (weights cast to the rows' dtype: FSDP2 leaves them unmanaged)."""
         w1, w2 = self.w1[e].to(x.dtype), self.w2[e].to(x.dtype)
         if self.swiglu:
-            return (F.silu(x @ w1) * (x @ self.w3[e].to(x.dtype))) @ w2
-        return F.gelu(x @ w1, approximate="tanh") @ w2
+            return F.linear(self.act(F.linear(x, w1)) * F.linear(x, self.w3[e].to(x.dtype)), w2)
+        return F.linear(self.act(F.linear(x, w1)), w2)
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts), each (tokens, top_k): the family's router (see the module docstring)."""
+        r = self.routing
+        logits = self.router(tokens).float()
+        if r.scoring == "softmax":
+            weights, experts = F.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.score_bias if self.score_bias is not None else scores
+            if r.n_group > 1:
+                grouped = choice.view(-1, r.n_group, self.n_experts // r.n_group)
+                best = grouped.topk(2, dim=-1)[0].sum(-1).topk(r.topk_group, dim=-1, sorted=False)[1]
+                keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+                choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, self.n_experts)
+            experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, experts)
+        if r.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if r.scoring == "sigmoid" else 0.0))
+        return weights * r.routed_scaling if r.routed_scaling != 1.0 else weights, experts
 
     def expert_counts(self, flat: torch.Tensor) -> torch.Tensor:
         """Rows routed to each expert: data-dependent shapes (validate-memory balances them, like
@@ -69,9 +110,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.router(tokens).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(tokens)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
@@ -87,5 +126,6 @@ class MoE(nn.Module):
         index = token_of[:, None].expand(-1, tokens.shape[-1])
         out = torch.zeros_like(tokens).scatter_add(0, index, out_rows.to(tokens.dtype))
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            out = out + (torch.sigmoid(self.shared_gate(tokens)) * shared if self.shared_gate is not None else shared)
         return out.reshape(shape)

@@ -70,6 +70,7 @@ from executor.components.optim import (
     unscale_and_check,
 )
 from executor.faults import kill_after_step
+from executor.hf.save import save_hf_if_due
 from executor.interrupt import STOP_REQUESTED
 from executor.model import build_model
 from executor.parallel.context import shard_sequence
@@ -237,7 +238,8 @@ class Trainer:
         if plan.training.fp8:
             check_device(device)
         self.pm = parallelize(build_model(plan.model), plan, mesh, device, seed=opts.seed,
-                              compile=opts.compile or getattr(plan.training, "compile", False))
+                              compile=opts.compile or getattr(plan.training, "compile", False),
+                              init_from=opts.weights_source)
         lr = opts.lr if opts.lr is not None else default_lr(plan.model.hidden)
         self.optimizers = build_optimizers(self.pm.parts, plan, mesh, lr)
         self.state = TrainState([build_scheduler(o, opts.steps) for o in self.optimizers])
@@ -321,6 +323,7 @@ class Trainer:
                     progress.update(record)
                 if self.manager is not None and opts.checkpoint_every and record["step"] % opts.checkpoint_every == 0:
                     self.manager.save(record["step"], self.app_state)
+                save_hf_if_due(self.pm.parts, self.plan.model, opts, record["step"])
                 kill_after_step(record["step"], dist.get_rank())
         finally:
             if progress is not None:

@@ -1,4 +1,14 @@
-"""Plan: the one contract between planner and executor (plan.json, schema_version 2).
+"""Plan: the one contract between planner and executor (plan.json, schema_version 3).
+
+Version 3 added what execution needs to compute the model its config
+describes (model.family, rope_theta, rope_scaling, norm_eps, activation,
+sliding_layer_ids; moe.scoring, norm_topk_prob, routed_scaling, n_group,
+topk_group; mla.rope_interleave) and `weights_dir`: the Hugging Face
+directory `plan --model DIR` read, when it holds safetensors weights (null
+otherwise), which `execute` starts from and the launch exports carry as
+`--init-from`. A version-2 plan loads with the defaults every run used before
+(rope theta 10,000, no scaling, eps 1e-5, softmax top-k renormalized, no
+weights).
 
 Version 2 added the training keys precision, attention and compile (and the
 "op" recompute kind); a version-1 plan still loads, with precision = its
@@ -28,8 +38,8 @@ from planner.training import TrainingSpec
 from topologies.cluster import Cluster
 from topologies.errors import MeshplanError, PlanError
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 
 
@@ -80,10 +90,13 @@ class Plan:
     prediction: Prediction | None = None
     alternatives: tuple[dict[str, Any], ...] = ()
     explanation: tuple[str, ...] = ()
+    weights_dir: str | None = None  # the Hugging Face directory whose weights a run starts from (schema 3)
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
         get_engine(self.engine)  # a PlanError naming the engines when unknown
+        if self.weights_dir is not None and (not isinstance(self.weights_dir, str) or not self.weights_dir):
+            raise PlanError(f"plan.json weights_dir must be a directory path or null, got {self.weights_dir!r}")
 
     @property
     def world_size(self) -> int:
@@ -101,6 +114,7 @@ class Plan:
             "prediction": self.prediction.to_json() if self.prediction else None,
             "alternatives": list(self.alternatives),
             "explanation": list(self.explanation),
+            "weights_dir": self.weights_dir,
         }
 
     @classmethod
@@ -131,6 +145,7 @@ class Plan:
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
                 alternatives=tuple(data.get("alternatives") or ()),
                 explanation=tuple(data.get("explanation") or ()),
+                weights_dir=data.get("weights_dir"),
             )
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.

@@ -37,9 +37,12 @@ class RunFlags:
     keep_checkpoints: int | None = None  # None: keep all
     resume: bool = False
     compile: bool = False  # torch.compile each block (executor.parallel.parallelize.apply_compile)
+    init_from: str | None = None  # Hugging Face directory to start from; RANDOM_INIT: none; None: the plan's
+    save_hf_every: int = 0  # write RUN/hf/step-K/ every K steps and at the last step (0: never)
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1)):
+        for name, low in (("steps", 1), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1),
+                          ("save_hf_every", 0)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
@@ -55,15 +58,31 @@ class RunFlags:
     def replace(self, **changes) -> RunFlags:
         return dataclasses.replace(self, **changes)
 
+    def with_plan_defaults(self, plan) -> RunFlags:
+        """The flags whose defaults come from the plan, filled in: the one place for them.
+
+        init_from: the weights `plan --model DIR` recorded (plan.json weights_dir) unless --init-from
+        names a directory or `none`. --tokenizer's default, the --init-from directory, follows from it
+        (`weights_source`; executor.components.data.run_tokenizer).
+        """
+        init_from = self.init_from if self.init_from is not None else getattr(plan, "weights_dir", None)
+        return self.replace(init_from=init_from)
+
+    @property
+    def weights_source(self) -> str | None:
+        """The directory a run starts from, or None for meshplan's random initialization."""
+        return None if self.init_from in (None, RANDOM_INIT) else self.init_from
+
     def to_argv(self) -> list[str]:
         """The flags as `meshplan execute` and `executor.worker` read them (steps, seed, log-every always)."""
         argv = ["--steps", str(self.steps), "--seed", str(self.seed), "--log-every", str(self.log_every)]
-        for name in ("out", "data", "tokenizer", "lr", "keep_checkpoints"):
+        for name in ("out", "data", "tokenizer", "lr", "keep_checkpoints", "init_from"):
             value = getattr(self, name)
             if value is not None:
                 argv += [_flag(name), str(value)]
-        if self.checkpoint_every:
-            argv += ["--checkpoint-every", str(self.checkpoint_every)]
+        for name in ("checkpoint_every", "save_hf_every"):
+            if getattr(self, name):
+                argv += [_flag(name), str(getattr(self, name))]
         return argv + (["--resume"] if self.resume else []) + (["--compile"] if self.compile else [])
 
     @classmethod
@@ -85,7 +104,8 @@ class RunFlags:
 
 
 _TYPES = {"steps": int, "out": str, "seed": int, "data": str, "tokenizer": str, "lr": float, "log_every": int,
-          "checkpoint_every": int, "keep_checkpoints": int}
+          "checkpoint_every": int, "keep_checkpoints": int, "init_from": str, "save_hf_every": int}
+RANDOM_INIT = "none"  # --init-from none: meshplan's random initialization even when the plan names weights
 
 
 def _flag(name: str) -> str:

@@ -1,7 +1,10 @@
-"""`meshplan checkpoint export`: a sharded DCP checkpoint as one plain torch state dict.
+"""`meshplan checkpoint export`: a sharded DCP checkpoint as a Hugging Face model or one torch state dict.
 
-The export holds the single-process model's parameter names and full tensors,
-so `model.load_state_dict(torch.load("model.pt", weights_only=True))` works on
+--format hf (a directory): what transformers' save_pretrained writes, loadable
+with AutoModelForCausalLM.from_pretrained (executor/hf/export.py), written
+shard by shard. --format torch (a file, the default): the single-process
+model's parameter names and full tensors, so
+`model.load_state_dict(torch.load("model.pt", weights_only=True))` works on
 `executor.model.build_model(spec)` whatever layout wrote the checkpoint.
 torch is imported inside the verb, never at `meshplan --help`.
 """
@@ -16,24 +19,36 @@ from topologies.errors import UsageError
 from topologies.terminal import emit_json
 
 
-@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n")
+@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p --to out/model --format hf --dtype bf16\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n")
 def checkpoint() -> None:
     """Work with the checkpoints `execute --checkpoint-every K` writes under OUT/checkpoints/."""
 
 
 @checkpoint.command("export")
 @click.argument("path", type=click.Path())
-@click.option("--to", "to", type=click.Path(dir_okay=False), required=True,
-              help="File to write: a torch state dict (FQN -> full tensor).")
+@click.option("--to", "to", type=click.Path(), required=True,
+              help="--format torch: the file to write; --format hf: a new (or empty) directory.")
+@click.option("--format", "fmt", type=click.Choice(["torch", "hf"]), default="torch", show_default=True,
+              help="torch: one state dict (FQN -> full tensor); hf: a Hugging Face model directory.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="--format hf: the weights' dtype. Default: the --init-from weights' dtype, else the checkpoint's.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="--format hf: the largest safetensors file (one tensor larger than it gets a file of its own).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only: source, file, tensors, elements, bytes, dtypes.")
-def export(path: str, to: str, as_json: bool) -> None:
-    """Consolidate checkpoint PATH into one state dict for the single-process model.
+def export(path: str, to: str, fmt: str, dtype: str | None, max_shard_size: str, as_json: bool) -> None:
+    """Consolidate checkpoint PATH into one state dict for the single-process model, or a Hugging Face model.
 
     PATH is OUT/checkpoints/step-K, or a run directory OUT (or OUT/checkpoints),
     which means the checkpoint its `latest` pointer names.
     """
-    from executor.components.checkpoint import consolidate
     from topologies.files import check_output
+
+    if fmt == "hf":
+        export_hf(Path(path), Path(to), dtype, max_shard_size, as_json)
+        return
+    if dtype is not None:
+        raise UsageError("--dtype applies to --format hf; --format torch keeps the checkpoint's dtype")
+    from executor.components.checkpoint import consolidate
 
     check_output(to, "--to", stdout_ok=False)
     step_dir = resolve_checkpoint(Path(path))
@@ -55,6 +70,45 @@ def export(path: str, to: str, as_json: bool) -> None:
         f"({', '.join(summary['dtypes'])}), {n_bytes / 2**20:.1f} MiB\n"
         f"load it with: model.load_state_dict(torch.load({str(to)!r}, weights_only=True))"
     )
+
+
+def export_hf(path: Path, to: Path, dtype: str | None, max_shard_size: str, as_json: bool) -> None:
+    """--format hf: the run's plan names the model; its hf_source/ the config and tokenizer to carry."""
+    from executor.hf.export import SOURCE, check_destination, export_checkpoint
+    from planner.plan import load_plan
+    from topologies.cli.topo import parse_size
+
+    check_destination(to)
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except UsageError:
+        raise UsageError(f"--max-shard-size {max_shard_size!r} is not a size; use e.g. 5GB, 500MB") from None
+    if shard_bytes < 1:
+        raise UsageError(f"--max-shard-size must be at least 1 byte, got {max_shard_size!r}")
+    step_dir = resolve_checkpoint(path)
+    run_dir = run_of(step_dir)
+    if not (run_dir / "plan.json").is_file():
+        raise UsageError(f"{str(step_dir)!r} is not inside a run directory with plan.json (OUT/checkpoints/"
+                         "step-K): --format hf needs the plan to name the model")
+    plan = load_plan(run_dir / "plan.json")
+    source = run_dir / SOURCE if (run_dir / SOURCE).is_dir() else None
+    result = export_checkpoint(step_dir, to, plan.model, source, dtype, shard_bytes)
+    files = sorted(p.name for p in to.iterdir())
+    summary = {"source": str(step_dir), "directory": str(to), "format": "hf", "dtype": result.dtype,
+               "shards": len(result.shards), "files": files,
+               "bytes": sum((to / f).stat().st_size for f in files)}
+    if as_json:
+        emit_json(summary)
+        return
+    click.echo(f"exported {step_dir} -> {to}/: {len(result.shards)} safetensors file"
+               f"{'s' if len(result.shards) > 1 else ''} ({result.dtype}), {summary['bytes'] / 2**20:.1f} MiB, "
+               f"{', '.join(f for f in files if not f.endswith('.safetensors'))}\n"
+               f"load it with: AutoModelForCausalLM.from_pretrained({str(to)!r})")
+
+
+def run_of(step_dir: Path) -> Path:
+    """The run directory holding OUT/checkpoints/step-K."""
+    return step_dir.resolve().parent.parent
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -24,7 +24,7 @@ def _positive_float(ctx, param, value):
 
 
 @click.command("execute", context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --data chat.jsonl --tokenizer ./Qwen2.5-0.5B-Instruct --out runs/sft\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
+               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --init-from ./Qwen3-8B --data chat.jsonl --steps 500 --save-hf-every 250\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --data corpus.jsonl --tokenizer ./Qwen2.5-0.5B-Instruct --out runs/cpt\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_RUN.steps, show_default=True,
               help="Optimizer steps to run.")
@@ -60,11 +60,17 @@ def _positive_float(ctx, param, value):
               help="Start over in an existing --out: delete its metrics, summary and checkpoints first.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each transformer block (after recomputation, before FSDP; torchtitan's order).")
+@click.option("--init-from", "init_from", default=DEFAULT_RUN.init_from, metavar="DIR|none",
+              help="Start from a Hugging Face model directory (config.json + *.safetensors): each rank reads only "
+                   "its shards. Default: the directory `plan --model DIR` recorded (plan.json weights_dir); "
+                   "`none`: random initialization.")
+@click.option("--save-hf-every", type=click.IntRange(min=0), default=DEFAULT_RUN.save_hf_every, show_default=True,
+              help="Write a Hugging Face model directory OUT/hf/step-K/ every K steps and at the last step (0: never).")
 def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, tokenizer: str | None,
             lr: float | None,
             log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
             max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
-            resume: bool, overwrite: bool, compile_: bool) -> None:
+            resume: bool, overwrite: bool, compile_: bool, init_from: str | None, save_hf_every: int) -> None:
     """Train with the layout of PLAN.json on this machine's GPUs (or CPU ranks for a cpu-cluster plan).
 
     One node: runs torchrun itself with one worker per rank. Several nodes:
@@ -90,7 +96,7 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
     flags = RunFlags(steps=steps, out=out, seed=seed, data=data, tokenizer=tokenizer, lr=lr, log_every=log_every,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-                     compile=compile_)
+                     compile=compile_, init_from=init_from, save_hf_every=save_hf_every).with_plan_defaults(plan)
     if print_launch:  # every node repeats the run flags (--out only when given)
         click.echo(_launch_text(plan, plan_path, print_launch, nnodes, rdzv_endpoint, flags))
         return
@@ -99,6 +105,17 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     check_supported(plan)
     if compile_:
         check_compile(plan)
+    if flags.weights_source:  # before any rank starts: the directory holds the plan's model
+        from executor.hf.config import check_config
+        from executor.hf.load import check_weights
+
+        check_config(plan.model, flags.weights_source)
+        check_weights(plan.model, flags.weights_source)
+    if flags.save_hf_every:
+        from executor.hf.config import config_json
+
+        if not flags.weights_source:  # a config.json to export with must exist for this model
+            config_json(plan.model, "fp32")
     if dry_run:
         from topologies.terminal import Progress
 
@@ -144,13 +161,18 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
     if clear:
         clear_run_dir(run_dir)
     prepare_out(run_dir, plan_text)
+    if flags.weights_source:  # config.json, tokenizer files and dtype for the run's Hugging Face exports
+        from executor.hf.export import record_source
+
+        record_source(Path(flags.weights_source), run_dir)
     nproc = plan.cluster.gpus_per_node
     on_cpu = device_type_for(plan) == "cpu"
     worker_args = [str(run_dir / "plan.json"), *flags.to_argv()]
     lay = plan.layout
     log(f"execute: {plan.model.name} on {plan.world_size} {'CPU ranks' if on_cpu else plan.cluster.gpu.name} "
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "
-        f"ZeRO-{lay.zero_stage}); data: {source}; run dir: {run_dir}")
+        f"ZeRO-{lay.zero_stage}); data: {source}; weights: {flags.weights_source or 'random initialization'}; "
+        f"run dir: {run_dir}")
     argv = torchrun_argv(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, run_id(plan_text), worker_args)
     try:
         launch(argv, nproc, on_cpu)

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from executor.faults import crash_in_save
+from executor.parallel.expert import as_sharded_state
 from topologies.errors import ExecutionError, UsageError
 from topologies.hardware import GIB
 from topologies.terminal import log
@@ -227,23 +228,30 @@ def _collect(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[tuple]]:
         optim = optims[i] if optims else None
         msd = get_model_state_dict(module)
         osd = get_optimizer_state_dict(module, _local_optimizer(optim), options=_FLAT) if optim is not None else {}
+        msd, experts = as_sharded_state(module, msd)  # expert parallel: each rank's experts, not replicas
+        osd, expert_moments = as_sharded_state(module, osd, prefix="state.")
         state["model"].update(msd)
         if optim is not None:
             state.setdefault("optim", {}).update(osd)
-        parts.append((module, optim, list(msd), list(osd)))
+        parts.append((module, optim, list(msd), list(osd), experts | expert_moments))
     if app_state.get("train") is not None:
         state["train"] = app_state["train"]
     return state, parts
 
 
+def _local_values(group: dict[str, Any], keys: list[str], experts: set[str]) -> dict[str, Any]:
+    """The values of `keys`, the expert DTensors (executor.parallel.expert.as_sharded_state) as their local rows."""
+    return {k: group[k].to_local() if k in experts else group[k] for k in keys}
+
+
 def _restore(state: dict[str, Any], parts: list[tuple]) -> None:
     """Hand each module and optimizer its own keys back (DCP filled `state` in place)."""
-    for module, optim, model_keys, optim_keys in parts:
-        set_model_state_dict(module, {k: state["model"][k] for k in model_keys})
+    for module, optim, model_keys, optim_keys, experts in parts:
+        set_model_state_dict(module, _local_values(state["model"], model_keys, experts))
         if optim is None:
             continue
         local = _local_optimizer(optim)
-        set_optimizer_state_dict(module, local, {k: state["optim"][k] for k in optim_keys}, options=_FLAT)
+        set_optimizer_state_dict(module, local, _local_values(state["optim"], optim_keys, experts), options=_FLAT)
         if local is not optim:  # ZeRO steps with its own param_groups: give them the loaded lr, betas...
             for outer, inner in zip(optim.param_groups, local.param_groups, strict=True):
                 if inner["params"]:
@@ -307,15 +315,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def consolidate(step_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full model state dict (FQN -> tensor) of a checkpoint, read on one process."""
+def consolidate(step_dir: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict (FQN -> tensor) of a checkpoint, or only `keys` of it, read on one process."""
     step_dir = Path(step_dir)
     reader = SafeReader(step_dir)
     metadata = reader.read_metadata()
+    wanted = None if keys is None else {f"model.{k}" for k in keys}
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata) and (wanted is None or key in wanted)
     }
     if not state:
         raise UsageError(f"checkpoint {str(step_dir)!r} holds no model tensors")

@@ -23,9 +23,15 @@ tokens, averaged over the cp ranks by the gradient reduction (cp is folded
 into the data-parallel group, as torchtitan's dp_shard_cp), is the mean over
 the sequence.
 
-K and V are gathered in ONE autograd collective (stacked): two same-shaped
-gathers can run their backward reduce-scatters in a different order on each
-rank, and gloo would then pair K's gradients with V's.
+K and V are gathered in ONE autograd collective (concatenated along the
+head width, so MLA's wider keys travel with its values): two gathers can
+run their backward reduce-scatters in a different order on each rank, and
+gloo would then pair K's gradients with V's.
+
+A sliding-window layer (Mistral) attends only the keys within the window of
+each query: its chunks get an explicit boolean mask over the global
+positions (`window_mask`) and the keys before the window
+are left out of the chunk's SDPA call.
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ class ContextShard:
                           torch.arange(second * half, (second + 1) * half, device=device)])
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean (queries, keys) mask, True where query position i may attend key j: i - window < j <= i
+    (transformers' sliding_window_overlay on the causal mask); executor.attention uses it without cp too."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) & (diff < window)
+
+
 def shard_sequence(t: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor:
     """This rank's two chunks (r and 2cp-1-r of 2cp) of `t` along `dim`."""
     n = t.shape[dim]
@@ -97,16 +110,18 @@ def in_sequence_order(t: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([pairs[:, :, :, 0], pairs[:, :, :, 1].flip(2)], dim=2).reshape(b, h, n, d)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard, window: int = 0,
+                 scale: float | None = None) -> torch.Tensor:
     """Causal attention of local queries (B, a, s, d) over K/V gathered from every cp rank."""
     from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
-    kv = all_gather_tensor_autograd(torch.stack([k, v]), gather_dim=3, group=cp.group)
-    return attend_gathered(q, kv[0], kv[1], cp)
+    width = k.shape[-1]
+    kv = all_gather_tensor_autograd(torch.cat([k, v], dim=-1), gather_dim=2, group=cp.group)
+    return attend_gathered(q, kv[..., :width], kv[..., width:], cp, window, scale)
 
 
 def attend_gathered(q: torch.Tensor, k_gathered: torch.Tensor, v_gathered: torch.Tensor,
-                    cp: ContextShard) -> torch.Tensor:
+                    cp: ContextShard, window: int = 0, scale: float | None = None) -> torch.Tensor:
     """The local queries' causal attention over K/V as all-gathered along the sequence (rank by rank)."""
     k_all, v_all = (in_sequence_order(t, cp.size) for t in (k_gathered, v_gathered))
     if q.shape[1] != k_all.shape[1]:
@@ -115,6 +130,14 @@ def attend_gathered(q: torch.Tensor, k_gathered: torch.Tensor, v_gathered: torch
     outs = []
     for i, chunk in enumerate(cp.chunk_ids()):
         end = (chunk + 1) * half  # this chunk's last key position + 1
-        outs.append(F.scaled_dot_product_attention(q[:, :, i * half:(i + 1) * half], k_all[:, :, :end],
-                                                   v_all[:, :, :end], attn_mask=cp.causal_bias(half, end)))
+        q_chunk = q[:, :, i * half:(i + 1) * half]
+        if window and end > window:  # keys from the first query's window on, under the window's mask
+            start = max(0, chunk * half - window + 1)
+            mask = window_mask(torch.arange(chunk * half, end, device=q.device),
+                               torch.arange(start, end, device=q.device), window)
+            outs.append(F.scaled_dot_product_attention(q_chunk, k_all[:, :, start:end], v_all[:, :, start:end],
+                                                       attn_mask=mask, scale=scale))
+            continue
+        outs.append(F.scaled_dot_product_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end],
+                                                   attn_mask=cp.causal_bias(half, end), scale=scale))
     return torch.cat(outs, dim=2)

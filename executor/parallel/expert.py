@@ -10,6 +10,12 @@ autograd all_to_all (its backward sends the gradients back along the swapped
 splits); the receiver runs its experts over the rows of every source rank
 and sends the outputs back the same way.
 
+Checkpoints: an expert weight is a plain tensor holding E / ep rows, and
+every ep rank has one under the same name; DCP would take them for replicas
+and keep one. `as_sharded_state` hands DCP each of them (and its optimizer
+moments) as a DTensor Shard(0) over the ep group instead, so a checkpoint
+holds the (E, ...) whole, resumes under another layout and exports.
+
 Gradients: expert weights are left out of DDP / FSDP2 (ignored_params) and
 reduced here after the backward: summed over the ranks holding the same
 experts (dp_replicate x the expert-data-parallel ranks) and divided by the
@@ -32,6 +38,7 @@ class ExpertGroup:
     group: object  # the ep ProcessGroup
     size: int
     local_experts: int
+    mesh: object = None  # a 1-D DeviceMesh over `group`, made when a checkpoint first needs it
 
     @torch.no_grad()
     def split_sizes(self, counts: torch.Tensor) -> tuple[list[int], list[int], list[list[int]]]:
@@ -127,3 +134,36 @@ class ExpertParallel:
             if self.grad_group is not None:
                 dist.all_reduce(p.grad, group=self.grad_group)
             p.grad.div_(self.dp_degree)
+
+
+def as_sharded_state(module: nn.Module, state: dict, prefix: str = "") -> tuple[dict, set]:
+    """`state` (a model or flattened optimizer state dict of `module`) with this rank's expert rows as DTensors.
+
+    Keys `prefix + fqn` (the weight) and `prefix + fqn + ".<moment>"` of every expert weight of an ep > 1
+    MoE layer, whose values have the weight's shape, become DTensor.from_local(value, ep mesh, [Shard(0)]):
+    same storage, so a DCP load into them fills the local tensors in place. Returns the state and the
+    keys it changed (`.to_local()` them to hand the state back to the module).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from executor.moe import MoE
+
+    out, changed = dict(state), set()
+    for name, m in module.named_modules():
+        if not isinstance(m, MoE) or m.ep is None:
+            continue
+        if getattr(m.ep, "mesh", None) is None:
+            device = next(iter(m.expert_params())).device.type
+            m.ep.mesh = DeviceMesh.from_group(m.ep.group, device)
+        for pname in ("w1", "w2", "w3"):
+            param = getattr(m, pname)
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}.{pname}" if name else f"{prefix}{pname}"
+            for key, value in state.items():
+                if (key == fqn or key.startswith(fqn + ".")) and isinstance(value, torch.Tensor) \
+                        and not isinstance(value, DTensor) and value.shape == param.shape:
+                    out[key] = DTensor.from_local(value, m.ep.mesh, [Shard(0)], run_check=False)
+                    changed.add(key)
+    return out, changed

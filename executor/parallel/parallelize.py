@@ -11,8 +11,9 @@ Order, and why (torchtitan's recipe):
      TP or PP): per block, then the part as root; last so it sees the TP DTensors
      and shards them further along the dp axes;
   5. materialize the local shards and initialize them from the seed
-     (`executor.model.init_weights`): after sharding, so no rank ever holds
-     more than its shard;
+     (`executor.model.init_weights`), or read them from a Hugging Face
+     directory (`executor.hf.load.load_part`, --init-from): after sharding, so
+     no rank ever holds more than its shard (and one tensor being read);
   6. DDP (`apply_ddp`, ZeRO-0/1 without TP or PP): needs real tensors, so after init.
 
 ZeRO stage -> PyTorch (ARCHITECTURE.md): 0 DDP; 1 DDP + ZeroRedundancyOptimizer
@@ -112,13 +113,24 @@ def check_supported(plan: Plan) -> None:
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
-                seed: int = 0, compile: bool = False) -> ParallelModel:
-    """Apply the plan to a meta-device `model` on this rank; return the initialized local parts."""
+                seed: int = 0, compile: bool = False, init_from: str | None = None) -> ParallelModel:
+    """Apply the plan to a meta-device `model` on this rank; return the initialized (or loaded) local parts."""
     dtype = compute_dtype(plan, device)
     parts, stages, dp_kind, experts = shard(model, plan, mesh, dtype, compile)
     offloaded = plan.layout.offload != "none" and device.type == "cuda"  # FSDP2 keeps the shards on the host
+    weights = None
+    if init_from is not None:
+        from executor.hf.files import WeightsDir
+
+        weights = WeightsDir(init_from)
     for part in parts:
-        init_weights(part, plan.model, seed, torch.device("cpu") if offloaded else device)
+        where = torch.device("cpu") if offloaded else device
+        if weights is not None:
+            from executor.hf.load import load_part
+
+            load_part(part, plan.model, weights, where)
+        else:
+            init_weights(part, plan.model, seed, where)
         if offloaded:  # buffers (the rope tables) are not offloaded: forward needs them on the GPU
             for module in part.modules():
                 for name, buf in module.named_buffers(recurse=False):
@@ -179,10 +191,19 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
     """Megatron split of one block as a plain dict: q/k/v and w1/w3 by columns, wo and w2 by rows.
 
     Column-parallel q/k/v give each rank a / tp query heads and k / tp KV
-    heads; row-parallel wo sums the partial outputs (all-reduce, or
-    reduce-scatter along the sequence under SP). With sequence parallel the
-    norms run on S / tp tokens each and the attention/MLP inputs are
-    all-gathered along the sequence first.
+    heads (their biases split alike); row-parallel wo sums the partial
+    outputs (all-reduce, or reduce-scatter along the sequence under SP). With
+    sequence parallel the norms run on S / tp tokens each and the
+    attention/MLP inputs are all-gathered along the sequence first.
+
+    Qwen3's q/k norms act on this rank's heads: SequenceParallel over the head
+    dimension (torchtitan's Qwen3 plan) keeps their weights replicated
+    DTensors, so each rank's partial weight gradient is all-reduced. MLA
+    (torchtitan's DeepSeek-V3 plan): the up-projections wq (or wq_b) and wkv_b
+    by columns, wo by rows; the down-projections and their norms stay whole on
+    every rank, their gradients equal there because the column-parallel
+    up-projections all-reduce their input gradients; the shared rotary key's
+    partial gradient is all-reduced by the attention itself (`tp_mesh`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -193,12 +214,17 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
     )
 
     out = Shard(1) if sequence_parallel else Replicate()
-    plan: dict = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=out),
-    }
+    attention = block.attention
+    if hasattr(attention, "wkv_b"):  # MLA
+        up = ["attention.wkv_b", "attention.wq" if attention.wq is not None else "attention.wq_b"]
+        plan: dict = {name: ColwiseParallel() for name in up}
+    else:
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel()}
+        if attention.q_norm is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.wo"] = RowwiseParallel(output_layouts=out)
     if not hasattr(block.feed_forward, "router"):  # a MoE MLP stays replicated over tp (experts: ep)
         plan["feed_forward.w1"] = ColwiseParallel()
         plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
@@ -253,6 +279,8 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
         parallelize_module(part, tp_mesh, top)
     for block in part.layers.values():
         parallelize_module(block, tp_mesh, block_tp_plan(block, sequence_parallel))
+        if hasattr(block.attention, "tp_mesh"):  # MLA's shared rotary key (executor.attention)
+            block.attention.tp_mesh = tp_mesh
     if sequence_parallel and part.tok_embeddings is not None and replicated_embedding and len(part.layers):
         first = next(iter(part.layers.values()))
         parallelize_module(first, tp_mesh, PrepareModuleInput(

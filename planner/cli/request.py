@@ -178,7 +178,17 @@ def search_plan_request(request: PlanRequest, gpus: int, quiet: bool = False):
         if isinstance(error, InfeasibleError):
             error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster, quiet)}")
         raise error
-    return build_plan(model, cluster, result, request.engine), result
+    return with_weights(build_plan(model, cluster, result, request.engine), request.model), result
+
+
+def with_weights(plan, model_arg: str):
+    """The plan with `weights_dir`: where --model's safetensors are, when it named a Hugging Face directory."""
+    import dataclasses
+
+    from planner.model.load import weights_dir
+
+    found = weights_dir(model_arg)
+    return dataclasses.replace(plan, weights_dir=found) if found else plan
 
 
 def node_size(request) -> int:

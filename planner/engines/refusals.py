@@ -16,17 +16,41 @@ from planner.model.spec import ModelSpec
 from planner.training import TrainingSpec
 
 # Model features executor/model.py and executor/moe.py build: anything else is refused by name.
-_MODEL_DEFAULTS = dict(mla=None, qkv_bias=False, attention_bias=False, attention_sinks=False, qk_norm=False,
-                       norms_per_layer=2, sliding_window=0, sliding_layers=0, mtp_layers=0)
-_MOE_DEFAULTS = dict(first_dense_layers=0, layer_step=1, layer_phase=0, dense_layers=(), router_bias=False,
-                     expert_bias=False, shared_expert_gate=False, capacity_factor=0.0)
+_MODEL_DEFAULTS = dict(attention_sinks=False, norms_per_layer=2, mtp_layers=0, glu_clamp=0.0)
+_MOE_DEFAULTS = dict(expert_bias=False, capacity_factor=0.0)
+# Hugging Face families whose numerics the executor computes (transformers' modeling code of each), and
+# "" for presets and meshplan's own ModelSpec JSON; the others, with what their modeling code adds.
+BUILT_FAMILIES = ("", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3",
+                  "gpt2")
+_UNBUILT_FAMILIES = {
+    "gemma": "embeddings scaled by sqrt(hidden), RMSNorm weights as 1 + w",
+    "gemma2": "embeddings scaled by sqrt(hidden), RMSNorm as 1 + w, logit soft-capping",
+    "phi3": "fused qkv_proj and gate_up_proj",
+    "deepseek_v2": "softmax group-limited routing",
+    "kimi_k2": "remote modeling code",
+    "gpt_oss": "attention sinks, clamped SwiGLU",
+    "grok-1": "remote modeling code",
+    "llama4": "chunked attention, no-rope layers, L2 q/k norm",
+    "llama4_text": "chunked attention, no-rope layers, L2 q/k norm",
+}
 
 
 def unbuilt_features(model: ModelSpec) -> list[str]:
-    """Names of the model's non-default fields the executor has no module for."""
-    out = [k for k, v in _MODEL_DEFAULTS.items() if getattr(model, k, v) != v]
+    """Names of the model's features the executor has no module for (the family, fields, rope kinds)."""
+    from planner.model.blocks import ROPE_SCALING_KINDS
+
+    out = []
+    family = getattr(model, "family", "")
+    if family not in BUILT_FAMILIES:
+        out.append(f"family {family} ({_UNBUILT_FAMILIES.get(family, 'its own modeling code')})")
+    out += [k for k, v in _MODEL_DEFAULTS.items() if getattr(model, k, v) != v]
+    scaling = getattr(model, "rope_scaling", None)
+    if scaling is not None and scaling.kind not in ROPE_SCALING_KINDS:
+        out.append(f"rope_scaling {scaling.kind}")
     if model.moe is not None:
         out += [f"moe.{k}" for k, v in _MOE_DEFAULTS.items() if getattr(model.moe, k, v) != v]
+        if model.moe.router_bias and model.moe.scoring != "sigmoid":  # GPT-OSS: a bias on the router's logits
+            out.append("moe.router_bias with softmax scoring")
     return out
 
 

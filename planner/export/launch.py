@@ -24,7 +24,10 @@ API (signatures others call):
       first node of the allocation (scontrol show hostnames).
 
 run is the run's flags (planner.run_flags.RunFlags: steps, out, seed, ...),
-written with `RunFlags.to_argv` on every node; None adds none.
+written with `RunFlags.to_argv` on every node, with the plan's defaults
+filled in (`RunFlags.with_plan_defaults`: the weights directory plan.json
+records as `--init-from`); None adds only `--init-from` when the plan names
+weights.
 """
 
 from __future__ import annotations
@@ -51,8 +54,13 @@ def _check_nnodes(plan: Plan, nnodes: int | None) -> int:
     return n
 
 
-def _base(plan_path: str, run: RunFlags | None) -> list[str]:
-    return ["meshplan", "execute", str(plan_path), *(run.to_argv() if run else ())]
+def _base(plan: Plan, plan_path: str, run: RunFlags | None) -> list[str]:
+    """`meshplan execute PLAN` and the run flags; the plan's weights (`--init-from`) even without run flags."""
+    if run is not None:
+        flags = run.with_plan_defaults(plan).to_argv()
+    else:
+        flags = ["--init-from", plan.weights_dir] if plan.weights_dir else []
+    return ["meshplan", "execute", str(plan_path), *flags]
 
 
 def torchrun_commands(plan: Plan, plan_path: str, nnodes: int | None = None,
@@ -61,14 +69,14 @@ def torchrun_commands(plan: Plan, plan_path: str, nnodes: int | None = None,
     """One `meshplan execute` argv per node (see the module docstring)."""
     n = _check_nnodes(plan, nnodes)
     if n == 1:
-        return [_base(plan_path, run)]
-    return [_base(plan_path, run) + ["--nnodes", str(n), "--node-rank", str(rank),
+        return [_base(plan, plan_path, run)]
+    return [_base(plan, plan_path, run) + ["--nnodes", str(n), "--node-rank", str(rank),
                                               "--rdzv-endpoint", rdzv_endpoint] for rank in range(n)]
 
 
 def _node_line(plan: Plan, plan_path: str, run: RunFlags | None, rank_var: str, port: int) -> str:
     """The per-node command with shell variables for node rank and head node, quoted for bash."""
-    line = shlex.join(_base(plan_path, run))
+    line = shlex.join(_base(plan, plan_path, run))
     if plan.cluster.n_nodes > 1:
         line += (f' --nnodes {plan.cluster.n_nodes} --node-rank "${rank_var}"'
                  f' --rdzv-endpoint "$HEAD_NODE:{port}"')

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import shlex
 
+from planner.engines.refusals import BUILT_FAMILIES as _BUILT_FAMILIES
 from planner.export import ExportRefused, ExportResult
 from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
 from planner.plan import Plan
@@ -64,7 +65,8 @@ def build_args(plan: Plan, version: tuple[int, ...] = (0, 16)) -> tuple[list[Arg
     """Megatron's options for the plan (each with its values) and the notes on what they cannot express."""
     notes: list[str] = []
     args = _parallel_args(plan, notes, version) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
-    args += _precision_args(plan, notes) + _model_args(plan, notes) + _host_args(plan, version)
+    args += _precision_args(plan, notes) + _model_args(plan, notes) + _feature_args(plan, notes, version)
+    args += _host_args(plan, version)
     args = list(dict.fromkeys(args))  # a flag two parts need (--use-precision-aware-optimizer) once
     return args, notes
 
@@ -241,6 +243,8 @@ def _model_args(plan: Plan, notes: list[str]) -> list[Arg]:
         args.append(("--untie-embeddings-and-output-weights",))
     if not m.bias:
         args.append(("--disable-bias-linear",))
+        if m.qkv_bias or m.attention_bias:
+            args.append(("--add-qkv-bias",))
     args += [("--attention-dropout", str(m.dropout)), ("--hidden-dropout", str(m.dropout)),
              ("--vocab-size", str(m.vocab))]
     multiple = 128 * tp  # --make-vocab-size-divisible-by (default 128) times tp
@@ -266,4 +270,87 @@ def _model_args(plan: Plan, notes: list[str]) -> list[Arg]:
             args.append(("--q-lora-rank", str(m.mla.q_lora_rank)))
     if m.mtp_layers:
         args.append(("--mtp-num-layers", str(m.mtp_layers)))
+    return args
+
+
+WINDOW_ADDED = (0, 15)  # --window-size and --window-attn-skip-freq
+LLAMA3_SCALING = (1.0, 4.0, 8192)  # Megatron's rope scaling: low/high frequency factors and context, fixed
+
+
+def _feature_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> list[Arg]:
+    """What the model computes beyond its shapes (ModelSpec's family, rope, eps, norms, windows, routing),
+    in Megatron's flags, and in `notes` what Megatron-LM has no flag for."""
+    m = plan.model
+    args: list[Arg] = [("--norm-epsilon", repr(m.norm_eps))]
+    if m.family and m.family not in _BUILT_FAMILIES:
+        notes.append(f"family {m.family}: its own modeling code (see `meshplan models show`), which Megatron's GPT "
+                     "model does not reproduce")
+    if m.attention_bias and not m.bias:
+        notes.append("attention_bias: a bias on the attention output projection as well; Megatron adds biases to "
+                     "q, k, v only (--add-qkv-bias) or to every linear layer")
+    if m.qk_norm:
+        args.append(("--qk-layernorm",))
+    if m.activation == "gelu_tanh" and m.mlp == "gelu":
+        args.append(("--openai-gelu",))  # the tanh approximation (GPT-2's gelu_new)
+    if m.position == "rope":
+        args += _rope_args(m, notes)
+    if m.sliding_window:
+        if version < WINDOW_ADDED:
+            notes.append(f"sliding window {m.sliding_window}: Megatron-Core before 0.15 has no --window-size; "
+                         "export with --target-version 0.15 or later")
+        else:  # flash's (left, right): left keys before the query, the window counts the query itself
+            args.append(("--window-size", f"{m.sliding_window - 1},0"))
+            if m.sliding_layers != m.n_layers:
+                pattern = ",".join("1" if m.window_of(i) else "0" for i in range(m.n_layers))
+                args.append(("--window-attn-skip-freq", f"[{pattern}]"))
+    if m.moe is not None:
+        args += _router_args(m, notes)
+    return args
+
+
+def _rope_args(m, notes: list[str]) -> list[Arg]:
+    args: list[Arg] = []
+    theta = m.rope_theta
+    if theta != int(theta):
+        notes.append(f"rope_theta {theta}: Megatron's --rotary-base takes an integer; exported as {int(theta)}")
+    args.append(("--rotary-base", str(int(theta))))
+    s = m.rope_scaling
+    if s is None:
+        return args
+    if s.kind == "llama3":
+        args += [("--use-rope-scaling",), ("--rope-scaling-factor", repr(s.factor))]
+        original = s.original_max_position or m.max_seq_len
+        if (s.low_freq_factor, s.high_freq_factor, original) != LLAMA3_SCALING:
+            notes.append(f"rope scaling llama3 with low/high frequency factors {s.low_freq_factor}/"
+                         f"{s.high_freq_factor} over {original} positions: Megatron fixes them at 1/4 over 8192")
+    elif s.kind == "linear" and s.factor == int(s.factor):
+        args.append(("--rotary-seq-len-interpolation-factor", str(int(s.factor))))
+    elif s.kind == "yarn" and m.mla is not None:
+        args += [("--rope-type", "yarn"), ("--rotary-scaling-factor", repr(s.factor)),
+                 ("--mscale", repr(s.mscale or 1.0)), ("--mscale-all-dim", repr(s.mscale_all_dim))]
+    else:
+        notes.append(f"rope scaling {s.kind} (factor {s.factor}): Megatron-LM has no flag for it"
+                     + (" outside MLA" if s.kind == "yarn" else "") + "; exported without scaling")
+    return args
+
+
+def _router_args(m, notes: list[str]) -> list[Arg]:
+    """Megatron's router: softmax over the top-k logits (= softmax, top-k, renormalized) by default."""
+    moe, args = m.moe, []
+    if moe.scoring == "sigmoid":
+        args.append(("--moe-router-score-function", "sigmoid"))
+        if not moe.norm_topk_prob and moe.top_k > 1:
+            notes.append("router: sigmoid scores without renormalization; Megatron renormalizes the top-k "
+                         "sigmoid scores")
+        if moe.router_bias:
+            args.append(("--moe-router-enable-expert-bias",))
+    elif not moe.norm_topk_prob:
+        args.append(("--moe-router-pre-softmax",))  # softmax over all experts, top-k weights kept as they are
+    if moe.routed_scaling != 1.0:
+        args.append(("--moe-router-topk-scaling-factor", repr(moe.routed_scaling)))
+    if moe.n_group > 1:
+        args += [("--moe-router-num-groups", str(moe.n_group)), ("--moe-router-group-topk", str(moe.topk_group))]
+    if moe.shared_expert_gate:
+        notes.append("shared-expert gate (Qwen2-MoE): Megatron-LM has no flag for it "
+                     "(TransformerConfig.moe_shared_expert_gate)")
     return args

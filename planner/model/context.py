@@ -21,11 +21,12 @@ def rope_scaling_words(model: ModelSpec) -> str:
     """'its rope scaling (llama3, factor 8 over 8192 original positions)', or what it lacks."""
     if model.position != "rope":
         return f"{model.position} positions"
-    if not model.rope_scaling:
+    scaling = model.rope_scaling
+    if scaling is None:
         return "no rope_scaling in its config"
-    factor = f", factor {model.rope_scaling_factor:g}" if model.rope_scaling_factor else ""
-    original = f" over {model.rope_original_context} original positions" if model.rope_original_context else ""
-    return f"its rope scaling ({model.rope_scaling}{factor}{original})"
+    factor = f", factor {scaling.factor:g}" if scaling.factor != 1.0 else ""
+    original = f" over {scaling.original_max_position} original positions" if scaling.original_max_position else ""
+    return f"its rope scaling ({scaling.kind}{factor}{original})"
 
 
 def _how_to_extend(model: ModelSpec) -> str:
@@ -33,7 +34,7 @@ def _how_to_extend(model: ModelSpec) -> str:
         return ("its learned position table has no row past it: extend the table (and train it) yourself")
     if model.position == "alibi":
         return "ALiBi biases extend to any length, but quality past the trained length is not assured"
-    if model.rope_scaling:
+    if model.rope_scaling is not None:
         return ("raise rope_scaling's factor in config.json (and pass that --model) to stretch the positions "
                 "further")
     return ("extend its positions first: add rope_scaling to config.json (YaRN, Llama 3's, linear position "

@@ -26,6 +26,15 @@ the transformers modeling code of each family:
   llama4             text_config; interleave_moe_layer_step, a shared expert,
                      intermediate_size_mlp for dense layers, chunked local
                      attention on 3 of 4 layers
+
+What execution needs besides the shapes (ModelSpec's family, rope_theta,
+rope_scaling, norm_eps, activation, sliding_layer_ids and MoE routing), with
+the defaults of transformers 5.23's config classes when a key is absent:
+rope as transformers 5 writes it (`rope_parameters`: rope_type, rope_theta,
+factor...) or as 4.x did (`rope_theta` beside `rope_scaling`); `layer_types`
+where a config lists them, else each family's rule for its sliding layers;
+the routers' norm_topk_prob, routed_scaling_factor, n_group, topk_group and
+DeepSeek-V3's sigmoid scoring.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from planner.model.spec import MLASpec, ModelSpec, MoESpec
+from planner.model.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
 from topologies.errors import ModelError
 
 _LLAMA_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -63,6 +72,14 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 _BY_ARCHITECTURE = {arch: family for family, archs in FAMILIES.items() for arch in archs}
 # Families whose tie_word_embeddings defaults to true when the key is absent (their config classes).
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gpt2", "grok-1")
+# Defaults of transformers 5.23's config classes for keys a config.json may leave out.
+_NORM_EPS_DEFAULT = {"mixtral": 1e-5, "phi3": 1e-5, "grok-1": 1e-5, "gpt_oss": 1e-5}  # others: 1e-6
+_THETA_DEFAULT = {"mixtral": 1e6}  # others: 10,000
+_NORM_TOPK_DEFAULT = {"qwen2_moe": False, "qwen3_moe": False}  # Mixtral always, DeepSeek-V3 by default: true
+_SIGMOID_ROUTERS = ("deepseek_v3", "kimi_k2")  # transformers' DeepseekV3TopkRouter: sigmoid + score bias
+# hidden_act / activation_function -> ModelSpec.activation
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
 
 
 class _Reader:
@@ -116,6 +133,12 @@ class _Reader:
             return default
         if not isinstance(value, str):
             raise self.fail(key, "a string")
+        return value
+
+    def dict(self, key: str) -> dict[str, Any] | None:
+        value = self.data.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self.fail(key, "an object of keys")
         return value
 
     def int_list(self, key: str) -> tuple[int, ...]:
@@ -207,9 +230,14 @@ def _moe(r: _Reader, family: str, n_layers: int) -> MoESpec | None:
         layer_step=step,
         layer_phase=phase,
         dense_layers=dense,
-        router_bias=family == "gpt_oss" or r.str("topk_method", "") == "noaux_tc",
+        router_bias=family == "gpt_oss" or r.str("topk_method", "") == "noaux_tc" or family in _SIGMOID_ROUTERS,
         expert_bias=family == "gpt_oss",
         shared_expert_gate=family == "qwen2_moe" and bool(shared_ffn),
+        scoring="sigmoid" if family in _SIGMOID_ROUTERS else "softmax",
+        norm_topk_prob=True if family == "mixtral" else r.bool("norm_topk_prob", _NORM_TOPK_DEFAULT.get(family, True)),
+        routed_scaling=r.float("routed_scaling_factor", 1.0) if family in _SIGMOID_ROUTERS else 1.0,
+        n_group=r.int("n_group", 1) if family in _SIGMOID_ROUTERS else 1,
+        topk_group=r.int("topk_group", 1) if family in _SIGMOID_ROUTERS else 1,
     )
 
 
@@ -218,27 +246,67 @@ def _mla(r: _Reader) -> MLASpec | None:
         return None
     return MLASpec(q_lora_rank=r.int("q_lora_rank", 0, low=0), kv_lora_rank=r.int("kv_lora_rank"),
                    qk_nope_head_dim=r.int("qk_nope_head_dim", 0, low=0), qk_rope_head_dim=r.int("qk_rope_head_dim"),
-                   v_head_dim=r.int("v_head_dim"))
+                   v_head_dim=r.int("v_head_dim"), rope_interleave=r.bool("rope_interleave", True))
 
 
-def _sliding(r: _Reader, family: str, n_layers: int) -> tuple[int, int]:
-    """(window, layers that use it) as each family's attention code applies sliding_window."""
+def _sliding(r: _Reader, family: str, n_layers: int) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that use it) as each family's attention code applies sliding_window."""
     if family == "llama4_text":  # chunked local attention: 3 of every 4 layers, a window of one chunk
         chunk = r.int("attention_chunk_size", 0, low=0)
-        return (chunk, n_layers - n_layers // 4) if chunk else (0, 0)
+        return (chunk, tuple(i for i in range(n_layers) if (i + 1) % 4)) if chunk else (0, ())
     if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not r.bool("use_sliding_window", False):
-        return 0, 0
+        return 0, ()
     window = r.int("sliding_window", 0, low=0)
     if not window:
-        return 0, 0
-    if family == "gpt_oss" and r.has("layer_types"):
+        return 0, ()
+    if r.has("layer_types"):  # transformers 5 writes the kind of every layer
         types = r.data["layer_types"]
         if not isinstance(types, list) or len(types) != n_layers or not all(isinstance(t, str) for t in types):
             raise r.fail("layer_types", f"a list of {n_layers} attention kinds")
-        return window, sum(t == "sliding_attention" for t in types)
+        return window, tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if family in ("gpt_oss", "gemma2"):  # even layers slide, odd layers attend globally
-        return window, (n_layers + 1) // 2
-    return window, n_layers
+        return window, tuple(range(0, n_layers, 2))
+    first = r.int("max_window_layers", 28, low=0)  # Qwen2/Qwen3: layers from max_window_layers on slide
+    if family in ("qwen2", "qwen3"):
+        return window, tuple(range(first, n_layers))
+    if family == "qwen2_moe":  # its config class: even layers below max_window_layers
+        return window, tuple(i for i in range(min(first, n_layers)) if i % 2 == 0)
+    return window, tuple(range(n_layers))
+
+
+def _rope(r: _Reader, family: str, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling): transformers 5's `rope_parameters`, or 4.x's rope_theta + rope_scaling."""
+    params = r.dict("rope_parameters")
+    if params is not None and any(isinstance(v, dict) for v in params.values()):
+        raise r.fail("rope_parameters", "one set of rope keys (per-layer-type rope is not read)")
+    scaling = params if params is not None else r.dict("rope_scaling")
+    inner = _Reader(scaling or {}, f"{r.source} ({'rope_parameters' if params is not None else 'rope_scaling'})")
+    theta = inner.float("rope_theta", r.float("rope_theta", _THETA_DEFAULT.get(family, 10_000.0)))
+    kind = inner.str("rope_type", inner.str("type", "default"))
+    partial = r.float("partial_rotary_factor", inner.float("partial_rotary_factor", 1.0)) != 1.0
+    if partial:  # rope on part of each head: read, and refused by the executor by this name
+        kind = kind + "+partial_rotary"
+    elif kind == "default" or scaling is None:
+        return theta, None
+    original = r.int("original_max_position_embeddings", inner.int("original_max_position_embeddings", 0, low=0),
+                     low=0)
+    factor = inner.float("factor", 0.0)
+    if kind == "yarn" and not factor:  # DeepSeek: the context ratio when the factor is absent
+        factor = max_pos / original if original else 1.0
+    return theta, RopeScaling(
+        kind=kind, factor=factor or 1.0, original_max_position=original,
+        low_freq_factor=inner.float("low_freq_factor", 1.0), high_freq_factor=inner.float("high_freq_factor", 4.0),
+        beta_fast=inner.float("beta_fast", 32.0), beta_slow=inner.float("beta_slow", 1.0),
+        mscale=inner.float("mscale", 0.0), mscale_all_dim=inner.float("mscale_all_dim", 0.0),
+        attention_factor=inner.float("attention_factor", 0.0), truncate=inner.bool("truncate", True))
+
+
+def _activation(r: _Reader, key: str, default: str) -> str:
+    name = r.str(key, default)
+    if name not in _ACTIVATIONS:
+        raise ModelError(f"{r.source}: {key} {name!r} is not an activation meshplan computes; it reads "
+                         f"{', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
 
 
 def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
@@ -262,9 +330,11 @@ def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
         ffn = moe.expert_ffn_hidden  # no dense layers: the dense width is never used
     else:
         ffn = r.int(ffn_key)
-    window, sliding_layers = _sliding(r, family, n_layers)
+    window, sliding_ids = _sliding(r, family, n_layers)
     tied_default = family in _TIED_BY_DEFAULT
     attention_bias = r.bool("attention_bias", False)
+    max_pos = r.int("max_position_embeddings", 4096)
+    theta, scaling = _rope(r, family, max_pos)
     return ModelSpec(
         name=name,
         n_layers=n_layers,
@@ -274,7 +344,7 @@ def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
         head_dim=head_dim,
         ffn_hidden=ffn,
         vocab=r.int("vocab_size"),
-        max_seq_len=r.int("max_position_embeddings", 4096),
+        max_seq_len=max_pos,
         mlp="swiglu",  # every family read here gates its MLP (3 matrices) whatever hidden_act says
         norm="rmsnorm",
         position="rope",
@@ -289,26 +359,16 @@ def _from_llama_like(r: _Reader, name: str, family: str) -> ModelSpec:
         qk_norm=family in ("qwen3", "qwen3_moe"),
         norms_per_layer=4 if family in ("gemma2", "grok-1") else 2,
         sliding_window=window,
-        sliding_layers=sliding_layers,
+        sliding_layers=len(sliding_ids),
         mtp_layers=r.int("num_nextn_predict_layers", 0, low=0),
         glu_clamp=r.float("swiglu_limit", 0.0) if family == "gpt_oss" else 0.0,
-        **_rope_scaling(r),
+        family=family,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=r.float("rms_norm_eps", _NORM_EPS_DEFAULT.get(family, 1e-6)),
+        activation=_activation(r, "hidden_act", "silu"),
+        sliding_layer_ids=sliding_ids if window else (),
     )
-
-
-def _rope_scaling(r: _Reader) -> dict[str, Any]:
-    """config.json's rope_scaling (transformers' rope_type, or type in older configs) as ModelSpec fields."""
-    block = r.data.get("rope_scaling")
-    if block is None:
-        return {}
-    if not isinstance(block, dict):
-        raise r.fail("rope_scaling", "an object such as {\"rope_type\": \"yarn\", \"factor\": 4.0} or null")
-    scaling = _Reader(block, f"{r.source} rope_scaling")
-    kind = scaling.str("rope_type", scaling.str("type", ""))
-    if kind in ("", "default"):
-        return {}
-    return {"rope_scaling": kind, "rope_scaling_factor": scaling.float("factor", 0.0),
-            "rope_original_context": scaling.int("original_max_position_embeddings", 0, low=0)}
 
 
 def _from_gpt2(r: _Reader, name: str) -> ModelSpec:
@@ -332,4 +392,7 @@ def _from_gpt2(r: _Reader, name: str) -> ModelSpec:
         tie_embeddings=r.bool("tie_word_embeddings", True),
         bias=True,
         dropout=r.float("resid_pdrop", 0.0),
+        family="gpt2",
+        norm_eps=r.float("layer_norm_epsilon", 1e-5),
+        activation=_activation(r, "activation_function", "gelu_new"),
     )

@@ -36,6 +36,21 @@ def load_model(name_or_path: str) -> ModelSpec:
     )
 
 
+def weights_dir(name_or_path: str) -> str | None:
+    """The absolute Hugging Face directory behind --model when it holds safetensors weights, else None.
+
+    `--model DIR` (or DIR/config.json) with model.safetensors, sharded files and
+    their model.safetensors.index.json: the directory `execute --init-from` reads.
+    """
+    path = Path(name_or_path.strip()).expanduser()
+    directory = path if path.is_dir() else path.parent if path.name == "config.json" and path.is_file() else None
+    if directory is None or not (directory / "config.json").is_file():
+        return None
+    if (directory / "model.safetensors.index.json").is_file() or any(directory.glob("*.safetensors")):
+        return str(directory.resolve())
+    return None
+
+
 def _load_model_file(path: Path) -> ModelSpec:
     text = read_text(path, "model file", "a Hugging Face config.json (or its directory) or a ModelSpec JSON",
                      ModelError)

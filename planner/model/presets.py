@@ -10,21 +10,21 @@ user's file (planner.model.hf_config), so a preset and its config agree.
 from __future__ import annotations
 
 from planner.model.hf_config import model_from_hf_config
-from planner.model.spec import ModelSpec, MoESpec
+from planner.model.spec import ModelSpec, MoESpec, RopeScaling
 
 
-def _llama(name, layers, hidden, heads, kv, ffn, vocab, ctx, tie=False, rope=("", 0.0, 0)) -> ModelSpec:
+def _llama(name, layers, hidden, heads, kv, ffn, vocab, ctx, tie=False, theta=10_000.0, scaling=None) -> ModelSpec:
+    """A Llama of the released config: rms_norm_eps 1e-5 in every Llama 2/3 release; theta and rope scaling
+    as each one's config.json (Llama 3: 500k; 3.1/3.2: llama3 scaling from 8192 positions; Code Llama: 1M)."""
     return ModelSpec(
         name=name, n_layers=layers, hidden=hidden, n_heads=heads, n_kv_heads=kv,
         head_dim=hidden // heads, ffn_hidden=ffn, vocab=vocab, max_seq_len=ctx,
         mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=tie,
-        rope_scaling=rope[0], rope_scaling_factor=rope[1], rope_original_context=rope[2],
+        family="llama", rope_theta=theta, norm_eps=1e-5,
+        rope_scaling=None if scaling is None else RopeScaling(kind="llama3", factor=scaling,
+                                                              original_max_position=8192),
     )
 
-
-# Llama 3.1 / 3.2's rope_scaling in their released config.json: Llama 3's 8K context stretched by
-# rope_type "llama3" (factor 8 for 3.1, 32 for 3.2).
-_LLAMA31_ROPE, _LLAMA32_ROPE = ("llama3", 8.0, 8192), ("llama3", 32.0, 8192)
 
 
 def _gpt(name, layers, hidden, heads, vocab, ctx, position="learned") -> ModelSpec:
@@ -64,13 +64,13 @@ _ALL = [
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     # Code Llama 34B (Llama 2 architecture with GQA).
-    _llama("codellama-34b", 48, 8192, 64, 8, 22016, 32000, 16384),
+    _llama("codellama-34b", 48, 8192, 64, 8, 22016, 32000, 16384, theta=1e6),
     # Llama 3 / 3.1 / 3.2 (Dubey et al. 2024, table 3 and released configs).
-    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 131072, tie=True, rope=_LLAMA32_ROPE),
-    _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tie=True, rope=_LLAMA32_ROPE),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 131072, rope=_LLAMA31_ROPE),
+    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 131072, tie=True, theta=5e5, scaling=32.0),
+    _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tie=True, theta=5e5, scaling=32.0),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, theta=5e5),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, theta=5e5),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 131072, theta=5e5, scaling=8.0),
     # GPT-3 175B (Brown et al. 2020, table 2.1), GPT-2 vocabulary.
     _gpt("gpt3-175b", 96, 12288, 96, 50257, 2048),
     # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1).
@@ -82,6 +82,7 @@ _ALL = [
         name="mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128,
         ffn_hidden=14336, vocab=32000, max_seq_len=32768,
         moe=MoESpec(n_experts=8, top_k=2, expert_ffn_hidden=14336),
+        family="mixtral", rope_theta=1e6, norm_eps=1e-5,
     ),
     *_MOE,
     # A tiny Llama-style model for tests: 4 layers so PP 2 has 2 layers a stage,

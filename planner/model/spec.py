@@ -25,6 +25,12 @@ ffn_hidden. Multi-token-prediction modules (DeepSeek-V3) are counted apart
 the published totals of DeepSeek-V3/V2, Kimi-K2, Qwen3-MoE, Qwen2-MoE,
 GPT-OSS, Mixtral, Grok-1 and Llama 4 (tests/unit/test_model_moe.py).
 
+Execution fields (plan.json schema 3) change no count or FLOP: the family the
+spec was read from, rope theta and scaling, the norms' epsilon, the MLP's
+activation, which layers slide (`window_of`) and, in MoESpec, the router's
+scoring, renormalization, scaling and groups. The executor computes the
+model from them as each family's Hugging Face modeling code does.
+
 Training FLOPs per token follow PaLM (Chowdhery et al. 2022, appendix B):
 6 * N_matmul + 12 * l * s * a*d (6 * l * s * a*(qk + v) with MLA's two head
 widths; sliding-window layers count min(window, s) keys), where N_matmul counts the weights that take
@@ -41,12 +47,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from planner.model.blocks import MLASpec, MoESpec
+from planner.model.blocks import MLASpec, MoESpec, RopeScaling
 from topologies.errors import ModelError
 
-__all__ = ["MLASpec", "ModelSpec", "MoESpec"]
+__all__ = ["MLASpec", "ModelSpec", "MoESpec", "RopeScaling"]
 
 MLP_KINDS = ("swiglu", "gelu")
+# The MLP's activation (transformers' hidden_act / activation_function): silu (SwiGLU's gate), gelu_tanh
+# (GPT-2's gelu_new, gelu_pytorch_tanh), gelu (erf). "" means the MLP kind's own: silu for swiglu,
+# gelu_tanh for gelu.
+ACTIVATIONS = ("", "silu", "gelu_tanh", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned", "alibi")
 
@@ -93,11 +103,13 @@ class ModelSpec:
     sliding_layers: int = 0  # how many layers use it (GPT-OSS and Gemma 2: every other one)
     mtp_layers: int = 0  # multi-token-prediction modules after the last layer (DeepSeek-V3)
     glu_clamp: float = 0.0  # GLU inputs clamped to this limit before the activation (GPT-OSS swiglu_limit 7; 0: none)
-    # How the config stretches RoPE to reach max_seq_len (config.json rope_scaling): its rope_type ("llama3",
-    # "yarn", "linear", "dynamic", "longrope"; "" none), factor, and the context trained before scaling.
-    rope_scaling: str = ""
-    rope_scaling_factor: float = 0.0
-    rope_original_context: int = 0
+    # What execution needs beyond the shapes (plan.json schema 3); no parameter count or FLOP depends on them.
+    family: str = ""  # Hugging Face model_type the spec was read from ("": a preset or meshplan's own JSON)
+    rope_theta: float = 10_000.0  # rotary base (Llama 2 10k, Llama 3 500k, Qwen 1M)
+    rope_scaling: RopeScaling | None = None  # context extension of the rotary frequencies
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm / LayerNorm (rms_norm_eps, layer_norm_epsilon)
+    activation: str = ""  # see ACTIVATIONS
+    sliding_layer_ids: tuple[int, ...] = ()  # which layers slide (len == sliding_layers); () = the default rule
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -136,17 +148,55 @@ class ModelSpec:
                 raise ModelError(f"model {self.name!r}: {key} must be an integer in [{low}, {high}], got {value!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
             raise ModelError(f"model {self.name!r}: dropout must be a number, got {self.dropout!r}")
-        if not isinstance(self.rope_scaling, str) or isinstance(self.rope_scaling_factor, bool) or \
-                not isinstance(self.rope_scaling_factor, (int, float)) or not 0 <= self.rope_scaling_factor < 1e6 or \
-                isinstance(self.rope_original_context, bool) or not isinstance(self.rope_original_context, int) or \
-                self.rope_original_context < 0:
-            raise ModelError(f"model {self.name!r}: rope_scaling must be a name, rope_scaling_factor a number >= 0 "
-                             f"and rope_original_context an integer >= 0, got {self.rope_scaling!r}, "
-                             f"{self.rope_scaling_factor!r}, {self.rope_original_context!r}")
         clamp = self.glu_clamp
         if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0.0 <= clamp < float("inf"):
             raise ModelError(f"model {self.name!r}: glu_clamp must be a finite number >= 0 (0: no clamp), "
                              f"got {clamp!r}")
+        self._check_execution_fields()
+
+    def _check_execution_fields(self) -> None:
+        """family, rope, eps, activation and the sliding layers (plan.json schema 3)."""
+        if not isinstance(self.family, str):
+            raise ModelError(f"model {self.name!r}: family must be a string, got {self.family!r}")
+        for key, low, high in (("rope_theta", 1.0, 1e12), ("norm_eps", 1e-12, 1.0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ModelError(f"model {self.name!r}: {key} must be a number in [{low:g}, {high:g}], got {value!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ModelError(f"model {self.name!r}: rope_scaling must be an object of rope keys or null, "
+                             f"got {self.rope_scaling!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelError(f"model {self.name!r}: activation must be one of {ACTIVATIONS[1:]} (or \"\" for the "
+                             f"MLP's own), got {self.activation!r}")
+        ids = self.sliding_layer_ids
+        if not isinstance(ids, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                 and 0 <= i < self.n_layers for i in ids):
+            raise ModelError(f"model {self.name!r}: sliding_layer_ids must be layer indices below n_layers "
+                             f"({self.n_layers}), got {ids!r}")
+        if ids and (len(set(ids)) != len(ids) or len(ids) != self.sliding_layers):
+            raise ModelError(f"model {self.name!r}: sliding_layer_ids {list(ids)} must name sliding_layers "
+                             f"({self.sliding_layers}) distinct layers")
+
+    # ---- execution ----------------------------------------------------------
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation: the spec's, or its MLP kind's own (silu for swiglu, gelu_tanh for gelu)."""
+        return self.activation or ("silu" if self.mlp == "swiglu" else "gelu_tanh")
+
+    def window_of(self, layer: int) -> int:
+        """The attention window of a layer (0: full causal attention).
+
+        The sliding layers are sliding_layer_ids; without them, every layer when sliding_layers ==
+        n_layers (Mistral), else the even layers (Gemma 2, GPT-OSS: sliding first, then alternating).
+        """
+        if not self.sliding_window or not self.sliding_layers:
+            return 0
+        if self.sliding_layer_ids:
+            return self.sliding_window if layer in self.sliding_layer_ids else 0
+        if self.sliding_layers == self.n_layers or layer % 2 == 0 and layer // 2 < self.sliding_layers:
+            return self.sliding_window
+        return 0
 
     # ---- parameter counts -------------------------------------------------
 
@@ -370,7 +420,9 @@ class ModelSpec:
         if missing:
             raise ModelError(f"model JSON is missing required keys: {', '.join(missing)}")
         kwargs = {k: v for k, v in data.items() if k in fields}
-        for key, kind in (("moe", MoESpec), ("mla", MLASpec)):
+        if isinstance(kwargs.get("sliding_layer_ids"), list):
+            kwargs["sliding_layer_ids"] = tuple(kwargs["sliding_layer_ids"])
+        for key, kind in (("moe", MoESpec), ("mla", MLASpec), ("rope_scaling", RopeScaling)):
             block = kwargs.get(key)
             if isinstance(block, dict):
                 known = {f.name for f in dataclasses.fields(kind)}

@@ -219,7 +219,7 @@ def test_load_plan_raises_only_typed_one_line_errors(base_plan):
 
 @pytest.mark.parametrize("edit, expect", [
     (lambda d: "{not json", "not valid JSON"),
-    (lambda d: {**d, "schema_version": 3}, "schema_version 3"),
+    (lambda d: {**d, "schema_version": 4}, "schema_version 4"),
     (lambda d: {k: v for k, v in d.items() if k != "parallel"}, "parallel"),
     (lambda d: {**d, "parallel": {**d["parallel"], "tp": 4}}, "!= the cluster's 4 GPUs"),
     (lambda d: {**d, "parallel": {**d["parallel"], "tp": 4, "dp_shard": 1, "zero_stage": 0}},

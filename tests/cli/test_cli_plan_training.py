@@ -13,7 +13,7 @@ def test_training_flags_land_in_plan_json(cli, tmp_path):
             "--recompute", "op", "--json", "-o", str(out))
     assert r.code == 0, r.stderr
     doc = r.json()
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     assert (doc["training"]["precision"], doc["training"]["dtype"], doc["training"]["compile"]) == ("fp8", "bf16", True)
     assert doc["training"]["attention"] == "fused" and doc["parallel"]["recompute"] == "op"
     assert load_plan(out).training.fp8

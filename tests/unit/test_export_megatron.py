@@ -20,9 +20,12 @@ INT_OPTIONS = (
     "micro-batch-size", "global-batch-size", "seq-length", "recompute-num-layers", "num-layers", "hidden-size",
     "ffn-hidden-size", "num-attention-heads", "kv-channels", "num-query-groups", "max-position-embeddings",
     "vocab-size", "num-experts", "moe-router-topk", "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size",
-    "cpu-offloading-num-layers",
+    "cpu-offloading-num-layers", "rotary-base", "rotary-seq-len-interpolation-factor", "moe-router-num-groups",
+    "moe-router-group-topk",
 )
-FLOAT_OPTIONS = ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction")
+FLOAT_OPTIONS = ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction", "norm-epsilon",
+                 "rope-scaling-factor", "rotary-scaling-factor", "mscale", "mscale-all-dim",
+                 "moe-router-topk-scaling-factor")
 CHOICE_OPTIONS = {
     "exp-avg-dtype": ["fp32", "fp16", "bf16", "fp8"],
     "exp-avg-sq-dtype": ["fp32", "fp16", "bf16", "fp8"],
@@ -33,11 +36,16 @@ CHOICE_OPTIONS = {
     "normalization": ["LayerNorm", "RMSNorm"],
     "optimizer": ["adam", "sgd", "muon", "dist_muon"],
     "ckpt-format": ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
+    "moe-router-score-function": ["softmax", "sigmoid"],
+    "rope-type": ["rope", "yarn"],
 }
 FLAGS = ("sequence-parallel", "use-distributed-optimizer", "use-megatron-fsdp", "no-gradient-accumulation-fusion",
          "bf16", "fp16", "grad-reduce-in-bf16", "group-query-attention", "swiglu",
          "untie-embeddings-and-output-weights", "disable-bias-linear", "optimizer-cpu-offload",
-         "use-precision-aware-optimizer", "cpu-offloading")
+         "use-precision-aware-optimizer", "cpu-offloading", "add-qkv-bias", "qk-layernorm", "use-rope-scaling",
+         "openai-gelu", "moe-router-pre-softmax", "moe-router-enable-expert-bias")
+# Megatron-Core 0.15+: --window-size takes "LEFT,RIGHT" (tuple_type), --window-attn-skip-freq a list expression
+STRING_OPTIONS = ("pipeline-model-parallel-layout", "window-size", "window-attn-skip-freq")
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -50,7 +58,8 @@ def megatron_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", choices=choices)
     for name in FLAGS:
         p.add_argument(f"--{name}", action="store_true")
-    p.add_argument("--pipeline-model-parallel-layout")
+    for name in STRING_OPTIONS:
+        p.add_argument(f"--{name}")
     p.add_argument("--recompute-modules", nargs="*", type=str)  # space-separated module names
     return p
 

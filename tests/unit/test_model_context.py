@@ -32,22 +32,23 @@ def test_llama3_8b_at_32k_is_refused_and_names_the_way_out():
 
 def test_rope_scaling_read_from_config_and_named():
     model = model_from_hf_config(json.loads(json.dumps(LLAMA31_8B)), default_name="llama-3.1-8b")
-    assert (model.rope_scaling, model.rope_scaling_factor, model.rope_original_context) == ("llama3", 8.0, 8192)
+    scaling = model.rope_scaling
+    assert (scaling.kind, scaling.factor, scaling.original_max_position) == ("llama3", 8.0, 8192)
     check_context(model, 131072, False)
     with pytest.raises(UsageError, match=r"rope scaling \(llama3, factor 8 over 8192 original positions\).*"
                                          r"Raise rope_scaling's factor"):
         check_context(model, 262144, False)
     older = {**LLAMA31_8B, "rope_scaling": {"type": "linear", "factor": 2.0}}  # transformers' older key
-    assert model_from_hf_config(older, default_name="x").rope_scaling == "linear"
-    assert model_from_hf_config({**LLAMA31_8B, "rope_scaling": None}, default_name="x").rope_scaling == ""
-    with pytest.raises(Exception, match="rope_scaling must be an object"):
+    assert model_from_hf_config(older, default_name="x").rope_scaling.kind == "linear"
+    assert model_from_hf_config({**LLAMA31_8B, "rope_scaling": None}, default_name="x").rope_scaling is None
+    with pytest.raises(Exception, match="rope_scaling"):
         model_from_hf_config({**LLAMA31_8B, "rope_scaling": "yarn"}, default_name="x")
 
 
 def test_learned_positions_and_presets():
     with pytest.raises(UsageError, match="learned position table has no row past it"):
         check_context(PRESETS["gpt3-175b"], 4096, False)
-    assert PRESETS["llama3.2-1b"].rope_scaling == "llama3" and PRESETS["deepseek-v3"].rope_scaling == "yarn"
+    assert PRESETS["llama3.2-1b"].rope_scaling.kind == "llama3" and PRESETS["deepseek-v3"].rope_scaling.kind == "yarn"
 
 
 def test_cli_refuses_then_plans_with_the_flag():

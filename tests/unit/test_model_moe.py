@@ -89,7 +89,8 @@ def test_gpt_oss_sliding_layers_sinks_and_biases():
     assert load_model("qwen3-30b-a3b").glu_clamp == 0.0
     with pytest.raises(ModelError, match="glu_clamp"):
         ModelSpec.from_json({**m.to_json(), "glu_clamp": -7.0})
-    full = ModelSpec.from_json({**m.to_json(), "sliding_window": 0, "sliding_layers": 0})
+    full = ModelSpec.from_json({**m.to_json(), "sliding_window": 0, "sliding_layers": 0,
+                                  "sliding_layer_ids": []})
     # half the layers see 128 keys instead of 4096
     assert m.attention_flops_per_token(4096) / full.attention_flops_per_token(4096) == pytest.approx((4096 + 128) / 8192)
 

@@ -156,7 +156,7 @@ def test_version_1_plans_load_with_defaults():
     plan = Plan(model=load_model("debug"), cluster=load_cluster("cpu", 1), training=training,
                 layout=Layout(grad_accum_steps=8), engine="deepspeed")
     data = json.loads(json.dumps(plan.to_json()))
-    assert data["schema_version"] == 2 and data["training"]["precision"] == "bf16"
+    assert data["schema_version"] == 3 and data["training"]["precision"] == "bf16"
     data["schema_version"] = 1
     for key in ("precision", "attention", "compile"):
         del data["training"][key]

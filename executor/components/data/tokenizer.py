@@ -46,8 +46,9 @@ def resolve_tokenizer(tokenizer: str | None, init_from: str | None = None) -> Pa
 
 
 def run_tokenizer(flags) -> Path | None:
-    """The tokenizer of a run (planner.run_flags.RunFlags): --tokenizer, else its --init-from directory."""
-    return resolve_tokenizer(flags.tokenizer, getattr(flags, "init_from", None))
+    """The tokenizer of a run (planner.run_flags.RunFlags): --tokenizer, else the directory its weights come from
+    (--init-from, or the plan's weights_dir; none under `--init-from none`)."""
+    return resolve_tokenizer(flags.tokenizer, flags.weights_source)
 
 
 def tokenizer_files(path: Path) -> tuple[Path, list[Path]]:
