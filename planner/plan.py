@@ -7,6 +7,12 @@ dp_shard x cp (planner.layout.zero_axes), so a plan with dp_shard 1 and
 cp > 1 may carry zero_stage 1-3 (FSDP over the cp ranks alone); every plan
 an earlier version 2 wrote still loads unchanged.
 
+A plan written by `meshplan plan -o` also records how it was searched, in the
+optional key "search": {"pins": the options pinned on the command line,
+"usable_memory_fraction", "calibration": the profile path or null}, so
+`execute --replan` can search again for other GPU counts with the same pins
+(where still valid). Plans without it load unchanged and re-plan unpinned.
+
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that
 names the values and says what to do.
@@ -80,6 +86,7 @@ class Plan:
     prediction: Prediction | None = None
     alternatives: tuple[dict[str, Any], ...] = ()
     explanation: tuple[str, ...] = ()
+    search: dict[str, Any] | None = None  # how `plan` searched: pins, memory fraction, calibration (see above)
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
@@ -101,6 +108,7 @@ class Plan:
             "prediction": self.prediction.to_json() if self.prediction else None,
             "alternatives": list(self.alternatives),
             "explanation": list(self.explanation),
+            **({"search": self.search} if self.search is not None else {}),
         }
 
     @classmethod
@@ -131,6 +139,7 @@ class Plan:
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
                 alternatives=tuple(data.get("alternatives") or ()),
                 explanation=tuple(data.get("explanation") or ()),
+                search=data["search"] if isinstance(data.get("search"), dict) else None,
             )
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.

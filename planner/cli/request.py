@@ -169,7 +169,16 @@ def search_plan_request(request: PlanRequest, gpus: int):
         if isinstance(error, InfeasibleError):
             error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster)}")
         raise error
-    return build_plan(model, cluster, result, request.engine), result
+    return with_search(build_plan(model, cluster, result, request.engine), request), result
+
+
+def with_search(the_plan, request: PlanRequest):
+    """The plan with plan.json's "search" record of this request (planner.plan; read by execute --replan)."""
+    import dataclasses
+
+    return dataclasses.replace(the_plan, search={"pins": request.pins.to_json(),
+                                                 "usable_memory_fraction": request.usable_fraction,
+                                                 "calibration": request.calibration})
 
 
 def node_size(request) -> int:

@@ -23,7 +23,7 @@ from topologies.terminal import console, emit_json
 def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float | None, as_json: bool,
               output: str | None, png: str | None) -> None:
     """Sweep, print the table (or JSON), and write the best count's plan and chart when asked."""
-    from planner.cli.request import node_size, plot_plan_memory, search_at
+    from planner.cli.request import node_size, plot_plan_memory, search_at, with_search
     from planner.search.explain import build_plan
 
     counts = allowed_counts(node_size(request), gpu_range.lo, gpu_range.hi)
@@ -51,7 +51,7 @@ def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float |
         if tokens is not None else {}
     if output or png:
         model, cluster = built[best.gpus]
-        the_plan = build_plan(model, cluster, best.result, request.engine)
+        the_plan = with_search(build_plan(model, cluster, best.result, request.engine), request)
         if output:
             the_plan.save(output)
         if png:
