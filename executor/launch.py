@@ -6,7 +6,7 @@ monitoring, restarts on failure with --max-restarts) is torchrun's own:
 
   one node:  torchrun --standalone --nnodes 1 --nproc-per-node P
              --max-restarts R --shutdown-timeout G -m executor.worker PLAN --out DIR ...
-  N nodes:   torchrun --nnodes N --node-rank K --nproc-per-node P
+  N nodes:   torchrun --nnodes N --nproc-per-node P
              --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID ...
              (the same command on every node; ID derives from the plan so
              all nodes agree without being told); with --replan and
@@ -39,7 +39,7 @@ from topologies.errors import ExecutionError, InterruptedRun, PreemptedRun
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun_argv(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
+def torchrun_argv(nproc: int, nnodes: int, rdzv_endpoint: str | None, max_restarts: int,
                   run_id: str, worker_args: list[str], grace_s: float = 30.0, elastic: bool = False) -> list[str]:
     """torchrun's argument list for this node (see the module docstring)."""
     nodes = f"1:{nnodes}" if elastic and nnodes > 1 else str(nnodes)
@@ -47,9 +47,8 @@ def torchrun_argv(nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | 
             f"--shutdown-timeout={math.ceil(grace_s)}"]
     if rdzv_endpoint is None:  # one node (execute refuses several without an endpoint)
         argv.append("--standalone")
-    else:
-        argv += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                 f"--rdzv-id={run_id}"]
+    else:  # c10d assigns node ranks by arrival, so node_rank is not passed (torchrun would warn it is ignored)
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={run_id}"]
     return argv + ["-m", "executor.worker", *worker_args]
 
 
@@ -87,10 +86,12 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
 
     _worker_env(nproc, on_cpu, run_dir)
     sys.stdout.flush()
-    # torchrun's agent logs a warning per signal and per stopped worker; the verb prints its own line
-    # (elastic's get_logger gives each module's logger its own level, so the parent's is not enough)
+    # torchrun's agent logs a warning per signal and per stopped worker and an error per failed one; the verb
+    # prints its own line for each (executor.resilience.agent, ChildFailedError below), and a worker's
+    # traceback is on its own stderr (elastic's get_logger gives each module's logger its own level, so the
+    # parent's is not enough)
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         with meshplan_agent(run_dir):
             run(parse_args(argv))

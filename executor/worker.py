@@ -131,6 +131,7 @@ def run(argv: list[str] | None = None) -> None:
     from executor.resilience.timeouts import long_timeout
     from executor.train import train
     from planner.plan import load_plan
+    from topologies.errors import MeshplanError
 
     plan_path, opts = parse_args(argv)
     plan = load_plan(plan_path)
@@ -139,13 +140,20 @@ def run(argv: list[str] | None = None) -> None:
     timeout = long_timeout()
     dist.init_process_group(backend_for(device_type), timeout=timeout, **_rendezvous(timeout),
                             device_id=device if device_type == "cuda" else None)
+    stopped = None
     try:
         plan = _plan_for_world(plan, opts)
         train(plan, opts, build_mesh(plan, device_type), device)
+    except (MeshplanError, KeyboardInterrupt) as exc:  # understood stops: exit with their code, below
+        stopped = exc.with_traceback(None)  # its frames hold the model: let them go before the groups do
+    try:
         gc.collect()  # free DDP/FSDP state (reference cycles) while its process groups still exist
-        dist.barrier()
+        if stopped is None:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
+    if stopped is not None:
+        raise stopped
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     allocator_env()  # before any CUDA allocation (exported torchrun commands start workers directly)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from topologies.errors import MeshplanError, PreemptedRun
+    from topologies.errors import MeshplanError, NonFiniteError, PreemptedRun
 
     _quiet_known_warnings()
     try:
@@ -163,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     except PreemptedRun:  # its checkpoint written; rank 0 said so, the launcher prints the one line
         sys.exit(interrupt.PREEMPTED_EXIT_CODE)
     except MeshplanError as exc:
-        rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"rank {rank}: {exc.label}{exc}\n")
+        if not isinstance(exc, NonFiniteError):  # the same on every rank: the launcher prints it once
+            sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: {exc.label}{exc}\n")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # the agreed stop: summary written by rank 0, the launcher prints the one line
         sys.exit(interrupt.INTERRUPTED_EXIT_CODE)

@@ -230,7 +230,7 @@ def _run(plan, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | 
     log(f"execute: {plan.model.name} on {plan.world_size} {'CPU ranks' if on_cpu else plan.cluster.gpu.name} "
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "
         f"ZeRO-{lay.zero_stage}); data: {source}; run dir: {run_dir}")
-    argv = torchrun_argv(nproc, nnodes, node_rank, rdzv_endpoint, flags.max_restarts, run_id(plan_text),
+    argv = torchrun_argv(nproc, nnodes, rdzv_endpoint, flags.max_restarts, run_id(plan_text),
                          worker_args, grace_s=flags.preempt_grace_s, elastic=flags.replan and flags.max_restarts > 0)
     try:
         launch(argv, nproc, on_cpu, run_dir)

@@ -18,11 +18,15 @@ uses is swapped for the duration). Four changes:
     checkpoint the new workers resume from.
   * No restart after a failure a restart would repeat: a usage error (exit 2),
     no layout (3), the non-finite stop (4), a preemption (75), Ctrl-C (130).
-  * Workers of a failed group are stopped with SIGKILL, not SIGTERM: they are
-    blocked in collectives with a dead peer, and SIGTERM would now ask them to
-    checkpoint (executor.interrupt), which they cannot; torchrun would wait its
-    shutdown timeout before killing them anyway. Ctrl-C and a SIGTERM to the
-    agent itself still reach the workers as signals (torchrun's own shutdown).
+  * Once a worker crashes, its node's other workers are killed (SIGKILL), not
+    sent SIGTERM: they are blocked in collectives with a dead peer, and SIGTERM
+    would ask them to checkpoint (executor.interrupt), which they cannot;
+    torchrun would wait 30 s before killing them anyway (NCCL would not even
+    notice the dead peer before its timeout). The workers that ended on their
+    own, before that kill, are the ones the restart line names. A worker that
+    ends preempted (75) or interrupted (130) leaves its peers alone: they are
+    finishing the same checkpoint. Ctrl-C and a SIGTERM to the agent itself
+    still reach the workers as signals (torchrun's own shutdown).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ GENERATION_ENV = "MESHPLAN_GENERATION"
 GENERATION_KEY = "meshplan/generation"
 FINAL_EXIT_CODES = {2: "usage error", 3: "no feasible layout", 4: "non-finite loss or gradients",
                     75: "preempted", 130: "interrupted"}
+GRACEFUL_EXIT_CODES = {75, 130}  # its peers are stopping the same way: let them finish
 
 
 class MeshplanAgent(LocalElasticAgent):
@@ -56,9 +61,13 @@ class MeshplanAgent(LocalElasticAgent):
         os.environ[GENERATION_ENV] = store.get(GENERATION_KEY).decode()  # inherited by the workers started next
 
     def _monitor_workers(self, worker_group):
+        crashed = self._ended_badly(worker_group)
+        if crashed and not set(crashed.values()) <= GRACEFUL_EXIT_CODES:
+            self._kill_running()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._failures = dict(result.failures)
+            own = {r: f for r, f in result.failures.items() if r in crashed}
+            self._failures = own or dict(result.failures)
             final = sorted((r, f.exitcode) for r, f in result.failures.items() if f.exitcode in FINAL_EXIT_CODES)
             if final and self._remaining_restarts > 0:
                 rank, code = final[0]
@@ -75,6 +84,26 @@ class MeshplanAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group) -> None:
         self._shutdown(death_sig=signal.SIGKILL)
 
+    def _handlers(self) -> dict:
+        return getattr(self._pcontext, "subprocess_handlers", None) or {}  # torchrun's SubprocessContext
+
+    def _ended_badly(self, worker_group) -> dict[int, int]:
+        """{global rank: exit code} of the workers that have ended with a failure (no collective, no wait)."""
+        out = {}
+        for local_rank, handler in self._handlers().items():
+            code = handler.proc.poll()
+            if code not in (None, 0):
+                out[worker_group.workers[local_rank].global_rank] = code
+        return out
+
+    def _kill_running(self) -> None:
+        for handler in self._handlers().values():
+            if handler.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(handler.proc.pid, signal.SIGKILL)  # its session: the worker and its children
+                with contextlib.suppress(Exception):
+                    handler.proc.wait(timeout=10)
+
     def _restart_line(self, worker_group) -> str:
         spec = worker_group.spec
         step = latest_step(self.run_dir / CHECKPOINTS)
@@ -88,8 +117,8 @@ class MeshplanAgent(LocalElasticAgent):
         rank = min(failures)
         more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
         done = spec.max_restarts - self._remaining_restarts
-        return (f"execute: restart {done} of {spec.max_restarts}: rank {rank} (node {worker_group.group_rank}) "
-                f"{_how(failures[rank])}{more}; restarting {span}; {resume}")
+        return (f"execute: restart {done} of {spec.max_restarts}: rank {rank} (this node's local rank "
+                f"{failures[rank].local_rank}) {_how(failures[rank])}{more}; restarting {span}; {resume}")
 
 
 def _how(failure) -> str:
