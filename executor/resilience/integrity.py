@@ -148,3 +148,27 @@ def summarize(problems: list[str], limit: int = 3) -> str:
     """The first few problems on one line, with how many more."""
     shown = "; ".join(problems[:limit])
     return shown + (f" (and {len(problems) - limit} more)" if len(problems) > limit else "")
+
+
+def verify_run(root: Path) -> list[dict]:
+    """Every checkpoint under a run's checkpoints/ directory, verified in this process (`checkpoint verify`):
+    one {"step", "path", "ok", "unverified", "files", "bytes", "problems"} per step-N, oldest first, and
+    one {"step", "path", "set_aside": true} per step-N.damaged directory."""
+    from executor.resilience.checkpoints import DAMAGED_SUFFIX, STEP_RE
+
+    out = []
+    for path in sorted(root.iterdir(), key=_step_order) if root.is_dir() else []:
+        match = STEP_RE.match(path.name)
+        if match and path.is_dir():
+            verdict = verify_step(path)
+            out.append({"step": int(match.group(1)), "path": str(path), "ok": verdict.ok,
+                        "unverified": verdict.unverified, "files": verdict.files, "bytes": verdict.bytes,
+                        "problems": verdict.problems})
+        elif DAMAGED_SUFFIX in path.name and STEP_RE.match(path.name.split(DAMAGED_SUFFIX)[0]):
+            out.append({"step": int(path.name.split("-")[1].split(".")[0]), "path": str(path), "set_aside": True})
+    return out
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    head = path.name.split(".")[0]
+    return (int(head[5:]), path.name) if head.startswith("step-") and head[5:].isdigit() else (-1, path.name)
