@@ -9,7 +9,7 @@ the checkpoint loader; a healthy node's restarted workers keep restart count
   MESHPLAN_TEST_KILL_AFTER_STEP="STEP:RANK"        rank RANK SIGKILLs itself after logging step STEP
   MESHPLAN_TEST_STOP_AFTER_STEP="STEP:RANK"        rank RANK SIGSTOPs itself after step STEP (a rank hung
                                                     in a collective, as far as its peers can tell)
-  MESHPLAN_TEST_KILL_NODE_AFTER_STEP="STEP:NODE"   every worker of node NODE (GROUP_RANK) SIGKILLs its
+  MESHPLAN_TEST_KILL_NODE_AFTER_STEP="STEP"        every worker of the `execute` given it SIGKILLs its
                                                     torchrun agent and itself after step STEP: a lost node
   MESHPLAN_TEST_PAUSE_AFTER_STEP="STEP:SECONDS"    every rank sleeps after step STEP (until a stop is
                                                     requested), so a test can signal a run mid-way
@@ -54,7 +54,7 @@ def after_step(step: int, rank: int, stop_requested=lambda: False) -> None:
         if fields and int(fields[0]) == step and int(fields[1]) == rank:
             os.kill(os.getpid(), sig)
     fields = _spec(KILL_NODE_ENV)
-    if fields and int(fields[0]) == step and int(fields[1]) == int(os.environ.get("GROUP_RANK", "0")):
+    if fields and int(fields[0]) == step:
         os.kill(os.getppid(), signal.SIGKILL)  # the agent first, so it cannot restart this node's workers
         os.kill(os.getpid(), signal.SIGKILL)
     fields = _spec(PAUSE_ENV)

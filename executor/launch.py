@@ -80,6 +80,7 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     from executor.resilience.agent import meshplan_agent
@@ -95,6 +96,11 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
     try:
         with meshplan_agent(run_dir):
             run(parse_args(argv))
+    except RendezvousError as exc:
+        raise ExecutionError(
+            f"the rendezvous failed ({type(exc).__name__}: {_one_line(str(exc), 200)}): torchrun's c10d store lives "
+            "in the first node's `meshplan execute`, so losing that node ends the job; start it again with --resume "
+            "(and --replan for the nodes left)") from None
     except SignalException as exc:  # Ctrl-C or SIGTERM reached the agent: it forwarded it and the workers stopped
         name = getattr(exc.sigval, "name", str(exc.sigval))
         if exc.sigval == signal.SIGTERM:
