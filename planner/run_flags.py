@@ -53,6 +53,8 @@ class RunFlags:
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.lr is not None and not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.resume_from is not None and not self.resume:  # resuming from a named checkpoint is resuming
+            object.__setattr__(self, "resume", True)
         if not 0 < self.preempt_grace_s < float("inf"):  # NaN fails both comparisons
             raise UsageError(f"--preempt-grace-s must be a finite number of seconds > 0, got {self.preempt_grace_s}")
 
