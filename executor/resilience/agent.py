@@ -128,7 +128,7 @@ def _how(failure) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         return f"was killed by signal {-code}"
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message or "")
-    first = " ".join(message.split())[:200]
+    first = " ".join(message.split()).split(". ")[0][:200]  # its first sentence
     return f"exited with code {code}" + (f": {first}" if first and not first.startswith("To enable") else "")
 
 

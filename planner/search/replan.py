@@ -61,7 +61,9 @@ def _predicted(plan: Plan) -> str:
     if plan.prediction is None:
         return ""
     p = plan.prediction
-    return f"   predicted {p.step_time_s:.4g} s/step, {p.tokens_per_s:,.0f} tokens/s, {p.peak_memory_bytes / 2**30:.2f} GiB"
+    peak = p.peak_memory_bytes
+    memory = f"{peak / 2**30:.1f} GiB" if peak >= 2**30 else f"{peak / 2**20:.1f} MiB"
+    return f"   predicted {p.step_time_s:.4g} s/step, {p.tokens_per_s:,.0f} tokens/s, {memory} per GPU"
 
 
 def replan(plan: Plan, n_nodes: int, gpus_per_node: int) -> Replan:
