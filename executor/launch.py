@@ -72,6 +72,7 @@ def _worker_env(nproc: int, on_cpu: bool, run_dir: Path) -> None:
         allocator_env()
         for key, value in flight_recorder_env(run_dir).items():
             os.environ.setdefault(key, value)
+        Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)  # torch does not
 
 
 def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:

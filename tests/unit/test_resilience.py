@@ -151,3 +151,22 @@ def test_restart_line_names_the_failed_rank_and_the_checkpoint(tmp_path):
     assert "rank 2 (this node's local rank 0) exited with code 1: RuntimeError: boom at x;" in agent._restart_line(group)
     agent._failures = {}
     assert agent._restart_line(group).startswith("execute: restart: a worker on another node failed")
+
+
+# ---- NCCL's flight recorder --------------------------------------------------------------------------------
+
+
+def test_gpu_workers_get_the_flight_recorder_and_a_users_setting_wins(tmp_path, monkeypatch):
+    from executor.launch import _worker_env
+
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")
+    for key in ("PYTHONPATH", "OMP_NUM_THREADS"):  # also set by _worker_env: restored after the test
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    _worker_env(8, on_cpu=False, run_dir=tmp_path / "run")
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str((tmp_path / "run").resolve() / "comm_traces" / "rank_")
+    assert (tmp_path / "run" / "comm_traces").is_dir()
