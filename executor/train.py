@@ -69,7 +69,7 @@ from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import TiedGradSync, build_schedule, make_stages
 from executor.resilience.guard import NonFiniteGuard
-from executor.resilience.keeper import Keeper
+from executor.resilience.keeper import Keeper, resume
 from planner.plan import Plan
 from planner.run_flags import RunFlags
 from topologies.errors import PreemptedRun
@@ -306,18 +306,6 @@ class Trainer:
         if stop != NONE:
             dist.barrier()  # the summary is written before any rank exits (a scheduler may kill the rest then)
             raise KeyboardInterrupt if stop == INTERRUPT else PreemptedRun(f"preempted at step {self.state.step}")
-
-
-def resume(manager, app_state: dict, opts: RunOptions) -> int:
-    """Load the newest valid checkpoint (or --resume-from's) when there is one; rebuild the LR schedule for a
-    changed --steps under --allow-plan-change. Returns the step resumed (0: none)."""
-    from executor.components.optim import reschedule
-    from executor.resilience.checkpoints import parse_step
-
-    step = manager.load(app_state, parse_step(opts.resume_from) if opts.resume_from else None, say_none=opts.resume)
-    if step and opts.allow_plan_change:
-        reschedule(app_state["train"].schedulers, step, opts.steps)
-    return step
 
 
 def train(plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:

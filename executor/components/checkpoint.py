@@ -19,12 +19,8 @@ host memory, then writes (and hashes) in a background thread over a separate glo
 as torchtitan does; `wait()` (collective) finishes it and publishes it as above. One save
 is in flight at a time: the next save waits for the previous one first.
 
-Loading (`load`): the candidates of executor.resilience.checkpoints, newest first. Each is
-verified against its checksums, every rank reading its share of the files
-(executor.resilience.integrity); one that fails is named file by file, set aside as
-step-N.damaged and the next older one tried, and `latest` is moved to the checkpoint that
-loaded. A checkpoint without checksums (older meshplan) loads unverified. One that DCP
-cannot load (another model?) is skipped, not set aside.
+Loading (`load`): the newest checkpoint that verifies against its checksums, the older ones
+after it (executor.resilience.fallback).
 
 Resharding: keys are the single-process model's parameter FQNs (kept under every
 layout); get_model_state_dict strips DDP/FSDP wrappers and the optimizer state is
@@ -69,17 +65,14 @@ from torch.distributed.checkpoint.state_dict import (
 from executor.faults import crash_in_save, disarm
 from executor.resilience import checkpoints as dirs
 from executor.resilience.agree import agree as _agree
-from executor.resilience.agree import all_gather as _all_gather
 from executor.resilience.agree import barrier as _barrier
-from executor.resilience.agree import broadcast as _broadcast
 from executor.resilience.agree import distributed as _distributed
 from executor.resilience.agree import on_rank0 as _on_rank0
 from executor.resilience.agree import rank as _rank
 from executor.resilience.agree import refuse_non_finite as _refuse_non_finite
-from executor.resilience.agree import world as _world
 from executor.resilience.checkpoints import CHECKPOINTS, LATEST, STEP_RE, complete_steps  # noqa: F401 (re-exported)
 from executor.resilience.contract import write_run_info
-from executor.resilience.integrity import summarize, verify_step
+from executor.resilience.fallback import load_newest_valid
 from executor.resilience.writer import ChecksumWriter
 from topologies.errors import ExecutionError, UsageError
 from topologies.hardware import GIB
@@ -207,70 +200,17 @@ class CheckpointManager:
     def load(self, app_state: dict[str, Any], step: int | None = None, say_none: bool = True) -> int:
         """Load the newest valid checkpoint (or exactly step-`step`) into app_state in place.
 
-        Returns its step, or 0 when there is none (said on the console when `say_none`). See the module
-        docstring for the order and what happens to a checkpoint that fails verification.
+        Returns its step, or 0 when there is none (said on the console when `say_none`). Which checkpoints
+        are tried, and what happens to one that fails verification: executor.resilience.fallback.
         """
-        order = _broadcast(self._candidates(step) if _rank() == 0 else None)
-        tried: list[str] = []
-        damaged = 0
-        for i, s in enumerate(order):
-            path = self.root / f"step-{s}"
-            problems, unverified = self._verify(path)
-            if problems:
-                tried.append(f"step-{s}: {summarize(problems)}")
-                damaged += 1
-                if step is not None:
-                    raise UsageError(f"--resume-from step-{s}: {path} fails verification: {summarize(problems)}; "
-                                     f"`meshplan checkpoint verify {self.root.parent}` lists the valid checkpoints")
-                self._set_aside(s, problems, order[i + 1] if i + 1 < len(order) else None)
-                continue
-            reason = self._try_load(path, app_state)
-            if reason is not None:
-                tried.append(f"step-{s}: {reason}")
-                if _rank() == 0:
-                    log(f"checkpoint: cannot load {path}: {reason}")
-                continue
-            self._loaded(s, path, unverified)
-            return s
-        if tried and damaged == len(tried):
-            raise UsageError(f"cannot resume from {str(self.root)!r}: every checkpoint there fails verification "
-                             f"({'; '.join(tried)}), and is set aside as step-N.damaged: restore the files, or start "
-                             "over with --overwrite")
-        if tried:
-            raise UsageError(f"cannot resume from {str(self.root)!r}: no checkpoint there loads ({'; '.join(tried)}); "
-                             "a checkpoint of another model? resume with the plan that wrote it, pick one with "
-                             "--resume-from step-K, or start over with --overwrite")
-        if _rank() == 0 and say_none:
-            log(f"checkpoint: none under {str(self.root)!r}; starting from step 0")
-        return 0
-
-    def _candidates(self, step: int | None) -> list[int]:
-        if step is None:
-            return dirs.candidates(self.root, log)
-        if step not in complete_steps(self.root):
-            have = ", ".join(f"step-{s}" for s in complete_steps(self.root)) or "none"
-            raise UsageError(f"--resume-from step-{step}: no complete checkpoint {self.root / f'step-{step}'} "
-                             f"(complete ones: {have})")
-        return [step]
-
-    def _verify(self, path: Path) -> tuple[list[str], bool]:
-        """Every rank checks its share of path's files; all learn every problem (sorted) and whether it is
-        unverified (no checksums)."""
-        verdict = verify_step(path, _rank(), _world())
-        found = _all_gather((verdict.problems, verdict.unverified))
-        return sorted({p for problems, _ in found for p in problems}), any(u for _, u in found)
-
-    def _set_aside(self, step: int, problems: list[str], fallback: int | None) -> None:
-        if _rank() == 0:
-            try:
-                where = f"set aside as {dirs.set_aside(self.root, step).name}"
-            except OSError as exc:
-                where = f"could not be set aside ({exc.strerror})"
-            then = f"falling back to step-{fallback}" if fallback is not None else "no older checkpoint to fall back to"
-            log(f"checkpoint: step-{step} fails verification ({summarize(problems)}); {where}; {then}")
-        _barrier()
+        loaded = load_newest_valid(self.root, lambda path: self._try_load(path, app_state), step, say_none)
+        if loaded:
+            self.last_saved = loaded
+            disarm()  # test-only fault hooks fire in a run's first life only
+        return loaded
 
     def _try_load(self, path: Path, app_state: dict[str, Any]) -> str | None:
+        """Load path into app_state (collective); None, or why DCP could not."""
         state, parts = _collect(app_state)
         try:
             with _single_process_is_intended():
@@ -279,17 +219,6 @@ class CheckpointManager:
             return _reason(exc) if isinstance(exc, CheckpointException) else str(exc)
         _restore(state, parts)
         return None
-
-    def _loaded(self, step: int, path: Path, unverified: bool) -> None:
-        self.last_saved = step
-        disarm()  # test-only fault hooks fire in a run's first life only
-        if _rank() != 0:
-            return
-        note = " (no checksums: written before meshplan recorded them)" if unverified else ""
-        log(f"checkpoint: resumed from {path}{note}")
-        if dirs.pointer_step(self.root) != step:
-            dirs.point_latest(self.root, step)
-            log(f"checkpoint: {self.root / LATEST} now names step-{step}")
 
 
 def latest_step(root: Path) -> int | None:

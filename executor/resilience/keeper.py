@@ -1,6 +1,6 @@
 """The training loop's side of resilience: stop agreement, checkpoint cadence, timeouts, preemption.
 
-The Trainer calls three things (executor.train):
+The Trainer calls `resume` once, then three things per run (executor.train):
 
   boundary()            before every step, collective: one all-reduce of two
                         small integers, (the strongest stop request any rank
@@ -87,3 +87,15 @@ class Keeper:
             since = STOP_REQUESTED["since"]
             waited = f", {time.monotonic() - since:.1f} s after the signal" if since is not None else ""
             log(f"preempt: checkpoint {path.name} written in {time.monotonic() - started:.1f} s{waited}")
+
+
+def resume(manager, app_state: dict, opts) -> int:
+    """Load the newest valid checkpoint (or --resume-from's) when there is one; rebuild the LR schedule for a
+    changed --steps under --allow-plan-change. Returns the step resumed (0: none)."""
+    from executor.components.optim import reschedule
+    from executor.resilience.checkpoints import parse_step
+
+    step = manager.load(app_state, parse_step(opts.resume_from) if opts.resume_from else None, say_none=opts.resume)
+    if step and opts.allow_plan_change:
+        reschedule(app_state["train"].schedulers, step, opts.steps)
+    return step
