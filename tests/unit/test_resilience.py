@@ -170,3 +170,22 @@ def test_gpu_workers_get_the_flight_recorder_and_a_users_setting_wins(tmp_path, 
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str((tmp_path / "run").resolve() / "comm_traces" / "rank_")
     assert (tmp_path / "run" / "comm_traces").is_dir()
+
+
+def test_metrics_that_cannot_be_written_name_the_file(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path as _Path
+
+    from executor.components.metrics import MetricsLog
+    from topologies.errors import ExecutionError
+
+    log = MetricsLog(tmp_path, append=False)
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_Path, "open", full)
+    with pytest.raises(ExecutionError) as info:
+        log.write({"step": 7, "loss": 1.0})
+    message = str(info.value)
+    assert str(tmp_path / "metrics.jsonl") in message and "step 7" in message and "No space left" in message
