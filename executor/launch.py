@@ -57,10 +57,10 @@ def run_id(plan_text: str) -> str:
     return "meshplan-" + hashlib.sha256(plan_text.encode()).hexdigest()[:12]
 
 
-def _worker_env(nproc: int, on_cpu: bool, run_dir: Path) -> None:
+def _worker_env(nproc: int, on_cpu: bool, run_dir: Path | None = None) -> None:
     """Make the repository importable by workers; share the cores among CPU ranks; GPU ranks get
-    expandable segments (executor.worker.allocator_env) and NCCL's flight recorder
-    (executor.resilience.timeouts)."""
+    expandable segments (executor.worker.allocator_env) and NCCL's flight recorder dumping into
+    run_dir (executor.resilience.timeouts)."""
     paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if "OMP_NUM_THREADS" not in os.environ:
@@ -70,6 +70,8 @@ def _worker_env(nproc: int, on_cpu: bool, run_dir: Path) -> None:
         from executor.resilience.timeouts import flight_recorder_env
 
         allocator_env()
+        if run_dir is None:
+            return
         for key, value in flight_recorder_env(run_dir).items():
             os.environ.setdefault(key, value)
         Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)  # torch does not
