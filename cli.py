@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         meshplan.main(args=argv, prog_name="meshplan", standalone_mode=False)
     except MeshplanError as exc:
-        click.echo(f"{'' if exc.exit_code == 130 else 'error: '}{exc}", err=True)
+        click.echo(f"{exc.label}{exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -26,20 +26,22 @@ pipeline stage returns its D / N-weighted sum; one all-reduce over the world
 divided by world / pp = D * tp (TP ranks of a replica hold equal copies)
 gives it.
 
-Checkpoints (executor/components/checkpoint.py): on --resume or after a
-torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) the latest checkpoint is
-loaded; every --checkpoint-every steps one is saved. `app_state` is
-{"model": [parts], "optim": [one optimizer per part], "train": TrainState}.
+Checkpoints (executor/components/checkpoint.py): every worker that starts
+loads the newest valid checkpoint of its run directory when there is one
+(after --resume, a torchrun restart on any node, a resume with --replan),
+whatever its restart count; every --checkpoint-every steps one is saved.
+`app_state` is {"model": [parts], "optim": [one optimizer per part], "train":
+TrainState}. A step whose loss or gradient norm is not finite skips its
+update (executor.resilience.guard); stop requests, checkpoint cadence,
+timeouts and preemption's last checkpoint are executor.resilience.keeper's.
 
-Test-only hook after every step (after its checkpoint, if one is due):
-executor.faults.kill_after_step, which the failure tests use to stand for a
-crashed worker.
+Test-only hooks (executor.faults): `poison` after the backward, `after_step`
+after every step (and its checkpoint, if one is due).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 
@@ -48,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
+from executor import faults
 from executor.components.data import counted_targets, local_batch, open_source, run_tokenizer
 from executor.components.float8 import check_device, precompute_scales
 from executor.components.metrics import (
@@ -69,16 +72,18 @@ from executor.components.optim import (
     unique_params,
     unscale_and_check,
 )
-from executor.faults import kill_after_step
 from executor.hf.save import save_hf_if_due
-from executor.interrupt import STOP_REQUESTED
+from executor.interrupt import INTERRUPT, NONE
 from executor.model import build_model
 from executor.parallel.context import shard_sequence
 from executor.parallel.mesh import dp_rank
 from executor.parallel.parallelize import ParallelModel, parallelize
 from executor.parallel.pipeline import TiedGradSync, build_schedule, make_stages
+from executor.resilience.guard import NonFiniteGuard
+from executor.resilience.keeper import Keeper, resume
 from planner.plan import Plan
 from planner.run_flags import RunFlags
+from topologies.errors import PreemptedRun
 
 # What `meshplan execute` passes to every worker: one codec for the CLI, the launch and the worker.
 RunOptions = RunFlags
@@ -220,13 +225,14 @@ class PipelineStep:
         return total / self.scaler.get_scale() if self.scaler is not None else total
 
 
-def _checkpoint_manager(opts: RunOptions, restarted: bool):
-    """executor.components.checkpoint's CheckpointManager when checkpoints are asked for (or a restart needs one), else None."""
-    if not (opts.checkpoint_every or opts.resume or restarted):
-        return None
+def _checkpoint_manager(opts: RunOptions, plan: Plan):
+    """executor.components.checkpoint's CheckpointManager: every run has one (a restart or a preemption may
+    need it); its directory is made now only when checkpoints are asked for."""
     from executor.components.checkpoint import CheckpointManager
+    from executor.resilience.contract import run_info
 
-    return CheckpointManager(opts.out_dir, keep=opts.keep_checkpoints)
+    return CheckpointManager(opts.out_dir, keep=opts.keep_checkpoints, run_info=run_info(plan, opts.steps),
+                             create=bool(opts.checkpoint_every))
 
 
 class Trainer:
@@ -244,11 +250,12 @@ class Trainer:
         self.optimizers = build_optimizers(self.pm.parts, plan, mesh, lr)
         self.state = TrainState([build_scheduler(o, opts.steps) for o in self.optimizers])
         self.app_state = {"model": self.pm.parts, "optim": self.optimizers, "train": self.state}
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        self.manager = _checkpoint_manager(opts, restarted)
-        if self.manager is not None and (opts.resume or restarted):
-            self.manager.load_latest(self.app_state)
+        self.manager = _checkpoint_manager(opts, plan)
+        resume(self.manager, self.app_state, opts)
         self.scaler = build_scaler(plan, device)
+        self.guard = NonFiniteGuard(opts.max_nonfinite_steps, count_grad_norm=self.scaler is None,
+                                    verbose=dist.get_rank() == 0)
+        self.keeper = Keeper(self.manager, opts.checkpoint_every, opts.async_checkpoint, mesh, device, self.guard)
         self.step_fn = (PipelineStep(self.pm, plan, mesh, device, self.scaler) if layout.pp > 1
                         else AccumulationStep(self.pm, layout.grad_accum_steps, device))
         self.step_fn.scaler = self.scaler
@@ -275,7 +282,8 @@ class Trainer:
             inputs, targets = shard_sequence(inputs, self.pm.cp), shard_sequence(targets, self.pm.cp)
         counted = counted_targets(self.source, state.data_position, batch)
         lr = state.schedulers[0].get_last_lr()[0]
-        loss = self.step_fn(inputs, targets, self.data_shards / max(counted, 1))  # nothing counted: no gradient
+        weight = self.data_shards / max(counted, 1)  # nothing counted: no gradient
+        loss = faults.poison(state.step + 1, self.step_fn(inputs, targets, weight), self.params)
         if self.tied is not None:
             self.tied()
         if self.pm.experts is not None:
@@ -284,10 +292,12 @@ class Trainer:
             unscale_and_check(self.scaler, self.optimizers, self.device)
         grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params,
                                    expert_holders=self.expert_holders)
+        mean_loss = _reduce_loss(loss, plan.layout.pp, self.device)
+        update = self.guard.admit(state.step + 1, mean_loss, grad_norm)  # the same on every rank: both reduced
         for optimizer, scheduler in zip(self.optimizers, state.schedulers, strict=True):
-            if self.scaler is not None:
+            if update and self.scaler is not None:
                 self.scaler.step(optimizer)  # skipped when unscale_and_check found inf/nan on any rank
-            else:
+            elif update:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
@@ -296,7 +306,7 @@ class Trainer:
         if self.pm.float8_all_gather:  # torchtitan's post-optimizer hook: scales for the next all-gathers
             precompute_scales(self.pm.parts)
         state.step, state.data_position = state.step + 1, state.data_position + batch
-        mean_loss, peak, reserved = _reduce_step(loss, plan.layout.pp, self.device)
+        peak, reserved = _reduce_peaks(self.device)
         step_time = time.perf_counter() - start
         tokens_per_s = plan.training.tokens_per_step / step_time
         record = {"step": state.step, "loss": mean_loss, "lr": lr, "step_time_s": step_time,
@@ -304,46 +314,36 @@ class Trainer:
                   "peak_memory_bytes": peak, "grad_norm": grad_norm}
         if reserved is not None:  # GPUs: the caching allocator's high-water mark (planner.memory.reserved)
             record["peak_reserved_bytes"] = reserved
-        return record
+        return self.guard.annotate(record)
 
     def run(self) -> None:
-        """Steps until opts.steps (or an agreed stop on SIGINT); rank 0 logs each and writes summary.json."""
+        """Steps until opts.steps (or an agreed stop on SIGINT/SIGTERM); rank 0 logs each and writes summary.json."""
         opts, rank0 = self.opts, dist.get_rank() == 0
         log = MetricsLog(opts.out_dir, append=self.state.step > 0) if rank0 else None
         progress = ProgressLine(opts.steps, self.state.step + 1, opts.log_every) if rank0 else None
-        interrupted = False
+        stop = NONE
         try:
             while self.state.step < opts.steps:
-                if _stop_agreed(self.device):
-                    interrupted = True
+                stop = self.keeper.boundary()
+                if stop != NONE:
                     break
                 record = self.step()
                 if rank0:
                     log.write(record)
                     progress.update(record)
-                if self.manager is not None and opts.checkpoint_every and record["step"] % opts.checkpoint_every == 0:
-                    self.manager.save(record["step"], self.app_state)
+                self.keeper.after_step(record["step"], self.app_state)
                 save_hf_if_due(self.pm.parts, self.plan.model, opts, record["step"])
-                kill_after_step(record["step"], dist.get_rank())
+                faults.after_step(record["step"], dist.get_rank(), self.keeper.stop_requested)
         finally:
             if progress is not None:
                 progress.close()
+        self.keeper.finish(self.state.step, stop, self.app_state)
         if rank0 and log.path.exists() and log.path.stat().st_size:
             write_summary(opts.out_dir, summarize(self.plan, read_metrics(log.path), _device_name(self.device),
-                                                  interrupted_at_step=self.state.step if interrupted else None))
-        if interrupted:
-            raise KeyboardInterrupt
-
-
-def _stop_agreed(device: torch.device) -> bool:
-    """True on every rank once any rank was asked to stop: one tiny all-reduce per step.
-
-    Ranks see the signal at slightly different moments; stopping on the local
-    flag alone could leave one rank in the next step's collectives forever.
-    """
-    flag = torch.tensor(1 if STOP_REQUESTED["flag"] else 0, dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+                                                  interrupted_at_step=self.state.step if stop != NONE else None))
+        if stop != NONE:
+            dist.barrier()  # the summary is written before any rank exits (a scheduler may kill the rest then)
+            raise KeyboardInterrupt if stop == INTERRUPT else PreemptedRun(f"preempted at step {self.state.step}")
 
 
 def train(plan: Plan, opts: RunOptions, mesh, device: torch.device) -> None:
@@ -360,15 +360,20 @@ def _flops_dtype(plan: Plan, device: torch.device) -> str:
     return "fp32" if device.type == "cpu" else plan.training.dtype
 
 
-def _reduce_step(loss: torch.Tensor | None, pp: int, device: torch.device) -> tuple[float, int, int | None]:
-    """(global-batch mean loss, worst rank's peak memory, worst rank's reserved peak or None on CPU): two
-    all-reduces, which also sync the step."""
+def _reduce_loss(loss: torch.Tensor | None, pp: int, device: torch.device) -> float:
+    """The global-batch mean loss on every rank (one all-reduce, before the update: executor.resilience.guard)."""
     world = dist.get_world_size()
     total = torch.zeros((), dtype=torch.float64, device=device)
     if loss is not None:
         total += loss.detach().double() / (world // pp)
     dist.all_reduce(total)
+    return float(total)
+
+
+def _reduce_peaks(device: torch.device) -> tuple[int, int | None]:
+    """(worst rank's peak memory, worst rank's reserved peak or None on CPU): one all-reduce after the update,
+    which also syncs the step."""
     reserved = peak_reserved_bytes(device)
     peak = torch.tensor([peak_memory_bytes(device), reserved or 0], dtype=torch.int64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(total), int(peak[0]), (int(peak[1]) if reserved is not None else None)
+    return int(peak[0]), (int(peak[1]) if reserved is not None else None)

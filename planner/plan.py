@@ -17,6 +17,12 @@ dp_shard x cp (planner.layout.zero_axes), so a plan with dp_shard 1 and
 cp > 1 may carry zero_stage 1-3 (FSDP over the cp ranks alone); every plan
 an earlier version 2 wrote still loads unchanged.
 
+A plan written by `meshplan plan -o` also records how it was searched, in the
+optional key "search": {"pins": the options pinned on the command line,
+"usable_memory_fraction", "calibration": the profile path or null}, so
+`execute --replan` can search again for other GPU counts with the same pins
+(where still valid). Plans without it load unchanged and re-plan unpinned.
+
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that
 names the values and says what to do.
@@ -91,6 +97,7 @@ class Plan:
     alternatives: tuple[dict[str, Any], ...] = ()
     explanation: tuple[str, ...] = ()
     weights_dir: str | None = None  # the Hugging Face directory whose weights a run starts from (schema 3)
+    search: dict[str, Any] | None = None  # how `plan` searched: pins, memory fraction, calibration (see above)
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
@@ -115,6 +122,7 @@ class Plan:
             "alternatives": list(self.alternatives),
             "explanation": list(self.explanation),
             "weights_dir": self.weights_dir,
+            **({"search": self.search} if self.search is not None else {}),
         }
 
     @classmethod
@@ -146,6 +154,7 @@ class Plan:
                 alternatives=tuple(data.get("alternatives") or ()),
                 explanation=tuple(data.get("explanation") or ()),
                 weights_dir=data.get("weights_dir"),
+                search=data["search"] if isinstance(data.get("search"), dict) else None,
             )
             # Specs are hashed by caches downstream: a list or object where a number or
             # string belongs must fail here, as a PlanError, not later as a traceback.

@@ -24,7 +24,7 @@ from topologies.errors import UsageError
 
 @dataclass(frozen=True)
 class RunFlags:
-    """What one run of a plan does besides the layout: steps, data, seed, logging, checkpoints."""
+    """What one run of a plan does besides the layout: steps, data, seed, logging, checkpoints, resilience."""
 
     steps: int = 100
     out: str | None = None  # run directory; `execute` defaults it to runs/<plan name>, workers always get one
@@ -39,15 +39,27 @@ class RunFlags:
     compile: bool = False  # torch.compile each block (executor.parallel.parallelize.apply_compile)
     init_from: str | None = None  # Hugging Face directory to start from; RANDOM_INIT: none; None: the plan's
     save_hf_every: int = 0  # write RUN/hf/step-K/ every K steps and at the last step (0: never)
+    # Resilience (executor.resilience): restarts, integrity, preemption, re-planning.
+    max_restarts: int = 0  # torchrun restarts of the worker group after a failure (every node repeats it)
+    resume_from: str | None = None  # "step-K": resume from that checkpoint instead of the newest valid one
+    allow_plan_change: bool = False  # resume with another seq_len / global batch / --steps (LR schedule rebuilt)
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a non-finite loss or gradient norm
+    preempt_grace_s: float = 60.0  # after SIGTERM: finish the step, checkpoint, exit within this many seconds
+    async_checkpoint: bool = False  # checkpoints through DCP's async_save (written while training goes on)
+    replan: bool = False  # re-plan for the ranks present when they differ from the plan's, then resume resharded
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1),
-                          ("save_hf_every", 0)):
+                          ("save_hf_every", 0), ("max_restarts", 0), ("max_nonfinite_steps", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if self.lr is not None and not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.resume_from is not None and not self.resume:  # resuming from a named checkpoint is resuming
+            object.__setattr__(self, "resume", True)
+        if not 0 < self.preempt_grace_s < float("inf"):  # NaN fails both comparisons
+            raise UsageError(f"--preempt-grace-s must be a finite number of seconds > 0, got {self.preempt_grace_s}")
 
     @property
     def out_dir(self) -> Path:
@@ -76,21 +88,22 @@ class RunFlags:
     def to_argv(self) -> list[str]:
         """The flags as `meshplan execute` and `executor.worker` read them (steps, seed, log-every always)."""
         argv = ["--steps", str(self.steps), "--seed", str(self.seed), "--log-every", str(self.log_every)]
-        for name in ("out", "data", "tokenizer", "lr", "keep_checkpoints", "init_from"):
+        for name in ("out", "data", "tokenizer", "lr", "keep_checkpoints", "init_from", "resume_from"):
             value = getattr(self, name)
             if value is not None:
                 argv += [_flag(name), str(value)]
-        for name in ("checkpoint_every", "save_hf_every"):
-            if getattr(self, name):
-                argv += [_flag(name), str(getattr(self, name))]
-        return argv + (["--resume"] if self.resume else []) + (["--compile"] if self.compile else [])
+        for name in ("checkpoint_every", "save_hf_every", "max_restarts", "max_nonfinite_steps", "preempt_grace_s"):
+            value = getattr(self, name)
+            if value != getattr(DEFAULT_RUN, name):
+                argv += [_flag(name), str(value)]
+        return argv + [_flag(name) for name in _SWITCHES if getattr(self, name)]
 
     @classmethod
     def from_argv(cls, argv: list[str]) -> RunFlags:
         """Parse what `to_argv` wrote (unknown arguments are a UsageError)."""
         parser = argparse.ArgumentParser(prog="meshplan execute", add_help=False, exit_on_error=False)
         for f in dataclasses.fields(cls):
-            if f.name in ("resume", "compile"):
+            if f.name in _SWITCHES:
                 parser.add_argument(_flag(f.name), action="store_true")
             else:
                 parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES[f.name], default=f.default)
@@ -104,7 +117,9 @@ class RunFlags:
 
 
 _TYPES = {"steps": int, "out": str, "seed": int, "data": str, "tokenizer": str, "lr": float, "log_every": int,
-          "checkpoint_every": int, "keep_checkpoints": int, "init_from": str, "save_hf_every": int}
+          "checkpoint_every": int, "keep_checkpoints": int, "init_from": str, "save_hf_every": int,
+          "max_restarts": int, "resume_from": str, "max_nonfinite_steps": int, "preempt_grace_s": float}
+_SWITCHES = ("resume", "compile", "allow_plan_change", "async_checkpoint", "replan")  # on/off flags, off by default
 RANDOM_INIT = "none"  # --init-from none: meshplan's random initialization even when the plan names weights
 
 

@@ -186,6 +186,22 @@ class Cluster:
             )
         return dataclasses.replace(self, n_nodes=n_gpus // per)
 
+    def with_nodes(self, n_nodes: int, gpus_per_node: int) -> Cluster:
+        """This cluster as n_nodes nodes of gpus_per_node GPUs: what a job has after losing (or regaining)
+        nodes or GPUs. Fewer GPUs per node than described take the first ones (with_gpus); more need a node
+        description without a measured link matrix, which cannot be extended."""
+        if not isinstance(n_nodes, int) or n_nodes < 1 or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise TopologyError(f"a cluster needs at least 1 node of 1 GPU, got {n_nodes!r} x {gpus_per_node!r}")
+        if gpus_per_node <= self.gpus_per_node:
+            node = self.with_gpus(gpus_per_node) if gpus_per_node < self.gpus_per_node else self
+        elif self.gpu_links:
+            raise TopologyError(f"cluster {self.name!r}: its link matrix is measured for {self.gpus_per_node} GPUs "
+                                f"per node, so it cannot describe {gpus_per_node}; detect the node again "
+                                "(`meshplan topo detect`) and plan for it")
+        else:
+            node = dataclasses.replace(self, gpus_per_node=gpus_per_node)
+        return dataclasses.replace(node, n_nodes=n_nodes)
+
 
 
 def _partial_domain(n_gpus: int, per_domain: int, per_tray: int) -> int:

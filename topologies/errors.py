@@ -3,9 +3,12 @@
 They live in `topologies`, the lowest package, so that the planner, the
 executor and the CLI can all raise and catch them without an upward import.
 Each error carries the process exit code the CLI turns it into (see
-ARCHITECTURE.md): 1 runtime failure, 2 usage error, 3 no feasible layout.
-Messages are written for the user: what was wrong, with the values, and what
-to do instead. The CLI prints them as one line, never as a traceback.
+ARCHITECTURE.md): 1 runtime failure, 2 usage error, 3 no feasible layout,
+4 a run stopped by non-finite losses or gradients, 75 a run preempted after
+writing its checkpoint (EX_TEMPFAIL of sysexits.h: try again later, as a
+requeued job does), 130 interrupted by Ctrl-C. Messages are written for the
+user: what was wrong, with the values, and what to do instead. The CLI prints
+them as one line (after `label`), never as a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ class MeshplanError(Exception):
     """Base class: a failure meshplan understands and can explain."""
 
     exit_code = 1
+    label = "error: "  # what the CLI prints before the message
 
 
 class UsageError(MeshplanError):
@@ -60,6 +64,20 @@ class InterruptedRun(MeshplanError):
     """The user pressed Ctrl-C during a run: printed without 'error:', exit 130 as a shell would."""
 
     exit_code = 130
+    label = ""
+
+
+class NonFiniteError(ExecutionError):
+    """A run stopped because its loss or gradient norm stayed non-finite (NaN/inf) for too many steps. Exit 4."""
+
+    exit_code = 4
+
+
+class PreemptedRun(MeshplanError):
+    """SIGTERM (a scheduler's preemption or time limit) stopped the run after its checkpoint: exit 75, no 'error:'."""
+
+    exit_code = 75
+    label = ""
 
 
 class HardwareError(MeshplanError):

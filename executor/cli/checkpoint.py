@@ -1,4 +1,5 @@
-"""`meshplan checkpoint export`: a sharded DCP checkpoint as a Hugging Face model or one torch state dict.
+"""`meshplan checkpoint export | verify`: a sharded DCP checkpoint as a Hugging Face model or one torch state
+dict; its checksums.
 
 --format hf (a directory): what transformers' save_pretrained writes, loadable
 with AutoModelForCausalLM.from_pretrained (executor/hf/export.py), written
@@ -19,7 +20,7 @@ from topologies.errors import UsageError
 from topologies.terminal import emit_json
 
 
-@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p --to out/model --format hf --dtype bf16\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n")
+@click.group(epilog="\b\nExamples:\n  meshplan checkpoint export runs/p --to model.pt\n  meshplan checkpoint export runs/p --to out/model --format hf --dtype bf16\n  meshplan checkpoint export runs/p/checkpoints/step-100 --to model.pt\n  meshplan checkpoint verify runs/p\n")
 def checkpoint() -> None:
     """Work with the checkpoints `execute --checkpoint-every K` writes under OUT/checkpoints/."""
 
@@ -146,3 +147,56 @@ def write_state_dict(state: dict, to: Path) -> int:
 
     write_with(to, save, what="state dict")
     return written
+
+
+@checkpoint.command("verify")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON only: root, latest, and per checkpoint step, path, ok, unverified, files, bytes, problems.")
+def verify(path: str, as_json: bool) -> None:
+    """Check every checkpoint of run PATH (or one step-K directory) against the sha256 of each file written with
+    it (executor.resilience.integrity). Exit 0 when all verify, 1 naming each damaged file otherwise.
+
+    Checkpoints written before meshplan recorded checksums are listed as unverified.
+    """
+    from executor.resilience.checkpoints import CHECKPOINTS, STEP_RE, pointer_step
+    from executor.resilience.integrity import verify_run
+    from topologies.errors import ExecutionError
+
+    given = Path(path)
+    if not given.exists():
+        raise UsageError(f"{path!r} does not exist: pass a run directory (--out of `meshplan execute`) or "
+                         f"OUT/{CHECKPOINTS}/step-K")
+    step_dir = given if STEP_RE.match(given.name) else None
+    root = given.parent if step_dir else given if given.name == CHECKPOINTS else given / CHECKPOINTS
+    if not root.is_dir():
+        raise UsageError(f"{path!r} holds no {CHECKPOINTS}/ directory: is it a run directory?")
+    rows = [r for r in verify_run(root) if step_dir is None or r["path"] == str(step_dir)]
+    latest = pointer_step(root)
+    checked = [r for r in rows if not r.get("set_aside")]
+    bad = [r for r in checked if not r["ok"]]
+    if as_json:
+        emit_json({"root": str(root), "latest": f"step-{latest}" if latest is not None else None,
+                   "ok": not bad, "checkpoints": rows})
+    else:
+        _print_verify(rows, latest)
+    if not checked:
+        raise UsageError(f"{str(root)!r} holds no checkpoint to verify")
+    if bad:
+        raise ExecutionError(f"{len(bad)} of {len(checked)} checkpoint(s) fail verification: "
+                             + "; ".join(f"step-{r['step']}: {r['problems'][0]}" for r in bad))
+
+
+def _print_verify(rows: list[dict], latest: int | None) -> None:
+    for r in rows:
+        name = f"step-{r['step']}"
+        mark = "   <- latest" if r["step"] == latest and not r.get("set_aside") else ""
+        if r.get("set_aside"):
+            click.echo(f"{Path(r['path']).name:<14} set aside earlier (failed verification on load)")
+        elif r["problems"]:
+            click.echo(f"{name:<14} DAMAGED   {'; '.join(r['problems'])}{mark}")
+        elif r["unverified"]:
+            click.echo(f"{name:<14} unverified: no checksums (written before meshplan recorded them){mark}")
+        else:
+            click.echo(f"{name:<14} ok        {r['files']} files, {r['bytes'] / 2**20:.1f} MiB{mark}")
+

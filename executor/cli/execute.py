@@ -5,6 +5,7 @@ torch is imported only inside the verb, after the flags are checked.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 from pathlib import Path
@@ -24,7 +25,7 @@ def _positive_float(ctx, param, value):
 
 
 @click.command("execute", context_settings={"help_option_names": ["-h", "--help"]},
-               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --init-from ./Qwen3-8B --data chat.jsonl --steps 500 --save-hf-every 250\n  meshplan execute plan.json --steps 200 --out runs/p --resume\n  meshplan execute plan.json --data corpus.jsonl --tokenizer ./Qwen2.5-0.5B-Instruct --out runs/cpt\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
+               epilog="\b\nExamples:\n  meshplan execute plan.json --steps 100 --out runs/p --checkpoint-every 20\n  meshplan execute plan.json --init-from ./Qwen3-8B --data chat.jsonl --steps 500 --save-hf-every 250\n  meshplan execute plan.json --data corpus.jsonl --tokenizer ./Qwen2.5-0.5B-Instruct --out runs/cpt\n  meshplan execute plan.json --steps 200 --out runs/p --resume-from step-40\n  meshplan execute plan.json --steps 200 --out runs/p --resume --replan --nproc-per-node 4\n  meshplan execute plan.json --dry-run\n  meshplan execute plan.json --print-launch slurm > job.sbatch\n")
 @click.argument("plan_path", metavar="PLAN.json")
 @click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_RUN.steps, show_default=True,
               help="Optimizer steps to run.")
@@ -48,8 +49,9 @@ def _positive_float(ctx, param, value):
 @click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Nodes in the job. Default: the plan's.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This node's rank.")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (node 0), for --nnodes > 1.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart the worker group this many times when a worker dies (resumes from the latest checkpoint).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_RUN.max_restarts, show_default=True,
+              help="Restart the worker group this many times when a worker dies (it resumes from the newest valid "
+                   "checkpoint); with --replan and several nodes, also carry on with the nodes left.")
 @click.option("--print-launch", type=click.Choice(PRINT_LAUNCH), default=None,
               help="Print the per-node torchrun commands or an sbatch script, and run nothing.")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=DEFAULT_RUN.checkpoint_every, show_default=True,
@@ -66,23 +68,53 @@ def _positive_float(ctx, param, value):
                    "`none`: random initialization.")
 @click.option("--save-hf-every", type=click.IntRange(min=0), default=DEFAULT_RUN.save_hf_every, show_default=True,
               help="Write a Hugging Face model directory OUT/hf/step-K/ every K steps and at the last step (0: never).")
+@click.option("--resume-from", "resume_from", metavar="step-K", default=None,
+              help="Continue from checkpoint step-K instead of the newest valid one (implies --resume); `latest` "
+                   "then names it.")
+@click.option("--allow-plan-change", is_flag=True,
+              help="Resume with another sequence length, global batch or --steps than the checkpoint's run (the LR "
+                   "schedule is rebuilt for --steps from the step resumed). Another layout needs no flag.")
+@click.option("--max-nonfinite-steps", type=click.IntRange(min=1), default=DEFAULT_RUN.max_nonfinite_steps,
+              show_default=True, help="Stop (exit 4) after this many steps in a row whose loss or gradient norm is "
+              "NaN or infinite; fewer are skipped (no update) and counted.")
+@click.option("--preempt-grace-s", type=float, default=DEFAULT_RUN.preempt_grace_s, show_default=True,
+              callback=_positive_float, help="On SIGTERM every rank finishes its step, checkpoints and exits (75) "
+              "within this many seconds, or is killed.")
+@click.option("--async-checkpoint", is_flag=True,
+              help="Write checkpoints with DCP's async_save: copied to host memory at the step, written meanwhile.")
+@click.option("--replan", is_flag=True,
+              help="When the ranks present differ from the plan's (a node lost or back), re-plan for them with the "
+                   "plan's pins and resume resharded.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Ranks per node for --replan: default the GPUs found (the plan's count for CPU ranks).")
 def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | None, tokenizer: str | None,
-            lr: float | None,
-            log_every: int, dry_run: bool, nnodes: int | None, node_rank: int, rdzv_endpoint: str | None,
-            max_restarts: int, print_launch: str | None, checkpoint_every: int, keep_checkpoints: int | None,
-            resume: bool, overwrite: bool, compile_: bool, init_from: str | None, save_hf_every: int) -> None:
+            lr: float | None, log_every: int, dry_run: bool, nnodes: int | None, node_rank: int,
+            rdzv_endpoint: str | None, max_restarts: int, print_launch: str | None, checkpoint_every: int,
+            keep_checkpoints: int | None, resume: bool, overwrite: bool, compile_: bool, init_from: str | None,
+            save_hf_every: int, resume_from: str | None, allow_plan_change: bool, max_nonfinite_steps: int,
+            preempt_grace_s: float, async_checkpoint: bool, replan: bool, nproc_per_node: int | None) -> None:
     """Train with the layout of PLAN.json on this machine's GPUs (or CPU ranks for a cpu-cluster plan).
 
     One node: runs torchrun itself with one worker per rank. Several nodes:
     run the same command on every node with --nnodes/--node-rank/--rdzv-endpoint
-    (see --print-launch).
+    (see --print-launch). One run per --out at a time (OUT/run.lock).
     """
     from planner.plan import load_plan
 
     plan = load_plan(plan_path)
+    if resume_from is not None:
+        from executor.resilience.checkpoints import parse_step
+
+        resume_from = f"step-{parse_step(resume_from)}"
+        resume = True
     nnodes = plan.cluster.n_nodes if nnodes is None else nnodes
     if node_rank >= nnodes:
         raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    if nproc_per_node is not None and not replan and nproc_per_node != plan.cluster.gpus_per_node:
+        raise UsageError(f"--nproc-per-node {nproc_per_node}: the plan runs {plan.cluster.gpus_per_node} ranks per "
+                         "node; add --replan to re-plan for the ranks present")
+    if replan and not (print_launch or dry_run):
+        plan = _replanned(plan, nnodes, nproc_per_node)
     if nnodes > 1 and rdzv_endpoint is None and not (print_launch or dry_run):
         from executor.preflight import Found, check_hardware
 
@@ -96,7 +128,10 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
     run_dir = Path(out) if out else Path("runs") / Path(plan_path).stem
     flags = RunFlags(steps=steps, out=out, seed=seed, data=data, tokenizer=tokenizer, lr=lr, log_every=log_every,
                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-                     compile=compile_, init_from=init_from, save_hf_every=save_hf_every).with_plan_defaults(plan)
+                     compile=compile_, init_from=init_from, save_hf_every=save_hf_every,
+                     max_restarts=max_restarts, resume_from=resume_from, allow_plan_change=allow_plan_change,
+                     max_nonfinite_steps=max_nonfinite_steps, preempt_grace_s=preempt_grace_s,
+                     async_checkpoint=async_checkpoint, replan=replan).with_plan_defaults(plan)
     if print_launch:  # every node repeats the run flags (--out only when given)
         click.echo(_launch_text(plan, plan_path, print_launch, nnodes, rdzv_endpoint, flags))
         return
@@ -123,12 +158,64 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
             from executor.dryrun import dry_run as run_dry
         run_dry(plan)
         return
-    if node_rank == 0:  # other nodes may share node 0's directory; node 0 alone decides what it holds
-        from executor.preflight import check_run_dir
+    from executor.resilience import lock
 
-        check_run_dir(run_dir, resume, overwrite)
-    _run(plan, Path(plan_path), run_dir, nnodes, node_rank, rdzv_endpoint, max_restarts, flags.replace(out=str(run_dir)),
-         clear=overwrite and node_rank == 0)
+    # Node 0 holds the run directory's lock until the run ends; other nodes may share its directory, and
+    # node 0 alone decides what it holds.
+    held = lock.acquire(run_dir, log=_log) if node_rank == 0 else contextlib.nullcontext()
+    with held:
+        if node_rank == 0:
+            from executor.preflight import check_run_dir
+
+            check_run_dir(run_dir, resume, overwrite)
+            if resume:
+                _check_resume(plan, run_dir, flags)
+        _run(plan, run_dir, nnodes, node_rank, rdzv_endpoint, flags.replace(out=str(run_dir)),
+             clear=overwrite and node_rank == 0)
+
+
+def _log(line: str) -> None:
+    from topologies.terminal import log
+
+    log(line)
+
+
+def _replanned(plan, nnodes: int, nproc_per_node: int | None):
+    """--replan: the plan for nnodes x (--nproc-per-node, the GPUs found, or the plan's CPU ranks), said aloud."""
+    from executor.parallel.mesh import device_type_for
+
+    if nproc_per_node is None and device_type_for(plan) == "cuda":
+        from executor.preflight import Found
+
+        nproc_per_node = Found.detect().n_devices or plan.cluster.gpus_per_node
+    per_node = nproc_per_node or plan.cluster.gpus_per_node
+    if (nnodes, per_node) == (plan.cluster.n_nodes, plan.cluster.gpus_per_node):
+        _log(f"replan: {plan.world_size} ranks present, as planned: no re-plan")
+        return plan
+    from planner.search.replan import replan
+
+    result = replan(plan, nnodes, per_node)
+    for line in result.lines():
+        _log(line)
+    return result.new
+
+
+def _check_resume(plan, run_dir: Path, flags: RunFlags) -> None:
+    """Refuse, before any rank starts, a resume that changes what is trained (executor.resilience.contract)."""
+    from executor.resilience.checkpoints import CHECKPOINTS, complete_steps, latest_step, parse_step
+    from executor.resilience.contract import check_resume, run_info
+
+    root = run_dir / CHECKPOINTS
+    step = parse_step(flags.resume_from) if flags.resume_from else latest_step(root)
+    if flags.resume_from and step not in complete_steps(root):
+        have = ", ".join(f"step-{s}" for s in complete_steps(root)) or "none"
+        raise UsageError(f"--resume-from {flags.resume_from}: {root} holds no such complete checkpoint (complete: "
+                         f"{have}); `meshplan checkpoint verify {run_dir}` checks them")
+    if step is None:
+        return  # nothing to resume: the run starts at step 0
+    line = check_resume(root / f"step-{step}", run_info(plan, flags.steps), flags.allow_plan_change)
+    if line:
+        _log(line)
 
 
 def _launch_text(plan, plan_path: str, kind: str, nnodes: int, rdzv_endpoint: str | None, flags: RunFlags) -> str:
@@ -147,17 +234,17 @@ def _shell_word(arg: str) -> str:
     return f'"{arg}"' if arg.startswith("$") and re.fullmatch(r"\$\w+(:\d+)?", arg) else shlex.quote(arg)
 
 
-def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-         max_restarts: int, flags: RunFlags, clear: bool = False) -> None:
+def _run(plan, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | None, flags: RunFlags,
+         clear: bool = False) -> None:
     from executor.launch import launch, run_id, torchrun_argv
     from executor.parallel.mesh import device_type_for
     from executor.preflight import Found, check_data, check_hardware, clear_run_dir, prepare_out
-    from topologies.errors import InterruptedRun
-    from topologies.terminal import log
+    from topologies.errors import InterruptedRun, PreemptedRun
+    from topologies.terminal import dumps_json, log
 
     check_hardware(plan, Found.detect(), nnodes)
     source = check_data(plan, flags)
-    plan_text = plan_path.read_text()
+    plan_text = dumps_json(plan.to_json()) + "\n"
     if clear:
         clear_run_dir(run_dir)
     prepare_out(run_dir, plan_text)
@@ -173,28 +260,32 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
         f"(pp {lay.pp} x dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}, "
         f"ZeRO-{lay.zero_stage}); data: {source}; weights: {flags.weights_source or 'random initialization'}; "
         f"run dir: {run_dir}")
-    argv = torchrun_argv(nproc, nnodes, node_rank, rdzv_endpoint, max_restarts, run_id(plan_text), worker_args)
+    argv = torchrun_argv(nproc, nnodes, rdzv_endpoint, flags.max_restarts, run_id(plan_text),
+                         worker_args, grace_s=flags.preempt_grace_s, elastic=flags.replan and flags.max_restarts > 0)
     try:
-        launch(argv, nproc, on_cpu)
+        launch(argv, nproc, on_cpu, run_dir)
     except (InterruptedRun, KeyboardInterrupt):
         raise InterruptedRun(interrupted_line(run_dir)) from None
+    except PreemptedRun:
+        raise PreemptedRun(interrupted_line(run_dir, preempted=True)) from None
     summary = run_dir / "summary.json"
     if summary.exists():
         log(f"execute: done; metrics in {run_dir / 'metrics.jsonl'}, summary in {summary}")
 
 
-def interrupted_line(run_dir: Path) -> str:
-    """'interrupted at step N; last checkpoint step-K; continue with --resume', from what the run left."""
-    from executor.components.checkpoint import CHECKPOINTS, latest_step
+def interrupted_line(run_dir: Path, preempted: bool = False) -> str:
+    """'interrupted at step N; last checkpoint step-K; continue with --resume', from what the run left
+    ('preempted (SIGTERM) at step N; ...' after a SIGTERM)."""
     from executor.components.measure import read_metrics
+    from executor.resilience.checkpoints import CHECKPOINTS, latest_step
 
     try:
         step = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
     except UsageError:
         step = 0
     ckpt = latest_step(run_dir / CHECKPOINTS) if (run_dir / CHECKPOINTS).is_dir() else None
+    what = "preempted (SIGTERM)" if preempted else "interrupted"
     if ckpt is None:
-        return (f"interrupted at step {step}; no checkpoint was written (--checkpoint-every K keeps one); "
+        return (f"{what} at step {step}; no checkpoint was written (--checkpoint-every K keeps one); "
                 f"summary in {run_dir / 'summary.json'}")
-    return (f"interrupted at step {step}; last checkpoint step-{ckpt}; continue with --resume "
-            f"(--out {run_dir})")
+    return f"{what} at step {step}; last checkpoint step-{ckpt}; continue with --resume (--out {run_dir})"

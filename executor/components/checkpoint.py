@@ -1,14 +1,26 @@
-"""Checkpoints: atomic, resharding-friendly saves with torch.distributed.checkpoint (DCP).
+"""Checkpoints: atomic, verified, resharding-friendly saves with torch.distributed.checkpoint (DCP).
 
-On disk: OUT/checkpoints/step-N/ (one complete DCP checkpoint), OUT/checkpoints/latest
-(one line, "step-N": what a resume loads), OUT/checkpoints/.tmp-step-N/ (a save in
-progress, or one a crash interrupted).
+On disk (executor.resilience.checkpoints): OUT/checkpoints/step-N/ (one complete DCP
+checkpoint, its run.json and checksums.json), OUT/checkpoints/latest (one line, "step-N":
+what a resume loads first), OUT/checkpoints/.tmp-step-N/ (a save in progress, or one a
+crash interrupted), step-N.damaged/ (one that failed verification, set aside).
 
-Crash safety: every rank writes into .tmp-step-N/; DCP returns only once all data and
-rank 0's .metadata are on disk (fsynced); a barrier; rank 0 renames the directory to
-step-N/ (atomic on POSIX) and only then replaces `latest` (temporary file + os.replace).
-A crash anywhere leaves `latest` naming the previous complete checkpoint; the next save
-removes stale .tmp-* directories; `keep` prunes old checkpoints after the pointer moved.
+Crash safety: rank 0 writes run.json into .tmp-step-N/; every rank writes its files there
+through executor.resilience.writer.ChecksumWriter (DCP's FileSystemWriter that also records
+a sha256 per file); DCP returns only once all data, .metadata and checksums.json are on
+disk (fsynced); a barrier; rank 0 renames the directory to step-N/ (atomic on POSIX) and
+only then replaces `latest`. A crash anywhere leaves `latest` naming the previous complete
+checkpoint; the next save removes stale .tmp-* directories; `keep` prunes old checkpoints
+after the pointer moved. Nothing non-finite is saved: a state holding NaN or inf on any
+rank raises NonFiniteError instead (exit 4) and `latest` stays where it was.
+
+Asynchronous saves (`save(..., asynchronous=True)`): DCP's async_save copies the state to
+host memory, then writes (and hashes) in a background thread over a separate gloo group,
+as torchtitan does; `wait()` (collective) finishes it and publishes it as above. One save
+is in flight at a time: the next save waits for the previous one first.
+
+Loading (`load`): the newest checkpoint that verifies against its checksums, the older ones
+after it (executor.resilience.fallback).
 
 Resharding: keys are the single-process model's parameter FQNs (kept under every
 layout); get_model_state_dict strips DDP/FSDP wrappers and the optimizer state is
@@ -22,7 +34,7 @@ No code runs on load: DCP's reader unpickles .metadata with plain pickle and val
 with torch.load(weights_only=False); here the metadata goes through an allow-list of
 DCP's classes, torch.Size and dtypes, and every value through weights_only=True.
 
-Test-only fault hook between dcp.save and the rename: executor.faults.crash_in_save.
+Test-only fault hook between DCP's write and the rename: executor.faults.crash_in_save.
 """
 
 from __future__ import annotations
@@ -37,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -51,15 +62,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from executor.faults import crash_in_save
+from executor.faults import crash_in_save, disarm
 from executor.parallel.expert import as_sharded_state
+from executor.resilience import checkpoints as dirs
+from executor.resilience.agree import agree as _agree
+from executor.resilience.agree import barrier as _barrier
+from executor.resilience.agree import distributed as _distributed
+from executor.resilience.agree import on_rank0 as _on_rank0
+from executor.resilience.agree import rank as _rank
+from executor.resilience.agree import refuse_non_finite as _refuse_non_finite
+from executor.resilience.checkpoints import CHECKPOINTS, LATEST, STEP_RE, complete_steps  # noqa: F401 (re-exported)
+from executor.resilience.contract import write_run_info
+from executor.resilience.fallback import load_newest_valid
+from executor.resilience.writer import ChecksumWriter
 from topologies.errors import ExecutionError, UsageError
 from topologies.hardware import GIB
 from topologies.terminal import log
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-STEP_RE = re.compile(r"^step-(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -68,15 +87,23 @@ class CheckpointManager:
 
     `app_state["model"]` is a module or a list of modules (pipeline stages on
     this rank); `app_state["optim"]` an optimizer or a list, one per module
-    (or absent); `app_state["train"]` a Stateful (or absent). save and
-    load_latest are collective: every rank calls them.
+    (or absent); `app_state["train"]` a Stateful (or absent). save, wait and
+    load are collective: every rank calls them. `run_info` is written as each
+    checkpoint's run.json (executor.resilience.contract); `create` makes the
+    directory now (a run that checkpoints), else at the first save.
     """
 
-    def __init__(self, out_dir: str | Path, keep: int | None = None) -> None:
+    def __init__(self, out_dir: str | Path, keep: int | None = None, run_info: dict | None = None,
+                 create: bool = True) -> None:
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise UsageError(f"--keep-checkpoints must be a positive integer, got {keep!r}")
         self.root = Path(out_dir) / CHECKPOINTS
         self.keep = keep
+        self.run_info = run_info
+        self.pending: tuple[int, Path, Path, Any] | None = None  # (step, tmp, final, future) of an async save
+        self.last_saved: int | None = None  # the newest step this process saved or loaded
+        if not create:
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -89,40 +116,69 @@ class CheckpointManager:
 
     # ---- save -------------------------------------------------------------
 
-    def save(self, step: int, app_state: dict[str, Any]) -> Path:
-        """Write step-N atomically; returns its path. Raises ExecutionError on every rank if any rank fails."""
+    def save(self, step: int, app_state: dict[str, Any], asynchronous: bool = False, group=None) -> Path:
+        """Write step-N atomically; returns its path. Raises ExecutionError on every rank if any rank fails.
+
+        asynchronous: start DCP's async_save over `group` (a gloo group) and return once the state is copied
+        to host memory; `wait()` publishes it.
+        """
+        self.wait()
         tmp, final = self.root / f".tmp-step-{step}", self.root / f"step-{step}"
-        _agree(_on_rank0(lambda: self._prepare(tmp)), f"cannot prepare checkpoint {tmp}")
+        _agree(_on_rank0(lambda: self._prepare(tmp, step)), f"cannot prepare checkpoint {tmp}")
         state, _ = _collect(app_state)
+        _refuse_non_finite(state, step)
+        writer = ChecksumWriter(tmp)
         try:
             with _single_process_is_intended():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+                if asynchronous and _distributed():
+                    future = dcp.async_save(state, storage_writer=writer, process_group=group)
+                    self.pending = (step, tmp, final, future)
+                    return final
+                dcp.save(state, storage_writer=writer, no_dist=not _distributed())
         except (CheckpointException, OSError) as exc:
-            raise ExecutionError(
-                f"cannot write checkpoint step-{step} to {str(self.root)!r}: {_reason(exc)}; "
-                f"{_free_space(self.root)}: free space or pass another --out"
-            ) from None
+            raise self._write_error(step, exc) from None
+        self._publish_everywhere(step, tmp, final)
+        return final
+
+    def wait(self) -> None:
+        """Finish the async save in flight (if any) and publish it; collective."""
+        if self.pending is None:
+            return
+        step, tmp, final, future = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (CheckpointException, OSError) as exc:
+            raise self._write_error(step, exc) from None
+        self._publish_everywhere(step, tmp, final)
+
+    def pending_done(self) -> bool:
+        """True when an async save is in flight and this rank's part of it has finished (no collective)."""
+        return self.pending is not None and self.pending[3].done()
+
+    def _write_error(self, step: int, exc: BaseException) -> ExecutionError:
+        return ExecutionError(f"cannot write checkpoint step-{step} to {str(self.root)!r}: {_reason(exc)}; "
+                              f"{_free_space(self.root)}: free space or pass another --out")
+
+    def _publish_everywhere(self, step: int, tmp: Path, final: Path) -> None:
         crash_in_save(step, _rank())
         _barrier()
         _agree(_on_rank0(lambda: self._publish(step, tmp, final)), f"cannot publish checkpoint step-{step}")
-        return final
+        self.last_saved = step
 
-    def _prepare(self, tmp: Path) -> None:
+    def _prepare(self, tmp: Path, step: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+        if self.run_info is not None:
+            write_run_info(tmp, self.run_info, step)
 
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         if final.exists():  # a step saved again after a restart: the old copy goes to the trash
             final.rename(self.root / f".tmp-old-step-{step}")
         tmp.rename(final)
-        pointer = self.root / f".tmp-{LATEST}"
-        with open(pointer, "w") as f:
-            f.write(f"{final.name}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, self.root / LATEST)
-        _fsync_dir(self.root)
+        dirs.point_latest(self.root, step)
         self._prune(step)
 
     def _prune(self, latest: int) -> None:
@@ -139,46 +195,36 @@ class CheckpointManager:
         return latest_step(self.root)
 
     def load_latest(self, app_state: dict[str, Any]) -> int:
-        """Load the latest checkpoint into app_state in place; returns its step, or 0 when there is none."""
-        step = _broadcast(self.latest_step() if _rank() == 0 else None)
-        if step is None:
-            if _rank() == 0:
-                log(f"checkpoint: none under {str(self.root)!r}; starting from step 0")
-            return 0
-        path = self.root / f"step-{step}"
+        """load() of the newest valid checkpoint."""
+        return self.load(app_state)
+
+    def load(self, app_state: dict[str, Any], step: int | None = None, say_none: bool = True) -> int:
+        """Load the newest valid checkpoint (or exactly step-`step`) into app_state in place.
+
+        Returns its step, or 0 when there is none (said on the console when `say_none`). Which checkpoints
+        are tried, and what happens to one that fails verification: executor.resilience.fallback.
+        """
+        loaded = load_newest_valid(self.root, lambda path: self._try_load(path, app_state), step, say_none)
+        if loaded:
+            self.last_saved = loaded
+            disarm()  # test-only fault hooks fire in a run's first life only
+        return loaded
+
+    def _try_load(self, path: Path, app_state: dict[str, Any]) -> str | None:
+        """Load path into app_state (collective); None, or why DCP could not."""
         state, parts = _collect(app_state)
         try:
             with _single_process_is_intended():
                 dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=not _distributed())
-        except CheckpointException as exc:
-            raise UsageError(
-                f"cannot resume from {str(path)!r}: {_reason(exc)}; a checkpoint of another model, or damaged? "
-                "use a new --out, or run without --resume"
-            ) from None
+        except (CheckpointException, UsageError) as exc:
+            return _reason(exc) if isinstance(exc, CheckpointException) else str(exc)
         _restore(state, parts)
-        if _rank() == 0:
-            log(f"checkpoint: resumed from {path}")
-        return step
-
-
-def complete_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under root (a step-N directory holding .metadata)."""
-    found = [int(m.group(1)) for p in root.iterdir() if (m := STEP_RE.match(p.name))] if root.is_dir() else []
-    return sorted(s for s in found if (root / f"step-{s}" / ".metadata").is_file())
+        return None
 
 
 def latest_step(root: Path) -> int | None:
     """The step root/latest names, or the newest complete one when the pointer is missing or stale."""
-    complete = complete_steps(root)
-    try:
-        match = STEP_RE.match((root / LATEST).read_text().strip())
-    except (OSError, UnicodeDecodeError):
-        match = None
-    if match and int(match.group(1)) in complete:
-        return int(match.group(1))
-    if complete:
-        log(f"checkpoint: pointer {root / LATEST} missing or stale; using step-{complete[-1]}")
-    return complete[-1] if complete else None
+    return dirs.latest_step(root, log)
 
 
 # ---- state dicts ------------------------------------------------------------
@@ -302,8 +348,20 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+# Train-state keys added after checkpoints were first written (WarmupCosine's rescheduling fields): a
+# checkpoint without them meant the plain warm-up cosine, which is what the template already holds.
+OPTIONAL_KEYS = re.compile(r"^train\.lr_scheduler\.lr_lambdas\.\d+\.(decay_from|decay_factor)$")
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that reads non-tensor values with torch.load(weights_only=True)."""
+    """DefaultLoadPlanner that reads non-tensor values with torch.load(weights_only=True), and leaves the
+    template's value for an OPTIONAL_KEYS key the checkpoint does not hold."""
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None:
+            known = metadata.state_dict_metadata
+            self.state_dict = {k: v for k, v in self.state_dict.items() if k in known or not OPTIONAL_KEYS.match(k)}
 
     def load_bytes(self, read_item, value) -> None:
         from torch.distributed.checkpoint._nested_dict import set_element
@@ -336,49 +394,6 @@ def consolidate(step_dir: str | Path, keys: list[str] | None = None) -> dict[str
     return {key[len("model."):]: tensor for key, tensor in state.items()}
 
 
-# ---- process group helpers --------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's value on every rank (our own objects, never read from disk)."""
-    if not _distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _on_rank0(fn) -> str | None:
-    """Run fn on rank 0 only; its OSError becomes a message instead of an exception."""
-    if _rank() != 0:
-        return None
-    try:
-        fn()
-    except OSError as exc:
-        return f"{exc.strerror or exc} ({exc.filename or ''})"
-    return None
-
-
-def _agree(error: str | None, what: str) -> None:
-    """Every rank learns rank 0's outcome, so a failure there raises everywhere instead of hanging."""
-    error = _broadcast(error)
-    if error:
-        raise ExecutionError(f"{what}: {error}")
-
-
 def _reason(exc: BaseException) -> str:
     """One line for a (CheckpointException of) OSError: which rank, what the OS said."""
     if isinstance(exc, CheckpointException):
@@ -406,10 +421,3 @@ def _single_process_is_intended():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -71,8 +71,15 @@ class MetricsLog:
         if self.mark_resume:
             record = {**record, "resumed": True}
             self.mark_resume = False
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk or a lost mount: one line naming the file, not a traceback
+            from topologies.errors import ExecutionError
+
+            raise ExecutionError(f"cannot append step {record.get('step')} to {self.path}: "
+                                 f"{exc.strerror or exc} (errno {exc.errno}); free space or pass another --out; "
+                                 "the run resumes from its last checkpoint with --resume") from None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -137,16 +144,21 @@ class ProgressLine:
         step = record["step"]
         done = step - self.first + 1
         eta_s = (time.perf_counter() - self.start) / done * (self.total - step)
-        info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s"
+        loss = f"{record['loss']:.4f}" if record.get("loss") is not None else "non-finite (update skipped)"
+        info = f"loss {loss}  {record['tokens_per_s']:,.0f} tok/s"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=info)
         if step % self.log_every == 0 or step == self.total or step == self.first:
             self.console.print(
                 f"step {step}/{self.total}  {info}  lr {record['lr']:.2e}  mfu {record['mfu']:.2%}  "
-                f"grad norm {record['grad_norm']:.3f}  ETA {eta_s:.0f}s", soft_wrap=True
+                f"grad norm {_number(record['grad_norm'], '.3f')}  ETA {eta_s:.0f}s", soft_wrap=True
             )
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
         sys.stderr.flush()
+
+
+def _number(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)

@@ -99,11 +99,17 @@ def _foreach_ok(params: list[nn.Parameter]) -> bool:
 
 @dataclass(frozen=True)
 class WarmupCosine:
-    """LambdaLR factor (see module docstring). A dataclass so the scheduler's state_dict keeps it."""
+    """LambdaLR factor (see module docstring). A dataclass so the scheduler's state_dict keeps it.
+
+    The cosine runs from factor `decay_factor` at step `decay_from` (default: 1.0 at the end of the
+    warm-up) down to min_ratio at the last step; `rescheduled` moves that start to a resumed step.
+    """
 
     total_steps: int
     warmup_steps: int
     min_ratio: float = MIN_LR_RATIO
+    decay_from: int | None = None  # None: warmup_steps
+    decay_factor: float = 1.0
 
     @classmethod
     def for_run(cls, total_steps: int) -> WarmupCosine:
@@ -112,8 +118,34 @@ class WarmupCosine:
     def __call__(self, k: int) -> float:
         if k < self.warmup_steps:
             return (k + 1) / self.warmup_steps
-        t = min(1.0, (k - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps - 1))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        start = self.warmup_steps if self.decay_from is None else self.decay_from
+        t = min(1.0, max(0, k - start) / max(1, self.total_steps - start - 1))
+        return self.min_ratio + (self.decay_factor - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    def rescheduled(self, step: int, total_steps: int) -> WarmupCosine:
+        """The schedule of a run resumed at `step` with `total_steps` (--allow-plan-change): from `step` on (the
+        only steps it is asked for), past the warm-up, a cosine from the factor reached at `step` down to
+        min_ratio at the new last step; within the warm-up, the same warm-up and then the whole cosine."""
+        if step < self.warmup_steps:  # still warming up: the same warm-up, then the whole cosine to the new end
+            return WarmupCosine(total_steps, self.warmup_steps, self.min_ratio)
+        return WarmupCosine(total_steps, self.warmup_steps, self.min_ratio, decay_from=step, decay_factor=self(step))
+
+
+def reschedule(schedulers: list[torch.optim.lr_scheduler.LambdaLR], step: int, total_steps: int) -> bool:
+    """Rebuild resumed LambdaLR schedules for `total_steps` from `step` (see WarmupCosine.rescheduled); True when
+    they changed. The learning rate at `step` is unchanged, so the run continues without a jump."""
+    changed = False
+    for scheduler in schedulers:
+        lambdas = scheduler.lr_lambdas
+        for i, fn in enumerate(lambdas):
+            if isinstance(fn, WarmupCosine) and fn.total_steps != total_steps:
+                lambdas[i] = fn.rescheduled(step, total_steps)
+                changed = True
+    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+        from topologies.terminal import log
+
+        log(f"optim: LR schedule rebuilt for --steps {total_steps} from step {step} (--allow-plan-change)")
+    return changed
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -178,17 +178,21 @@ def search_plan_request(request: PlanRequest, gpus: int, quiet: bool = False):
         if isinstance(error, InfeasibleError):
             error = InfeasibleError(f"{error}{gpus_needed_sentence(request, cluster, quiet)}")
         raise error
-    return with_weights(build_plan(model, cluster, result, request.engine), request.model), result
+    return with_request(build_plan(model, cluster, result, request.engine), request), result
 
 
-def with_weights(plan, model_arg: str):
-    """The plan with `weights_dir`: where --model's safetensors are, when it named a Hugging Face directory."""
+def with_request(the_plan, request: PlanRequest):
+    """The plan with what this request knows beyond the layout: plan.json's `weights_dir` (where --model's
+    safetensors are, when it named a Hugging Face directory) and its "search" record (pins, memory fraction,
+    calibration; read by execute --replan)."""
     import dataclasses
 
     from planner.model.load import weights_dir
 
-    found = weights_dir(model_arg)
-    return dataclasses.replace(plan, weights_dir=found) if found else plan
+    return dataclasses.replace(the_plan, weights_dir=weights_dir(request.model) or the_plan.weights_dir,
+                               search={"pins": request.pins.to_json(),
+                                       "usable_memory_fraction": request.usable_fraction,
+                                       "calibration": request.calibration})
 
 
 def node_size(request) -> int:

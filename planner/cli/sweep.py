@@ -56,7 +56,7 @@ def sweep_request(request, gpu_range: GpuRange, quiet: bool = False) -> tuple[Sw
 def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float | None, as_json: bool,
               output: str | None, png: str | None) -> None:
     """Sweep, print the table (or JSON), and write the smallest fitting count's plan and the chart when asked."""
-    from planner.cli.request import with_weights
+    from planner.cli.request import with_request
     from planner.search.explain import build_plan
 
     found, built = sweep_request(request, gpu_range, quiet=as_json)
@@ -66,7 +66,7 @@ def run_sweep(request, gpu_range: GpuRange, tokens: float | None, price: float |
         if tokens is not None else {}
     model, cluster = built[best.gpus]
     if output:
-        with_weights(build_plan(model, cluster, best.result, request.engine), request.model).save(output)
+        with_request(build_plan(model, cluster, best.result, request.engine), request).save(output)
     band = band_for(request.engine, cluster.gpu.name, model.moe is not None)
     if png:
         from planner.charts.scaling import plot_scaling_chart, scaling_chart

@@ -21,7 +21,12 @@ API (signatures others call):
   slurm_script(plan, plan_path, hosts=(), port=RDZV_PORT, run=None, job_name=None) -> str
       An sbatch script: one task per node (srun), each running meshplan
       execute with --node-rank $SLURM_NODEID; the rendezvous host is the
-      first node of the allocation (scontrol show hostnames).
+      first node of the allocation (scontrol show hostnames). Preemption:
+      SLURM sends SIGTERM to the tasks --preempt-grace-s + 30 s before the
+      time limit (--signal=TERM@S); `meshplan execute` then checkpoints and
+      exits 75, and the script requeues the job (--requeue, output appended),
+      whose next start adds --resume (SLURM_RESTART_COUNT > 0). A preemption
+      by SLURM itself sends the same SIGTERM and requeues on its own.
 
 run is the run's flags (planner.run_flags.RunFlags: steps, out, seed, ...),
 written with `RunFlags.to_argv` on every node, with the plan's defaults
@@ -32,6 +37,7 @@ weights.
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Sequence
 
@@ -39,9 +45,11 @@ from planner.export import ExportResult, check_hosts
 from planner.export.common import comment_block, notes_lines, summary_lines
 from planner.plan import Plan
 from planner.run_flags import RunFlags
-from topologies.errors import UsageError
+from topologies.errors import PreemptedRun, UsageError
 
 RDZV_PORT = 29500
+SIGNAL_MARGIN_S = 30  # SLURM's SIGTERM comes this long before the grace period must end: step time, exit
+PREEMPTED_EXIT_CODE = PreemptedRun.exit_code  # `meshplan execute` after SIGTERM and its checkpoint (75)
 
 
 def _check_nnodes(plan: Plan, nnodes: int | None) -> int:
@@ -112,7 +120,9 @@ def slurm_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: in
     hosts = check_hosts(plan, hosts)
     n, cl = plan.cluster.n_nodes, plan.cluster
     name = job_name or f"meshplan-{plan.model.name}"
-    sbatch = [f"--job-name={name}", f"--nodes={n}", "--ntasks-per-node=1", "--exclusive", "--output=%x-%j.out"]
+    grace_s = math.ceil((run or RunFlags()).preempt_grace_s)
+    sbatch = [f"--job-name={name}", f"--nodes={n}", "--ntasks-per-node=1", "--exclusive", "--output=%x-%j.out",
+              f"--signal=TERM@{grace_s + SIGNAL_MARGIN_S}", "--requeue", "--open-mode=append"]
     if cl.gpu.kind == "gpu":
         sbatch.insert(3, f"--gpus-per-node={cl.gpus_per_node}")
     if hosts:
@@ -126,8 +136,14 @@ def slurm_script(plan: Plan, plan_path: str, hosts: Sequence[str] = (), port: in
     # Read the whole host list, no `| head`: under pipefail a closed pipe (SIGPIPE) would end the job.
     out += 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\nHEAD_NODE=${NODES[0]}\nexport HEAD_NODE\n'
     cmd = "exec " + _node_line(plan, plan_path, run, "SLURM_NODEID", port)
+    if not (run and run.resume):  # a requeued job continues its run
+        cmd += " $RESUME"
+        out += 'RESUME=""\nif (( ${SLURM_RESTART_COUNT:-0} > 0 )); then RESUME=--resume; fi\nexport RESUME\n'
     out += f"cmd={shlex.quote(cmd)}\n"
-    return out + f'srun --nodes={n} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$cmd"\n'
+    out += f'rc=0\nsrun --nodes={n} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$cmd" || rc=$?\n'
+    out += (f"# {PREEMPTED_EXIT_CODE}: preempted after writing its checkpoint; requeue, and the next start resumes\n"
+            f'if (( rc == {PREEMPTED_EXIT_CODE} )); then scontrol requeue "$SLURM_JOB_ID" || true; fi\n')
+    return out + 'exit "$rc"\n'
 
 
 def execute_refusal(plan: Plan) -> str | None:

@@ -140,6 +140,19 @@ class Pins:
         """The options the user fixed, by name, for messages and for checking a result."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
+    def to_json(self) -> dict[str, object]:
+        """plan.json's search.pins: the pinned options by field name (lists for tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.pinned().items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Pins:
+        """Pins from to_json's object; unknown names are a UsageError (a plan from a newer meshplan?)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise UsageError(f"plan.json search.pins has unknown options {unknown}; known: {sorted(names)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
 
 @lru_cache(maxsize=1024)
 

@@ -3,7 +3,8 @@
 The launcher gets SIGINT as a terminal would send it; torchrun's agent
 forwards it to the workers (their own sessions), which stop together at a
 step boundary. Then: re-running into the same --out is refused, --resume
-continues it (the first step after the resume is marked), --overwrite starts over.
+with fewer --steps is refused unless --allow-plan-change, which continues it
+(the first step after the resume is marked), --overwrite starts over.
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ def test_ctrl_c_then_resume_then_overwrite(tmp_path):
     again = run_cli("execute", str(plan), "--steps", "4", "--out", str(out))
     assert again.code == 2 and "already holds a run" in again.stderr
 
-    resumed = run_cli("execute", str(plan), "--steps", str(steps[-1] + 2), "--out", str(out), "--resume",
-                      timeout=240)
+    shorter = ("execute", str(plan), "--steps", str(steps[-1] + 2), "--out", str(out), "--resume")
+    refused = run_cli(*shorter)  # another --steps than the checkpoint's run: its LR schedule would not fit
+    assert refused.code == 2 and f"(--steps 2000 -> {steps[-1] + 2})" in refused.stderr, refused.stderr
+    resumed = run_cli(*shorter, "--allow-plan-change", timeout=240)
     assert resumed.code == 0, resumed.stderr
+    assert f"LR schedule rebuilt for --steps {steps[-1] + 2}" in resumed.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("resumed", False) for r in rows].count(True) == 1
 

@@ -211,10 +211,17 @@ class _Payload:
 
 
 def test_metadata_that_would_run_code_is_refused(tmp_path):
+    """Refused twice over: its checksum fails, and without checksums (an older checkpoint) the allow-list."""
     model, optim, state = toy()
     train(model, optim, state, 2, CheckpointManager(tmp_path), every=2)
     marker = tmp_path / "pwned"
-    (tmp_path / "checkpoints" / "step-2" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    step = tmp_path / "checkpoints" / "step-2"
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(UsageError, match=r"fails verification \(step-2: \.metadata: .* written"):
+        CheckpointManager(tmp_path).load_latest(app(*toy()))
+    step = tmp_path / "checkpoints" / "step-2.damaged"  # set aside by the failed verification
+    (step / "checksums.json").unlink()
+    step.rename(tmp_path / "checkpoints" / "step-2")
     with pytest.raises(UsageError, match="refusing posix.mkdir"):
         CheckpointManager(tmp_path).load_latest(app(*toy()))
     with pytest.raises(UsageError, match="refusing"):

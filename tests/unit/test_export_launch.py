@@ -27,7 +27,8 @@ STUB_MESHPLAN = '#!/bin/bash\n{ printf "%s\\0" "$@"; printf "\\n"; } >> "$STUB_L
 # srun stub: skip srun's own options, then run the command once per node with SLURM_NODEID set
 STUB_SRUN = ('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
              'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done\n')
-STUB_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "%s\\n" $FAKE_NODES\n'
+STUB_SCONTROL = ('#!/bin/bash\nif [[ "$1 $2" == "show hostnames" ]]; then printf "%s\\n" $FAKE_NODES; '
+                 'else echo "scontrol $*" >> "$STUB_LOG.scontrol"; fi\n')
 
 
 def execute_parser() -> argparse.ArgumentParser:
@@ -124,6 +125,36 @@ def test_slurm_script_starts_one_execute_per_node(tmp_path, stubs):
     assert proc.returncode == 0, proc.stderr
     expected = torchrun_commands(plan, "p.json", rdzv_endpoint="gpu07:29500", run=RunFlags(steps=5))
     assert calls() == [argv[1:] for argv in expected]
+
+
+def test_slurm_script_asks_for_sigterm_requeues_on_preemption_and_resumes(tmp_path, stubs):
+    """SIGTERM --preempt-grace-s + 30 s before the time limit; exit 75 requeues; a requeued start resumes."""
+    env, calls = stubs
+    plan = plan_3d()
+    run = RunFlags(steps=5, max_restarts=2, preempt_grace_s=100)
+    text = slurm_script(plan, "p.json", run=run)
+    assert "#SBATCH --signal=TERM@130\n" in text and "#SBATCH --requeue\n" in text
+    slurm_env = {**env, "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_JOB_ID": "77",
+                 "FAKE_NODES": "gpu07 gpu08 gpu09 gpu10"}
+    first = run_script(tmp_path, text, slurm_env)
+    assert first.returncode == 0, first.stderr
+    parsed = execute_parser()
+    parsed.add_argument("--max-restarts", type=int)
+    parsed.add_argument("--preempt-grace-s", type=float)
+    parsed.add_argument("--resume", action="store_true")
+    args = [parsed.parse_args(c[1:]) for c in calls()]
+    assert {(a.max_restarts, a.preempt_grace_s, a.resume) for a in args} == {(2, 100.0, False)}
+    scontrol_log = Path(env["STUB_LOG"] + ".scontrol")
+    assert not scontrol_log.exists()
+
+    Path(env["STUB_LOG"]).unlink()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/bash\nexit 75\n")  # every node: preempted, checkpoint written
+    preempted = run_script(tmp_path, text, slurm_env)
+    assert preempted.returncode == 75 and scontrol_log.read_text() == "scontrol requeue 77\n"
+
+    (tmp_path / "bin" / "srun").write_text(STUB_SRUN)
+    again = run_script(tmp_path, text, {**slurm_env, "SLURM_RESTART_COUNT": "1"})
+    assert again.returncode == 0 and all(parsed.parse_args(c[1:]).resume for c in calls())
 
 
 def test_slurm_script_pins_hosts():

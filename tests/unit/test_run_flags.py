@@ -19,6 +19,8 @@ FLAG_SETS = [
     RunFlags(steps=3, out="runs/a b", seed=7, data="chat.jsonl", tokenizer="models/qwen tok", lr=2.5e-4,
              log_every=1, checkpoint_every=2, keep_checkpoints=3, resume=True),
     RunFlags(steps=1, lr=1e-3),
+    RunFlags(steps=9, max_restarts=2, resume_from="step-4", allow_plan_change=True, max_nonfinite_steps=5,
+             preempt_grace_s=12.5, async_checkpoint=True, replan=True),
 ]
 
 
@@ -71,3 +73,7 @@ def test_bad_values_are_usage_errors():
         RunFlags(lr=-1.0)
     with pytest.raises(UsageError, match="unknown"):
         RunFlags.from_argv(["--stepz", "3"])
+    with pytest.raises(UsageError, match="--preempt-grace-s"):
+        RunFlags(preempt_grace_s=float("nan"))
+    with pytest.raises(UsageError, match="--max-nonfinite-steps"):
+        RunFlags(max_nonfinite_steps=0)
