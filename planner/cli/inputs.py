@@ -78,6 +78,8 @@ def apply_config(ctx: click.Context, param: click.Parameter, value: str | None) 
                            if opt.startswith("--")})
             raise UsageError(f"--config {value!r}: unknown key {key!r}{nearest(str(key), keys)}; keys are the flags "
                              f"of `{ctx.command_path}`: {', '.join(keys)}")
+        if raw is None:  # `key: null` (YAML) leaves the flag at its default, as if the key were absent
+            continue
         param_obj = options[name]
         if getattr(param_obj, "multiple", False):
             items = raw if isinstance(raw, list) else [raw]

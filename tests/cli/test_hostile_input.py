@@ -213,6 +213,16 @@ def test_config_files(body, suffix):
         assert_clean(invoke("plan", "--config", str(path), "--model", "8B", "--gpus", "8", "--json", cwd=tmp))
 
 
+
+def test_a_null_config_key_leaves_the_flag_at_its_default():
+    """`cluster: null` in YAML is no value: the plan is the one without the key (dgx-h100), not a traceback."""
+    with workdir() as tmp:
+        (tmp / "job.yaml").write_text("cluster: null\ntp: null\n")
+        with_null = invoke("plan", "--config", str(tmp / "job.yaml"), "--model", "8B", "--gpus", "8", "--json", cwd=tmp)
+        plain = invoke("plan", "--model", "8B", "--gpus", "8", "--json", cwd=tmp)
+    assert with_null.code == 0, with_null.stderr
+    assert json.loads(with_null.stdout)["cluster"]["name"] == json.loads(plain.stdout)["cluster"]["name"]
+
 # ---- plan.json -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
