@@ -1,5 +1,10 @@
 """Plan: the one contract between planner and executor (plan.json, schema_version 2).
 
+The engine is recorded by name ("engine", as before) and release
+("engine_release", the release its prediction modelled: planner.engines, e.g.
+"2025-06" for torchtitan@2025-06); a plan without "engine_release" was made
+before releases were modelled and loads as the engine's newest release.
+
 Version 2 added the training keys precision, attention and compile (and the
 "op" recompute kind); a version-1 plan still loads, with precision = its
 dtype, the engine's attention kernel and no compile. zero_stage shards over
@@ -76,14 +81,14 @@ class Plan:
     cluster: Cluster
     training: TrainingSpec
     layout: Layout  # plan.json's "parallel"
-    engine: str = "meshplan"  # whose precision recipe the memory prediction assumes
+    engine: str = "meshplan"  # whose step the prediction models: NAME or NAME@RELEASE (planner.engines)
     prediction: Prediction | None = None
     alternatives: tuple[dict[str, Any], ...] = ()
     explanation: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
-        get_engine(self.engine)  # a PlanError naming the engines when unknown
+        get_engine(self.engine)  # a PlanError naming the engines and releases when unknown
 
     @property
     def world_size(self) -> int:
@@ -97,7 +102,8 @@ class Plan:
             "training": self.training.to_json(),
             "parallel": self.layout.to_json(),
             "mesh": self.layout.mesh_json(),
-            "engine": self.engine,
+            "engine": get_engine(self.engine).name,
+            "engine_release": get_engine(self.engine).release,
             "prediction": self.prediction.to_json() if self.prediction else None,
             "alternatives": list(self.alternatives),
             "explanation": list(self.explanation),
@@ -125,9 +131,9 @@ class Plan:
             plan = cls(
                 model=ModelSpec.from_json(data["model"]),
                 cluster=Cluster.from_json(data["cluster"]),
-                training=_training(data["training"], version, data.get("engine", "meshplan")),
+                training=_training(data["training"], version, _engine_spec(data)),
                 layout=Layout.from_json(data["parallel"]),
-                engine=data.get("engine", "meshplan"),
+                engine=_engine_spec(data),
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
                 alternatives=tuple(data.get("alternatives") or ()),
                 explanation=tuple(data.get("explanation") or ()),
@@ -162,6 +168,14 @@ def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
         if found is not None:
             return found
     return None
+
+
+def _engine_spec(data: dict[str, Any]) -> str:
+    """NAME@RELEASE from plan.json's engine and engine_release (NAME alone: the newest release)."""
+    name, release = data.get("engine", "meshplan"), data.get("engine_release")
+    if not isinstance(name, str) or (release is not None and not isinstance(release, str)):
+        raise PlanError(f"plan.json engine and engine_release must be strings, got {name!r}, {release!r}")
+    return f"{name}@{release}" if release else name
 
 
 def _training(data: dict[str, Any], version: int, engine: str) -> TrainingSpec:

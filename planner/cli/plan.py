@@ -10,7 +10,7 @@ import click
 
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
-from planner.engines import ENGINE_NAMES
+from planner.engines import ENGINE_CHOICES, releases_help
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, recompute_label
 from planner.search.candidates import Pins
 from planner.training import ATTENTION_KINDS, PRECISIONS, RECIPE_KEYS, parse_recipe
@@ -44,8 +44,10 @@ def _common(f):
         click.option("--global-batch", type=POSITIVE, default=None,
                      help="Sequences per optimizer step. Default: about 1M tokens (2^20 / seq-len), rounded to a "
                           "multiple of each layout's data-parallel degree (within 25%)."),
-        click.option("--engine", type=click.Choice(ENGINE_NAMES), default="meshplan", show_default=True,
-                     help="Whose precision recipe and overlap the prediction assumes."),
+        click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="meshplan", show_default=True,
+                     metavar="NAME[@RELEASE]",
+                     help="The training stack whose step the prediction models, at a release (a bare name is "
+                          f"its newest): {releases_help()}."),
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="Calibration profile JSON (default: the shipped profile of the cluster's GPU)."),
         click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout."),

@@ -21,7 +21,7 @@ Embedding: V*h/t (vocabulary-parallel) + learned positions S*h (replicated).
 Output: final norm (replicated) + V*h/t, unless tied and on the embedding's
 rank (then the one copy serves both; on different ranks both hold one).
 A tied matrix is split by t only where the engine does so
-(`planner.engines.MemoryTraits.tied_vocab_parallel`): meshplan's executor keeps it
+(`planner.engines.TensorParallel.splits_tied_vocab`): DTensor TP keeps it
 replicated on every TP rank, Megatron splits it like an untied one.
 
 Chunks of pipeline rank r (n = pp * virtual_stages chunks in model order):
@@ -40,7 +40,7 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from planner.engines import get_engine
+from planner.engines import Engine, get_engine
 from planner.layout import Layout, balanced_layers, rank_chunks
 from planner.model.spec import ModelSpec
 
@@ -117,16 +117,16 @@ def _moe_layers_per_chunk(model: ModelSpec, lps: tuple[int, ...]) -> tuple[int, 
     return tuple(out)
 
 
-def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "meshplan") -> StageParams:
+def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str | Engine = "meshplan") -> StageParams:
     """Parameters pipeline rank `rank` holds under `layout` (layers_per_stage may be empty)."""
     return pipeline_params(model, layout, engine)[rank]
 
 
-def pipeline_params(model: ModelSpec, layout: Layout, engine: str = "meshplan") -> tuple[StageParams, ...]:
+def pipeline_params(model: ModelSpec, layout: Layout, engine: str | Engine = "meshplan") -> tuple[StageParams, ...]:
     """stage_params for every pipeline rank, computed once per distinct placement."""
     return _pipeline_params(model, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage,
                             layout.tp, layout.ep, layout.etp, layout.expert_dp_shard,
-                            tied_vocab_parallel=get_engine(engine).memory.tied_vocab_parallel)
+                            tied_vocab_parallel=get_engine(engine).tensor_parallel.splits_tied_vocab)
 
 
 @lru_cache(maxsize=16384)

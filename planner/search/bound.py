@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from planner.engines import DDP_BUCKET_BYTES, get_engine
+from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
 from planner.layout import (
     MESH_AXES,
     Layout,
@@ -140,14 +140,14 @@ class StepBound:
     dictionary look-ups per candidate.
     """
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str,
-                 attention: str = "", recompute_modules: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str | Engine,
+                 recompute_modules: tuple[str, ...] = ()) -> None:
         # Price the bound at the engine's speed, as simulate_step does; a faster
         # base profile would stay a valid bound but prune far less.
-        self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
-        self.recompute_modules = recompute_modules  # the search's --recompute-modules, on its selective level
         self.engine = get_engine(engine)
-        self.traits = self.engine.time_for(attention)
+        self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(self.engine.name)
+        self.recompute_modules = recompute_modules  # the search's --recompute-modules, on its selective level
+        self.overlap_dp = self.engine.data_parallel.overlaps_backward
         self.collectives = StepComm(cluster, Layout(), self.cal).model
         self._units: dict[tuple, tuple[float, float, float, float]] = {}
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
@@ -194,7 +194,7 @@ class StepBound:
         f_layer, b_layer = self._layers(units, fsdp, expert_s, host_scale, training, recompute, pp * v, maximum)
         ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
             self.end_times(Layout.trusted(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
-        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
+        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.overlap_dp,
                              schedule in CHAIN_BACK_SCHEDULES, maximum)
         return self._solo(best, pp)
 
@@ -225,7 +225,7 @@ class StepBound:
         hit = self._times.get(key)
         if hit is None:
             hit = self._times[key] = layer_host_scale(self.model, training, shape,
-                                                      training.fused_attention(self.traits.fused_attention))
+                                                      self.engine.fused_attention(training))
         return hit
 
     def expert(self, shape_key: tuple[int, ...], ep: int, etp: int, training: TrainingSpec) -> float:
@@ -313,14 +313,14 @@ class StepBound:
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
-                             training.fused_attention(self.traits.fused_attention),
+                             self.engine.fused_attention(training),
                              fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
                              cast_bytes=fp8_cast_bytes(training.precision, gpu))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
                 point = StepComm(self.cluster, Layout.trusted(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
-            hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
+            hidden = lt.backward_weight_s if self.engine.tensor_parallel.backward_overlap else 0.0
             recomputed = point * (2 * recomputed_fraction(layout, self.model.n_layers)
                                   + recomputed_comm(self.model, layout)[0])
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
@@ -413,7 +413,7 @@ class ShapeBound:
                                      self.expert_s, self.host_scale, self.training, recompute,
                                      self.shape.pp * self.shape.virtual_stages)
         best = chain_seconds(f_layer, b_layer, p.end_times(self.shape, self.training, micro_batch_size),
-                             self.per_replica // micro_batch_size, self.kinds, p.traits.overlap_dp, self.chain_back)
+                             self.per_replica // micro_batch_size, self.kinds, p.overlap_dp, self.chain_back)
         return p._solo(best, self.shape.pp)
 
 

@@ -197,7 +197,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine, attention,
+                   bound=StepBound(model, cluster, calibration, engine,
                                    (pins.recompute_modules or ()) if pins else ()),
                    usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile, async_tp=async_tp,
@@ -233,10 +233,7 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
     goes back with the bound of that recomputation.
     """
     recomputes = ctx.recompute_kinds()
-    if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
-        recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
-            ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
-    if not recomputes:
+    if not recomputes or get_engine(ctx.engine).model_refusal(ctx.model):  # a module the engine does not build
         return []
     partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
     by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
