@@ -209,7 +209,8 @@ def with_stage_layers(model: ModelSpec, layout: Layout) -> Layout:
     """Fill layers_per_stage with a balanced split when the layout leaves it empty."""
     if layout.layers_per_stage:
         return layout
-    return layout.replace(layers_per_stage=balanced_layers(model.n_layers, layout.pp * layout.virtual_stages))
+    # balanced_layers splits n_layers over exactly pp * virtual_stages chunks: valid by construction
+    return layout.trusted_replace(layers_per_stage=balanced_layers(model.n_layers, layout.pp * layout.virtual_stages))
 
 
 def validate(model: ModelSpec, cluster: Cluster, training: TrainingSpec, layout: Layout) -> None:

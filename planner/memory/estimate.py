@@ -140,7 +140,7 @@ published offload rows); over PCIe a large layer's copy can outlast it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
@@ -156,7 +156,7 @@ from planner.memory.activations import (
     output_activation_bytes,
 )
 from planner.memory.boundary import boundary_buffers
-from planner.memory.in_flight import first_stage_alive, in_flight_microbatches, output_in_flight
+from planner.memory.in_flight import first_stage_alive, in_flight_per_rank, output_in_flight
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
     Activations,
@@ -199,11 +199,24 @@ class MemoryEstimate:
     peak_phase: str  # planner.memory.phases.PHASES: when the worst rank peaks
     worst_phases: dict[str, Phase]  # the worst stage: phase -> (params, grads, optimizer, activations, comm)
     other_bytes: int  # the fixed overhead, in every phase
-    stages: tuple[tuple[StageBytes, StageParams, float], ...]  # every stage: its bytes, parameters, in-flight
     activations: Activations
     published: bool  # megatron / deepspeed: one phase with everything at once
     reserve_bytes: int = 0  # the worst stage's reserved - allocated (planner.memory.reserved), in `other`
-    stage_reserve_bytes: tuple[int, ...] = ()  # the same for every stage
+    # per distinct stage (id of its shared StageParams): its bytes and reserve; every rank's parameters and
+    # in-flight micro-batches. `stages` and `stage_reserve_bytes` are made from them on first access
+    _built: dict[int, tuple[StageBytes, int]] = field(default_factory=dict, repr=False)
+    _params: tuple[StageParams, ...] = ()
+    _in_flight: tuple[float, ...] = ()
+
+    @cached_property
+    def stages(self) -> tuple[tuple[StageBytes, StageParams, float], ...]:
+        """Every pipeline rank: its bytes, parameters and in-flight micro-batches."""
+        return tuple((self._built[id(sp)][0], sp, n) for sp, n in zip(self._params, self._in_flight, strict=True))
+
+    @cached_property
+    def stage_reserve_bytes(self) -> tuple[int, ...]:
+        """Every rank's reserved - allocated (planner.memory.reserved)."""
+        return tuple(self._built[id(sp)][1] for sp in self._params)
 
     def _breakdown(self, phase: Phase, reserve: int | None = None) -> dict[str, int]:
         reserve = self.reserve_bytes if reserve is None else reserve
@@ -275,13 +288,31 @@ def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     return int(cp_total), int(total)
 
 
-def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, *,
-                 fused: bool) -> Activations:
-    """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
+_PER_LAYER: dict[tuple, tuple[ModelSpec, TrainingSpec, Engine, float, float]] = {}
+
+
+def _layer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, fused: bool,
+                 autocast: bool) -> tuple[float, float]:
+    """(kept per layer, recompute transient) of one micro-batch, cached: a search asks for the same micro-batch,
+    tp, cp and recomputation over many data-parallel splits (the key holds what `_layer_bytes_of` reads; the
+    model, training and engine by identity, checked on a hit)."""
+    chunks = layout.pp * layout.virtual_stages if layout.recompute_layers else 0
+    key = (id(model), id(training), id(eng), layout.micro_batch_size, layout.tp, layout.cp, layout.sequence_parallel,
+           layout.recompute, layout.recompute_layers, layout.recompute_modules, chunks, fused, autocast)
+    hit = _PER_LAYER.get(key)
+    if hit is not None and hit[0] is model and hit[1] is training and hit[2] is eng:
+        return hit[3], hit[4]
+    per_layer, recomputed = _layer_bytes_of(model, training, layout, eng, fused, autocast)
+    if len(_PER_LAYER) > 16384:
+        _PER_LAYER.clear()
+    _PER_LAYER[key] = (model, training, eng, per_layer, recomputed)
+    return per_layer, recomputed
+
+
+def _layer_bytes_of(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, fused: bool,
+                    autocast: bool) -> tuple[float, float]:
     s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
     seq_par, d = layout.sequence_parallel, training.dtype_bytes
-    phased = eng.data_parallel.phased
-    autocast = phased and eng.autocast(layout, d)
     saves_gathered = eng.tensor_parallel.saves_gathered_inputs
     fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
@@ -300,6 +331,18 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: 
         # executor.parallel.context: attention saves the whole sequence's K/V, gathered from every cp rank and
         # repeated to the query heads (q_dim wide; kv_dim without GQA), beyond the local K/V the terms count
         per_layer += 2 * d * b * s * (model.q_dim - model.kv_dim / cp) / t
+    return per_layer, recomputed
+
+
+def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, *,
+                 fused: bool) -> Activations:
+    """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
+    s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
+    seq_par, d = layout.sequence_parallel, training.dtype_bytes
+    phased = eng.data_parallel.phased
+    autocast = phased and eng.autocast(layout, d)
+    saves_gathered = eng.tensor_parallel.saves_gathered_inputs
+    per_layer, recomputed = _layer_bytes(model, training, layout, eng, fused, autocast)
     # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward
     # (executor.model.Transformer.forward): one s-row copy for all blocks, left out
     vocab_parallel = not model.tie_embeddings or eng.tensor_parallel.splits_tied_vocab
@@ -380,35 +423,92 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     elif eng.fp8_primary_weights(training):  # ZeRO-3 gathers the blocks' 8-bit parameters
         build = partial(published_stage_bytes, block_gather_bytes=fp8_rowwise_bytes(training.precision))
     params = pipeline_params(model, layout, eng)
-    in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
-                                        layout.virtual_stages) for rank in range(layout.pp)]
-    # every phase grows with the in-flight micro-batches: of the ranks holding equal parameters
-    # (middle stages, one shared object: memory_params) only the one with the most can be the worst
+    in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
+    built: dict[int, tuple[StageBytes, int]] = {}  # per stage: bytes, reserved - allocated (planner.memory.reserved)
+    worst, worst_peak, worst_name, worst_phases, host_bytes, worst_reserve = -1, -1, "", {}, 0, 0
+    for key, rank in _busiest(params, in_flight).items():
+        sp = params[rank]
+        states = stage_states(model, training, layout, sp, eng, gpu.fp8_any_layout)
+        if phased:
+            sb = build(model, training, layout, sp, states, comm)._replace(attention_comm=cp_comm)
+        else:  # the papers' accounting: every buffer at once
+            sb = build(model, training, layout, sp, states, comm + cp_comm)
+        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
+        host_bytes = max(host_bytes, states.host + int(offloaded))
+        phases = phases_of(sb, sp, acts, in_flight[rank])
+        name, phase = peak_phase(phases)
+        reserve = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
+        built[key] = (sb, reserve)
+        peak = sum(phase) + reserve
+        if peak > worst_peak or (peak == worst_peak and rank < worst):
+            worst, worst_peak, worst_name, worst_phases, worst_reserve = rank, peak, name, phases, reserve
+    return MemoryEstimate(
+        worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
+        other, acts, not phased, worst_reserve, built, params, in_flight)
+
+
+_BUSIEST: dict[tuple[int, int], tuple[tuple, tuple, dict[int, int]]] = {}
+
+
+def _busiest(params: tuple[StageParams, ...], in_flight: tuple[float, ...]) -> dict[int, int]:
+    """Every phase grows with the in-flight micro-batches: of the ranks holding equal parameters (middle
+    stages, one shared StageParams object: planner.memory.params) only the one with the most can be the
+    worst. {id of a stage's parameters: that rank}, cached on the two (cached) tuples' identities."""
+    key = (id(params), id(in_flight))
+    hit = _BUSIEST.get(key)
+    if hit is not None and hit[0] is params and hit[1] is in_flight:
+        return hit[2]
     busiest: dict[int, int] = {}
     for rank, sp in enumerate(params):
         first = busiest.setdefault(id(sp), rank)
         if in_flight[rank] > in_flight[first]:
             busiest[id(sp)] = rank
-    built: dict[int, StageBytes] = {}
-    reserve: dict[int, int] = {}  # planner.memory.reserved, per stage: reserved - allocated
-    worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
-    for key, rank in busiest.items():
+    if len(_BUSIEST) > 4096:
+        _BUSIEST.clear()
+    _BUSIEST[key] = (params, in_flight, busiest)
+    return busiest
+
+
+def stage_state_floors(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
+                       fp8_any_layout: bool = True) -> dict[StageParams, tuple[int, int, int]]:
+    """{each distinct stage's StageParams: (parameters + compute copy + optimizer state, gradients,
+    parameters + gradients + optimizer: planner.memory.states.ModelStates.total) on one rank}, what
+    `peak_floor_bytes` adds to and the search's model-state check reads. None depends on the micro-batch;
+    the compute copy is the smallest any recomputation keeps (full recomputation's, planner.memory.states)."""
+    eng = get_engine(engine)
+    least_copy = layout.trusted_replace(recompute="full", recompute_layers=0, recompute_modules=())
+    out: dict[StageParams, tuple[int, int, int]] = {}
+    for sp in pipeline_params(model, layout, eng):
+        if sp not in out:
+            states = stage_states(model, training, least_copy, sp, eng, fp8_any_layout)
+            out[sp] = (states.params + states.compute_copy + states.optimizer, states.grads, states.total)
+    return out
+
+
+def peak_floor_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
+                     other_bytes: int, state_floors: dict[StageParams, tuple[int, int, int]]) -> int:
+    """A lower bound of `estimate_memory(...).peak_bytes` (same engine, attention kernel and fixed overhead)
+    that costs a few look-ups, for the search to rule out what cannot fit before estimating it.
+
+    Every rank's peak is at least its loss-backward phase (planner.memory.phases; the papers' one phase for
+    megatron and deepspeed), which holds the rank's parameters, compute copy and optimizer state, the
+    gradients of earlier micro-batches when there are several (every gradient in the papers' accounting),
+    never less than the step's own sharded ones (`stage_state_floors`), and the kept activations of its
+    in-flight micro-batches on the layers that stay on the GPU; every other term of that phase, and the
+    allocator's reserve, are never negative.
+    """
+    eng = get_engine(engine)
+    phased = eng.data_parallel.phased
+    autocast = phased and eng.autocast(layout, training.dtype_bytes)
+    per_layer, _ = _layer_bytes(model, training, layout, eng, eng.fused_attention(training), autocast)
+    params = pipeline_params(model, layout, eng)
+    in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
+    offloaded = layout.activation_offload_layers * layout.virtual_stages
+    with_grads = layout.grad_accum_steps > 1 or not phased
+    floor = 0.0
+    for rank in _busiest(params, in_flight).values():
         sp = params[rank]
-        states = stage_states(model, training, layout, sp, eng, gpu.fp8_any_layout)
-        if phased:
-            built[key] = sb = build(model, training, layout, sp, states, comm)._replace(attention_comm=cp_comm)
-        else:  # the papers' accounting: every buffer at once
-            built[key] = sb = build(model, training, layout, sp, states, comm + cp_comm)
-        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
-        host_bytes = max(host_bytes, states.host + int(offloaded))
-        phases = phases_of(sb, sp, acts, in_flight[rank])
-        name, phase = peak_phase(phases)
-        reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
-        peak = sum(phase) + reserve[key]
-        if peak > worst_peak or (peak == worst_peak and rank < worst):
-            worst, worst_peak, worst_name, worst_phases = rank, peak, name, phases
-    stage_reserve = tuple(reserve[id(sp)] for sp in params)
-    return MemoryEstimate(
-        worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
-        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased,
-        stage_reserve[worst], stage_reserve)
+        on_gpu = sp.layers - min(offloaded, sp.layers - 1) if sp.layers else 0
+        states, grads, _ = state_floors[sp]
+        floor = max(floor, states + (grads if with_grads else 0) + in_flight[rank] * on_gpu * per_layer)
+    return int(floor) + other_bytes

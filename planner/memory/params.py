@@ -36,6 +36,7 @@ most loaded rank when ZeroRedundancyOptimizer hands out whole tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
@@ -132,6 +133,21 @@ def pipeline_params(model: ModelSpec, layout: Layout, engine: str | Engine = "me
 @lru_cache(maxsize=16384)
 def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
                      etp: int, expert_shard: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+    """`_placement` with the expert ZeRO group filled in (equal stages still share one object)."""
+    stages = _placement(model, pp, v, schedule, lps, tp, ep, etp, tied_vocab_parallel=tied_vocab_parallel)
+    distinct: dict[int, StageParams] = {}
+    for sp in stages:
+        if id(sp) not in distinct:
+            distinct[id(sp)] = dataclasses.replace(sp, expert_shard=expert_shard)
+    return tuple(distinct[id(sp)] for sp in stages)
+
+
+@lru_cache(maxsize=4096)
+def _placement(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
+               etp: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+    """The parameters of every pipeline rank, with expert_shard 1: what does not depend on the data-parallel
+    split (dense models' stages are the same at every dp_shard)."""
+    expert_shard = 1
     lps = lps or balanced_layers(model.n_layers, pp * v)
     (plain_dense, _), (moe_dense, moe_experts) = layer_kind_params(model, tp, ep, etp)
     vocab_h = model.vocab * model.hidden

@@ -113,7 +113,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
 def model_states(model: ModelSpec, training: TrainingSpec, layout: Layout,
                  engine: str | Engine = "meshplan") -> ModelStates:
     """The model states of the pipeline stage with the most (params + grads + optimizer)."""
-    states = [stage_states(model, training, layout, sp, engine) for sp in pipeline_params(model, layout, engine)]
+    distinct = {id(sp): sp for sp in pipeline_params(model, layout, engine)}  # equal stages share one object
+    states = [stage_states(model, training, layout, sp, engine) for sp in distinct.values()]
     return max(states, key=lambda s: s.total)
 
 

@@ -155,6 +155,7 @@ class StepBound:
         self._chains: dict[tuple, tuple] = {}  # per pipeline: rank kinds with their tails at 0 (relaxed)
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
         self._times: dict[tuple, float | tuple[float, float]] = {}
+        self._group_shapes: dict[tuple, object] = {}  # _axes_key -> the CollectiveModel's GroupShape of that group
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
@@ -286,12 +287,16 @@ class StepBound:
         That group is the sums of k * stride over the axes (`group_offsets`), so it is keyed by the axes' sizes
         and strides: meshes that differ elsewhere share the price.
         """
-        key = (op, size_bytes, _axes_key(shape_key, axes))
+        axes_key = _axes_key(shape_key, axes)
+        key = (op, size_bytes, axes_key)
         hit = self._times.get(key)
         if hit is None:
-            group = group_offsets(shape_key, axes)
-            hit = self._times[key] = 0.0 if size_bytes <= 0 or len(group) < 2 else \
-                self.collectives.time_s(op, size_bytes, group) * self.cal.collective_scale.get(op, 1.0)
+            shape = self._group_shapes.get(axes_key)  # the group, reduced to what its price depends on, once
+            if shape is None:
+                group = group_offsets(shape_key, axes)
+                shape = self._group_shapes[axes_key] = self.collectives.group_shape(group) if len(group) > 1 else None
+            hit = self._times[key] = 0.0 if size_bytes <= 0 or shape is None else \
+                self.collectives.shape_time_s(op, size_bytes, shape) * self.cal.collective_scale.get(op, 1.0)
         return hit
 
     def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str | tuple[str, int]

@@ -39,8 +39,7 @@ import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, partial_recompute_options, recompute_fields
-from planner.memory.estimate import default_other_bytes
-from planner.memory.states import model_state_bytes
+from planner.memory.estimate import default_other_bytes, peak_floor_bytes, stage_state_floors
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
 from planner.search.bound import StepBound
@@ -96,6 +95,7 @@ class SearchStats:
     state_pruned: int = 0  # shapes whose model state alone does not fit
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
     memory_checks: int = 0
+    floor_pruned: int = 0  # memory checks a floor of the peak answered (planner.memory.estimate.peak_floor_bytes)
     simulated: int = 0
     bound_pruned: int = 0  # candidates never looked at again thanks to the bound
     unsupported: int = 0  # shapes meshplan's executor cannot run (engine meshplan only)
@@ -310,8 +310,9 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
 def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
                   recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
-    if sh.state_fits is None:
-        state = model_state_bytes(ctx.model, sh.training, sh.layout, ctx.engine) + ctx.other_bytes
+    if sh.state_fits is None:  # the model states alone (planner.memory.states.model_state_bytes)
+        sh.state_floors = stage_state_floors(ctx.model, sh.training, sh.layout, ctx.engine)
+        state = max(total for _, _, total in sh.state_floors.values()) + ctx.other_bytes
         sh.state_fits = state <= ctx.capacity_bytes
         if not sh.state_fits:
             ctx.stats.state_pruned += 1
@@ -321,8 +322,18 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
     smaller = [lv for m, lv in sh.levels.items() if m < mb]
     level = max([level, *smaller])
     while level < len(recomputes):
-        layout = sh.layout.trusted_replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
-                                           **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ()))
+        layout = with_stage_layers(ctx.model, sh.layout.trusted_replace(
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
+            **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ())))
+        # a floor of the peak first (planner.memory.estimate.peak_floor_bytes): what cannot fit by its
+        # states and kept activations alone, and cannot come closer than the nearest miss so far (whose
+        # figure the infeasibility message names), is never estimated in full
+        if ctx.near_miss is not None:
+            floor = peak_floor_bytes(ctx.model, sh.training, layout, ctx.engine, ctx.other_bytes, sh.state_floors)
+            if floor > ctx.capacity_bytes and floor >= ctx.near_miss.needed_bytes:
+                ctx.stats.floor_pruned += 1
+                level += 1
+                continue
         memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
 from planner.layout import Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
-from planner.memory.params import layer_params_split, stage_params
+from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
@@ -296,9 +296,8 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
-          cal: CalibrationProfile, overlap_dp: bool, rank: int, last_backward_s: float) -> dict[str, float]:
-    """Exposed work of one pipeline rank after its last backward: DP reduction, optimizer, gathers."""
-    sp = stage_params(model, layout, rank)
+          cal: CalibrationProfile, overlap_dp: bool, sp: StageParams, last_backward_s: float) -> dict[str, float]:
+    """Exposed work of one pipeline rank holding `sp` after its last backward: DP reduction, optimizer, gathers."""
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
     if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
@@ -381,8 +380,12 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
                                                        comm_kinds)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     overlap_dp = eng.data_parallel.overlaps_backward
-    tails = [_tail(model, training, layout, comm, cluster, cal, overlap_dp, r, pipe.last_backward_s[r])
-             for r in range(layout.pp)]
+    tails, seen = [], {}  # ranks holding equal parameters (one shared StageParams) with equal last backwards
+    for sp, last_b in zip(pipeline_params(model, layout), pipe.last_backward_s, strict=True):
+        key = (id(sp), last_b)
+        if key not in seen:
+            seen[key] = _tail(model, training, layout, comm, cluster, cal, overlap_dp, sp, last_b)
+        tails.append(seen[key])
     finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
     step = max(finish)
     r = finish.index(step)

@@ -92,3 +92,29 @@ def test_megatron_llama3_8b_cp2_fits_80gb():
     assert best.result.memory.peak_bytes < 80e9
     eager = step_memory(model, best.training.replace(attention="eager"), best.layout, cluster, engine="megatron")
     assert eager.peak_bytes > best.result.memory.peak_bytes
+
+
+@pytest.mark.parametrize("model_name,gpus,engine", [("13B", 16, "meshplan"), ("70B", 64, "megatron"),
+                                                    ("8B", 8, "torchtitan@2025-10"), ("70B", 64, "deepspeed"),
+                                                    ("mixtral-8x7b", 16, "meshplan")])
+def test_the_memory_floor_is_never_above_the_estimate(model_name, gpus, engine, monkeypatch):
+    """The search rules candidates out by planner.memory.estimate.peak_floor_bytes before estimating them:
+    on every layout it estimates, the floor is at or below the estimate (and not a loose one)."""
+    from planner.memory.estimate import peak_floor_bytes, stage_state_floors
+
+    ratios = []
+    real = search_module.step_memory
+
+    def checked(model, training, layout, cluster, calibration, eng):
+        memory = real(model, training, layout, cluster, calibration, eng)
+        floors = stage_state_floors(model, training, layout, eng, cluster.gpu.fp8_any_layout)
+        floor = peak_floor_bytes(model, training, layout, eng, memory.other_bytes, floors)
+        assert floor <= memory.peak_bytes, (layout, floor, memory.peak_bytes)
+        ratios.append(floor / memory.peak_bytes)
+        return memory
+
+    monkeypatch.setattr(search_module, "step_memory", checked)
+    model = load_model(model_name)
+    result = search_module.search(model, load_cluster("dgx-h100", gpus), min(model.max_seq_len, 4096), engine=engine)
+    assert result.ranked and len(ratios) > 50
+    assert max(ratios) > 0.8  # tight where it matters: near the GPU's capacity
