@@ -108,10 +108,9 @@ def profiles() -> dict[str, CalibrationProfile]:
 
 
 def simulate(row: DgxcRow, profile: CalibrationProfile):
-    """One row's step with its recipe's userbuffers SM claims (`traits()`: DGX Cloud rows and the
-    Megatron-Bridge rows of the GB200 fit alike)."""
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
-                         traits=row.traits())
+    """One row's step on its engine release, with its recipe's userbuffers config (TrainingSpec.tp_overlap_cfg:
+    DGX Cloud rows and the Megatron-Bridge rows of the GB200 fit alike)."""
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 
 def predict(row: DgxcRow, profile: CalibrationProfile) -> float:

@@ -132,8 +132,7 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
 
 def simulate_with(row: PerfRow, profile):
     """One row's step under `profile`, with its script's userbuffers SM claims where it overlapped TP."""
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine,
-                         traits=row.traits())
+    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 
 def results(rows: list[PerfRow], overrides: Overrides | None = None) -> dict[str, tuple[float, int, int]]:

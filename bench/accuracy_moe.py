@@ -80,6 +80,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from dgxc_rows import MEGATRON_RELEASE  # noqa: E402
 
 from planner.layout import Layout  # noqa: E402
 from planner.model.presets import PRESETS  # noqa: E402
@@ -250,7 +253,7 @@ def predict(row: MoERow, bases: dict[str, CalibrationProfile], moe: dict[str, fl
         profile = profile.replace(**{key.partition("@")[0]: v for key, v in moe.items()
                                      if key.partition("@")[2] in ("", row.gpu)})
     return simulate_step(row.model, row.training, row.layout, row.cluster(), profile,
-                         engine="megatron").step_time_s
+                         engine=MEGATRON_RELEASE[row.release]).step_time_s
 
 
 def fit(rows: list[MoERow], bases: dict[str, CalibrationProfile]) -> dict[str, float]:

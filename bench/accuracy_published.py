@@ -8,8 +8,8 @@ stacks, each row citing its table:
   simulated as engine "meshplan" (eager PyTorch, FSDP);
 * nemo-dgxc: NVIDIA's DGX Cloud benchmarks of NeMo 24.09 (Megatron-Core +
   Transformer Engine): Llama 3.1 8B/70B/405B, GPT-3 175B, Nemotron-4 15B,
-  TP/PP/CP/interleaving on 8-2,304 GPUs; simulated as engine "megatron"
-  with Megatron-Core's traits (TRAITS below).
+  TP/PP/CP/interleaving on 8-2,304 GPUs; simulated as engine
+  "megatron@core-0.9" (NeMo 24.09's Megatron-Core).
 
 torchtitan's FSDP2 rows are listed but kept out of the MAPE: they ran on
 500 W, HBM2e H100s whose peak is not published (bench/accuracy_torchtitan_h100.py
@@ -37,7 +37,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.engines import TimeTraits, get_engine  # noqa: E402
 from planner.layout import Layout  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
 from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
@@ -48,10 +47,6 @@ from topologies.cluster_load import load_cluster  # noqa: E402
 
 DATA = REPO / "bench" / "data" / "h100_published.json"
 GPU = "h100-sxm"
-# NeMo 24.09 runs Megatron-Core with Transformer Engine, which is what the
-# "megatron" engine models (planner.engines.ENGINES).
-TRAITS = {"meshplan": get_engine("meshplan").time, "megatron-core": get_engine("megatron").time,
-          "torchtitan": get_engine("torchtitan").time}
 # Validation models are never seen by the fit: whole model families held out.
 FIT_MODELS = ("mpt-760m", "mpt-3b", "mpt-13b", "mpt-70b", "llama3.1-8b", "llama3.1-405b-nemo", "nemotron4-15b")
 # Per source and split. The A100 multi-node target (10%, as tests/unit/test_accuracy.py), tighter than
@@ -71,8 +66,7 @@ class Published:
     seq_len: int
     gpus: int
     layout: Layout
-    engine: str
-    traits: TimeTraits
+    engine: str  # NAME@RELEASE (the source's "engine")
     measured_s: float  # step time
     in_mape: bool
     num_params: int | None  # as published, when the source prints it
@@ -107,7 +101,7 @@ def _row(rec: dict[str, Any], models: dict[str, Any], sources: dict[str, Any]) -
                     pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
     step = rec.get("step_time_s") or gbs * rec["seq_len"] / rec["tokens_per_s"]
     return Published(rec["id"], rec["source"], model, rec["seq_len"], rec["gpus"], layout, src["engine"],
-                     TRAITS[src["traits"]], step, src["in_mape"], rec.get("num_params"))
+                     step, src["in_mape"], rec.get("num_params"))
 
 
 def load_rows(path: Path = DATA) -> list[Published]:
@@ -117,7 +111,7 @@ def load_rows(path: Path = DATA) -> list[Published]:
 
 def predict(row: Published, profile: CalibrationProfile) -> float:
     return simulate_step(row.model_spec, row.training(), row.layout, row.cluster(), profile,
-                         engine=row.engine, traits=row.traits).step_time_s
+                         engine=row.engine).step_time_s
 
 
 def errors(rows: list[Published], profile: CalibrationProfile) -> list[float]:

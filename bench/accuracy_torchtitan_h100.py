@@ -53,6 +53,7 @@ HBM_GIB = 96 * 1e9 / GIB  # 96 GB
 # `--fit` on FIT_ROW only (2026-11-24: 0.77 -> that row -0.0%)
 POWER_CAP_FLOPS_FRACTION = 0.777
 FIT_ROW = "t1-8b-8g-fsdp"
+ENGINE = "torchtitan@2024-12"  # 9dec370, the benchmark's commit (planner.engines.torchtitan)
 TARGET_MAPE = 0.12  # the dense target of bench/accuracy_holdout.py, on rows the fit never saw
 
 
@@ -149,7 +150,7 @@ def plan_of(row: TitanRow) -> tuple:
 
 def simulate(row: TitanRow, fraction: float = POWER_CAP_FLOPS_FRACTION):
     model, training, layout = plan_of(row)
-    return simulate_step(model, training, layout, cluster_for(row.gpus, fraction), engine="torchtitan")
+    return simulate_step(model, training, layout, cluster_for(row.gpus, fraction), engine=ENGINE)
 
 
 def fit_fraction(row: TitanRow) -> float:

@@ -36,7 +36,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from planner.engines import MEGATRON_DEEPSPEED_2022  # noqa: E402
 from planner.layout import Layout  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
 from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
@@ -104,7 +103,7 @@ def load_rows(kind: str, data_dir: Path = DATA) -> list[Row]:
 
 def predict(row: Row, profile: CalibrationProfile) -> float:
     return simulate_step(row.model(), row.training(), row.layout(), row.cluster(), profile,
-                         engine="megatron", traits=MEGATRON_DEEPSPEED_2022).step_time_s
+                         engine="megatron@2022").step_time_s
 
 
 def errors(rows: list[Row], profile: CalibrationProfile) -> list[float]:

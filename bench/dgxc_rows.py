@@ -32,7 +32,8 @@ what the source states:
   nemotron4_340b: MegatronCommOverlapCallback(tp_comm_overlap=True); the
   dgxc pretrain_llama31.py asserts the callback and sets its ub config).
   What each overlap's communication kernels take from the GEMMs
-  (DgxcRow.ub_sms, priced by planner.simulate.tp_overlap.sm_share_s) is
+  (TrainingSpec.tp_overlap_cfg, `--recipe tp_overlap_cfg=NAME`; priced by
+  planner.simulate.tp_overlap.sm_share_s) is
   the recipe's userbuffers config (UB_CONFIGS: NeMo's
   tp_overlap_configs/userbuffers.py, by GPU, hidden size and precision);
   where NeMo ships none for the shape (Nemotron-4 15B and 340B on H100) the
@@ -59,10 +60,9 @@ dense rows fails the token/step-time identity.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from planner.engines import TE_UB_DEFAULT, CommSms, TimeTraits, TpOverlapSms, get_engine
 from planner.layout import Layout
 from planner.model.spec import ModelSpec
 from planner.training import TrainingSpec
@@ -76,45 +76,26 @@ DATA = next((p / "shared" / "data" / "published" / "dgxc.json" for p in (_REPO.p
             _REPO.parent / "shared" / "data" / "published" / "dgxc.json")
 CLUSTERS = {"h100-sxm": "dgx-h100", "gb200": "gb200-nvl72"}
 FAMILY = {"h100-sxm": "h100", "gb200": "gb200"}
+# The Megatron-Core release of each DGX Cloud release's NeMo container (the rows' `src`: NeMo 24.05 in
+# v24.11.1, 24.12 in v25.02 and v25.02.01, 25.02.01 in v25.04, 25.04 in v25.05 and v25.05.04)
+MEGATRON_RELEASE = {"v24.11.1": "megatron@core-0.7", "v25.02": "megatron@core-0.10", "v25.02.01": "megatron@core-0.10",
+                    "v25.04": "megatron@core-0.11", "v25.05": "megatron@core-0.12", "v25.05.04": "megatron@core-0.12"}
 
-
-def _ub(proj: CommSms, fc2: CommSms, qkv_dgrad: int, fc1_dgrad: int, qkv_wgrad: int, fc1_wgrad: int
-        ) -> TpOverlapSms:
-    """A NeMo userbuffers config: proj/fc2 fprop reduce-scatters as given, the bulk backward overlaps
-    with num_sm SMs and set_sm_margin False (every NeMo config sets it so for bulk)."""
-    return TpOverlapSms((proj, fc2), (CommSms(qkv_dgrad, False), CommSms(fc1_dgrad, False)),
-                        (CommSms(qkv_wgrad, False), CommSms(fc1_wgrad, False)))
-
-
-RING = CommSms(1, True)  # RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True)
-
-
-def _pipe(sms: int) -> CommSms:  # PipelineOverlapCfg(num_sm=sms, set_sm_margin=True)
-    return CommSms(sms, True)
-
-
-# NeMo (v2.2-2.3) nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, keyed by
-# (gpu, hidden, fp8): userbuffers_{bf16,fp8}_{h100,b200}_h<hidden>_tp<t>... as the performance
-# recipes pick them (gpt3_175b, llama3_70b, llama31_405b, nemotron4_340b; the b200 configs on GB200).
-UB_CONFIGS: dict[tuple[str, int, bool], TpOverlapSms] = {
-    ("h100-sxm", 12288, False): _ub(_pipe(24), RING, 4, 2, 4, 4),  # h12288_tp4_mbs1_seqlen2048
-    ("h100-sxm", 12288, True): _ub(_pipe(24), RING, 4, 2, 4, 4),
-    ("h100-sxm", 8192, False): _ub(_pipe(24), _pipe(16), 4, 2, 24, 4),  # h8192_tp4_mbs1_seqlen8192
-    ("h100-sxm", 8192, True): _ub(_pipe(24), _pipe(16), 4, 2, 24, 4),
-    ("h100-sxm", 16384, False): _ub(_pipe(24), _pipe(8), 2, 2, 24, 2),  # h16384_tp8_cp2_mbs1_seqlen8192
-    ("h100-sxm", 16384, True): _ub(_pipe(24), _pipe(8), 2, 2, 24, 2),
-    ("gb200", 16384, False): _ub(_pipe(32), _pipe(8), 8, 2, 24, 2),  # b200_h16384_tp4_cp2_mbs1_seqlen8192
-    ("gb200", 16384, True): _ub(RING, RING, 8, 2, 32, 8),
-    # b200_h18432_tp8_mbs1_seqlen4096 (bf16 only in NeMo; taken for the fp8 rows as well)
-    ("gb200", 18432, False): _ub(RING, _pipe(24), 8, 2, 32, 8),
-    ("gb200", 18432, True): _ub(RING, _pipe(24), 8, 2, 32, 8),
+# The userbuffers config each NeMo performance recipe picks (planner.engines.megatron.NEMO_UB_CONFIGS),
+# keyed by (gpu, hidden, fp8); the b200 configs run on GB200, and the GB200 h18432 fp8 rows take the bf16
+# config (NeMo has no fp8 one for that shape). A shape missing here ran Transformer Engine's defaults.
+UB_CONFIGS: dict[tuple[str, int, bool], str] = {
+    ("h100-sxm", 12288, False): "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048",
+    ("h100-sxm", 12288, True): "userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048",
+    ("h100-sxm", 8192, False): "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192",
+    ("h100-sxm", 8192, True): "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192",
+    ("h100-sxm", 16384, False): "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192",
+    ("h100-sxm", 16384, True): "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192",
+    ("gb200", 16384, False): "userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192",
+    ("gb200", 16384, True): "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192",
+    ("gb200", 18432, False): "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096",
+    ("gb200", 18432, True): "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096",
 }
-
-
-def recipe_traits(engine: str, ub_sms: TpOverlapSms | None) -> TimeTraits:
-    """The engine's time traits, with a row's userbuffers SM claims where its recipe overlapped TP."""
-    base = get_engine(engine).time
-    return replace(base, tp_overlap_sms=ub_sms) if ub_sms is not None else base
 
 
 @dataclass(frozen=True)
@@ -132,10 +113,6 @@ class DgxcRow:
     measured_s: float
     reason: str = ""
     tp_comm_overlap: bool = False  # the recipe overlapped TP communication with its GEMMs (module docstring)
-    ub_sms: TpOverlapSms | None = None  # its userbuffers config's SM claims (module docstring); None: no overlap
-
-    def traits(self) -> TimeTraits:
-        return recipe_traits(self.engine, self.ub_sms)
 
     @property
     def expressible(self) -> bool:
@@ -190,15 +167,15 @@ def _row(rec: dict, tp_overlap: bool = False) -> DgxcRow:
     # nemo.collections.llm.recipes.precision.mixed_precision (bf16_with_fp8_mixed, bf16_with_mxfp8_mixed:
     # fp8_param_gather=True): 8-bit parameters, no bf16 weights (planner.engines.TE_FP8)
     nemo2_recipes = not jax and rec["id"].startswith(("dgxc-v25.04", "dgxc-v25.05"))
+    async_tp = tp_overlap and overlapped
     training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
                             attention="fused", compile=jax, grad_dtype="bf16" if nemo2 else "fp32",
-                            async_tp=tp_overlap and overlapped,
-                            fp8_params=nemo2_recipes and precision in ("fp8", "mxfp8"))
+                            async_tp=async_tp, fp8_params=nemo2_recipes and precision in ("fp8", "mxfp8"),
+                            tp_overlap_cfg=UB_CONFIGS.get((gpu, model.hidden, precision != "bf16"), "") if async_tp
+                            else "")
     common = dict(id=rec["id"], source=source, model=rec["model"], gpu=gpu, precision=precision, model_spec=model,
-                  training=training, engine="meshplan" if jax else "megatron", gpus=rec["gpus"],
-                  measured_s=rec["step_time_s"], tp_comm_overlap=overlapped,
-                  ub_sms=UB_CONFIGS.get((gpu, model.hidden, precision != "bf16"), TE_UB_DEFAULT) if overlapped
-                  else None)
+                  training=training, engine="meshplan" if jax else MEGATRON_RELEASE[rec["id"].split("-")[1]],
+                  gpus=rec["gpus"], measured_s=rec["step_time_s"], tp_comm_overlap=overlapped)
     lps = _stage_layers(model.n_layers, pp * vp)
     if lps is None:
         return DgxcRow(layout=None, reason=f"{model.n_layers} layers over pp*vp = {pp * vp} chunks leaves "

@@ -1,4 +1,4 @@
-"""How bench/accuracy_holdout.py builds a plan from each published row: layout, recipe, engine traits.
+"""How bench/accuracy_holdout.py builds a plan from each published row: layout, recipe, engine release.
 
 torchtitan rows run as engine "torchtitan": FSDP2 over every GPU (ZeRO-3),
 their stated checkpointing ("op" = per-op SAC, "full"; "selective layer",
@@ -40,7 +40,7 @@ Each NeMo row is planned with its stated layout and recipe, engine "megatron":
   NVFP4 on Blackwell; CommOverlapConfig drops it where tp = 1) and pick a
   userbuffers config by GPU and precision, whose SM claims
   (BRIDGE_UB_CONFIGS, from src/megatron/bridge/training/comm_overlap.py)
-  ride as the row's engine traits; every Blackwell part takes the b200
+  ride as the row's tp_overlap_cfg (the userbuffers config by name); every Blackwell part takes the b200
   config. The MoE rows with tp > 1 (Qwen3-235B on H100) ran without it
   (scripts/performance/configs/qwen/qwen3_llm_pretrain.py:
   tp_comm_overlap=False). The files read are the repository's current ones,
@@ -78,9 +78,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from bridge_moe_recipes import deepseek_v3_chunk_layers  # noqa: E402
 from bridge_moe_recipes import recipe as moe_recipe  # noqa: E402
 from bridge_moe_recipes import unmodelled as moe_unmodelled  # noqa: E402
-from dgxc_rows import RING, _stage_layers, _ub, recipe_traits  # noqa: E402
+from dgxc_rows import _stage_layers  # noqa: E402
 
-from planner.engines import TimeTraits, TpOverlapSms, get_engine  # noqa: E402
+from planner.engines import get_engine  # noqa: E402
 from planner.layout import Layout, balanced_layers  # noqa: E402
 from planner.model.presets import PRESETS  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
@@ -94,14 +94,20 @@ DATA = (REPO / "bench" / "data" / "nemo_perf_summary.json", REPO / "bench" / "da
 CLUSTERS = {"a100": "dgx-a100-80g", "h100": "dgx-h100", "h200": "dgx-h200", "b200": "dgx-b200", "b300": "dgx-b300",
             "gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
 FLOPS_TOLERANCE = 0.03  # per-token Model TFLOP/s spread allowed within one model and sequence length
-# Megatron-Bridge userbuffers configs (src/megatron/bridge/training/comm_overlap.py) the Llama performance
-# scripts pick for fp8/mxfp8, keyed by (H100 or Blackwell, hidden): userbuffers_fp8_{h100,b200}_h<hidden>_...
-BRIDGE_UB_CONFIGS: dict[tuple[bool, int], TpOverlapSms] = {
-    (False, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_h100_h8192_tp4_mbs1_seqlen8192
-    (False, 16384): _ub(RING, RING, 2, 2, 24, 2),  # fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192
-    (True, 8192): _ub(RING, RING, 4, 2, 24, 4),  # fp8_b200_h8192_tp2_mbs1_seqlen8192
-    (True, 16384): _ub(RING, RING, 8, 2, 32, 8),  # fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192
+# Megatron-Bridge userbuffers configs (planner.engines.megatron.BRIDGE_UB_CONFIGS) the Llama performance
+# scripts pick for fp8/mxfp8, keyed by (H100 or Blackwell, hidden)
+BRIDGE_UB_CONFIGS: dict[tuple[bool, int], str] = {
+    (False, 8192): "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192",
+    (False, 16384): "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192",
+    (True, 8192): "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192",
+    (True, 16384): "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192",
 }
+# The engine release each source ran: Megatron-Core of each NeMo container (24.07: core 0.8; Megatron-Bridge
+# 25.09/25.11/26.02: core 0.14/0.15/0.16), torchtitan's commits (planner.engines.torchtitan)
+ENGINE_RELEASE = {("nemo-24.07", "24.07"): "megatron@core-0.8", ("megatron-bridge", "25.09"): "megatron@core-0.14",
+                  ("megatron-bridge", "25.11"): "megatron@core-0.15", ("megatron-bridge", "26.02"): "megatron@core-0.16",
+                  ("torchtitan", "2024 (docs/performance.md)"): "torchtitan@2024-04",
+                  ("torchtitan", "2025-06"): "torchtitan@2025-06"}
 BRIDGE_TP_OVERLAP_MODELS = ("llama3-70b", "llama3-405b")  # dense recipes with tp_comm_overlap=True
 
 
@@ -126,7 +132,6 @@ class PerfRow:
     reason: str = ""
     ga_mismatch: bool = False  # the table's GA disagrees with GBS / (dp * MBS)
     moe_recipe: str = ""  # MoE recipe options of the row's Megatron-Bridge preset not modelled (bench/bridge_moe_recipes)
-    ub_sms: TpOverlapSms | None = None  # the recipe's userbuffers SM claims where it overlapped TP (BRIDGE_UB_CONFIGS)
 
     @property
     def expressible(self) -> bool:
@@ -134,9 +139,6 @@ class PerfRow:
 
     def cluster(self) -> Cluster:
         return load_cluster(CLUSTERS[self.gpu], self.gpus)
-
-    def traits(self) -> TimeTraits:
-        return recipe_traits(self.engine, self.ub_sms)
 
 
 def _model(name: str, models: dict, seq: int, no_mtp: bool) -> ModelSpec:
@@ -164,7 +166,7 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     label = rec["model"] + (" (no MTP)" if rec.get("no_mtp") else "")  # fewer model FLOPs per token
     common = dict(id=rec["id"], source=rec["source"], release=rec["release"], gpu=rec["system"],
                   precision=rec["precision"], model=label, moe=moe, gpus=gpus,
-                  measured_s=gbs * seq / (tps * gpus), engine=rec.get("engine", "megatron"),
+                  measured_s=gbs * seq / (tps * gpus), engine=ENGINE_RELEASE[(rec["source"], rec["release"])],
                   tflops_per_token=rec["model_tflops_per_gpu"] / tps if rec["model_tflops_per_gpu"] else None,
                   memory_gib=rec.get("memory_gib"), unmodelled=", ".join(unmodelled),
                   ga_mismatch=bool(rec.get("ga")) and rec["ga"] * (gpus // (tp * pp * cp)) * mb != gbs)
@@ -183,16 +185,15 @@ def _row(rec: dict, models: dict, tp_overlap: bool = True) -> PerfRow:
     # src/megatron/bridge/training/mixed_precision.py), Transformer Engine's cross entropy for every model
     # (scripts/performance/utils/overrides.py: cross_entropy_fusion_impl="te", the provider's
     # cross_entropy_loss_fusion=True)
-    # torchtitan compiles its loss with --training.compile from 2025-04 (build_cross_entropy_loss, bbb1b616e)
-    titan_compiled_loss = rec.get("engine") == "torchtitan" and bool(rec.get("compile")) and \
-        rec["release"][:7] >= "2025-04"
+    # (torchtitan compiles its loss with --training.compile from its 2025-06 release: the engine's rule)
     training = TrainingSpec(seq_len=seq, global_batch_size=gbs, dtype="bf16", precision=rec["precision"],
                             attention="fused", grad_dtype="bf16" if bf16_grads else "fp32",
                             compile=bool(rec.get("compile")), async_tp=overlapped,
                             fp8_params=bridge and rec["precision"] in ("fp8", "mxfp8"),
-                            fused_cross_entropy=bridge or titan_compiled_loss)
-    if overlapped:  # the script's fp8 userbuffers config (every row here is fp8 or mxfp8)
-        common["ub_sms"] = BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)]
+                            fused_cross_entropy=bridge,
+                            # the script's fp8 userbuffers config (every overlapped row here is fp8 or mxfp8)
+                            tp_overlap_cfg=BRIDGE_UB_CONFIGS[(rec["system"] != "h100", model.hidden)] if overlapped
+                            else "")
     if moe and bridge:  # the preset's MoE options (bench/bridge_moe_recipes.py)
         preset = moe_recipe(rec["release"], rec["system"], rec["model"])
         training = training.replace(moe_router_fusion=True, cuda_graphs=preset.cuda_graphs,

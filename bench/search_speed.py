@@ -10,10 +10,12 @@ collective prices cached yet. Each figure is the best and the median of
 `--runs` such processes, as wall time and as the process's CPU time (on a
 shared machine the wall time also counts other processes' turns on the core).
 
-1. The two 16,384-H100 searches the search must finish in under a second:
-   `plan --model 1T --gpus 16384` (gpt-1t, Megatron-LM's 1T configuration,
-   the default engine, every precision-independent dimension and recompute
-   mode searched) and `plan --model kimi-k2 --gpus 16384 --engine megatron`
+1. The 16,384-H100 searches: `plan --model 1T --gpus 16384` (gpt-1t,
+   Megatron-LM's 1T configuration, the default engine, every
+   precision-independent dimension and recompute mode searched), the same
+   model as a Hugging Face GPT-2 config.json at global batch 8192
+   (bench/data/gpt_1t_hf_config.json: 74,515 candidates, most of them ruled
+   out by memory) and `plan --model kimi-k2 --gpus 16384 --engine megatron`
    (the 1T mixture of experts, 384 experts, ep and etp searched as well),
    each at the sequence length `plan` picks: the search alone (cold: the first
    search of the process; the time inside `simulate_step` split out), then
@@ -39,9 +41,11 @@ sys.path.insert(0, str(REPO))
 
 PLAN = [sys.executable, str(REPO / "cli.py"), "plan"]
 PLAN_13B = [*PLAN, "--model", "13B", "--gpus", "16"]
-SEARCHES = {  # name -> (model, engine): the 16,384-GPU searches of the module docstring
-    "dense 1T": ("gpt-1t", "meshplan"),
-    "Kimi-K2": ("kimi-k2", "megatron"),
+HF_1T = str(REPO / "bench" / "data" / "gpt_1t_hf_config.json")
+SEARCHES = {  # name -> (model, engine, global batch or 0 for plan's default): the 16,384-GPU searches above
+    "dense 1T": ("gpt-1t", "meshplan", 0),
+    "dense 1T HF config": (HF_1T, "meshplan", 8192),
+    "Kimi-K2": ("kimi-k2", "megatron", 0),
 }
 
 
@@ -50,7 +54,7 @@ def _one_core() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-def search_once(model_name: str, engine: str) -> None:
+def search_once(model_name: str, engine: str, global_batch: int = 0) -> None:
     """One cold search in this (fresh) process, at the sequence length `plan` picks; prints one tab-separated line."""
     from planner.model.load import load_model
     from planner.search.search import search
@@ -59,7 +63,7 @@ def search_once(model_name: str, engine: str) -> None:
 
     model, cluster = load_model(model_name), load_cluster("dgx-h100", 16384)
     wall, cpu = time.perf_counter(), time.process_time()
-    result = search(model, cluster, default_seq_len(model.max_seq_len), engine=engine)
+    result = search(model, cluster, default_seq_len(model.max_seq_len), global_batch or None, engine=engine)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     s, best = result.stats, result.best
     lay = best.layout
@@ -76,17 +80,19 @@ def _stats(values: list[float]) -> str:
 
 def time_search(label: str, runs: int) -> None:
     """search_once in `runs` fresh processes on one core."""
-    model_name, engine = SEARCHES[label]
+    model_name, engine, batch = SEARCHES[label]
     rows = []
     for _ in range(runs):
-        proc = subprocess.run([sys.executable, __file__, "--child", model_name, "--child-engine", engine],
+        proc = subprocess.run([sys.executable, __file__, "--child", model_name, "--child-engine", engine,
+                               "--child-batch", str(batch)],
                               capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO)
         if proc.returncode != 0:
             raise SystemExit(f"search failed: {proc.stderr}")
         rows.append(proc.stdout.strip().split("\t"))
     wall, cpu, sim = ([float(r[i]) for r in rows] for i in range(3))
     simulated, shapes, candidates, layout = rows[0][3:]
-    print(f"{label} ({model_name}, engine {engine}) on 16,384 x H100, search alone, cold, over {runs} processes: "
+    print(f"{label} ({Path(model_name).name}, engine {engine}) on 16,384 x H100, search alone, cold, over {runs} "
+          "processes: "
           f"wall {_stats(wall)}; CPU {_stats(cpu)}; wall inside simulate_step {_stats(sim)} ({simulated} calls); "
           f"{shapes} shapes, {candidates} candidates")
     print(f"  best: {layout}")
@@ -125,16 +131,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per figure")
     parser.add_argument("--child", metavar="MODEL", help=argparse.SUPPRESS)  # one fresh search process
     parser.add_argument("--child-engine", default="megatron", help=argparse.SUPPRESS)
+    parser.add_argument("--child-batch", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        search_once(args.child, args.child_engine)
+        search_once(args.child, args.child_engine, args.child_batch)
         return
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     if not args.quick:
-        for label, (model_name, engine) in SEARCHES.items():
+        for label, (model_name, engine, batch) in SEARCHES.items():
             time_search(label, args.runs)
-            time_cli([*PLAN, "--model", model_name, "--gpus", "16384", "--engine", engine], args.runs)
+            time_cli([*PLAN, "--model", model_name, "--gpus", "16384", "--engine", engine,
+                      *(("--global-batch", str(batch)) if batch else ())], args.runs)
     time_cli(PLAN_13B, runs=args.runs)
     imports_13b()
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

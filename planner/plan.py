@@ -10,6 +10,11 @@ otherwise), which `execute` starts from and the launch exports carry as
 (rope theta 10,000, no scaling, eps 1e-5, softmax top-k renormalized, no
 weights).
 
+The engine is recorded by name ("engine", as before) and release
+("engine_release", the release its prediction modelled: planner.engines, e.g.
+"2025-06" for torchtitan@2025-06); a plan without "engine_release" was made
+before releases were modelled and loads as the engine's newest release.
+
 Version 2 added the training keys precision, attention and compile (and the
 "op" recompute kind); a version-1 plan still loads, with precision = its
 dtype, the engine's attention kernel and no compile. zero_stage shards over
@@ -92,7 +97,7 @@ class Plan:
     cluster: Cluster
     training: TrainingSpec
     layout: Layout  # plan.json's "parallel"
-    engine: str = "meshplan"  # whose precision recipe the memory prediction assumes
+    engine: str = "meshplan"  # whose step the prediction models: NAME or NAME@RELEASE (planner.engines)
     prediction: Prediction | None = None
     alternatives: tuple[dict[str, Any], ...] = ()
     explanation: tuple[str, ...] = ()
@@ -101,7 +106,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         validate(self.model, self.cluster, self.training, self.layout)
-        get_engine(self.engine)  # a PlanError naming the engines when unknown
+        get_engine(self.engine)  # a PlanError naming the engines and releases when unknown
         if self.weights_dir is not None and (not isinstance(self.weights_dir, str) or not self.weights_dir):
             raise PlanError(f"plan.json weights_dir must be a directory path or null, got {self.weights_dir!r}")
 
@@ -117,7 +122,8 @@ class Plan:
             "training": self.training.to_json(),
             "parallel": self.layout.to_json(),
             "mesh": self.layout.mesh_json(),
-            "engine": self.engine,
+            "engine": get_engine(self.engine).name,
+            "engine_release": get_engine(self.engine).release,
             "prediction": self.prediction.to_json() if self.prediction else None,
             "alternatives": list(self.alternatives),
             "explanation": list(self.explanation),
@@ -147,9 +153,9 @@ class Plan:
             plan = cls(
                 model=ModelSpec.from_json(data["model"]),
                 cluster=Cluster.from_json(data["cluster"]),
-                training=_training(data["training"], version, data.get("engine", "meshplan")),
+                training=_training(data["training"], version, _engine_spec(data)),
                 layout=Layout.from_json(data["parallel"]),
-                engine=data.get("engine", "meshplan"),
+                engine=_engine_spec(data),
                 prediction=Prediction.from_json(prediction) if isinstance(prediction, dict) else None,
                 alternatives=tuple(data.get("alternatives") or ()),
                 explanation=tuple(data.get("explanation") or ()),
@@ -188,6 +194,14 @@ def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
     return None
 
 
+def _engine_spec(data: dict[str, Any]) -> str:
+    """NAME@RELEASE from plan.json's engine and engine_release (NAME alone: the newest release)."""
+    name, release = data.get("engine", "meshplan"), data.get("engine_release")
+    if not isinstance(name, str) or (release is not None and not isinstance(release, str)):
+        raise PlanError(f"plan.json engine and engine_release must be strings, got {name!r}, {release!r}")
+    return f"{name}@{release}" if release else name
+
+
 def _training(data: dict[str, Any], version: int, engine: str) -> TrainingSpec:
     """plan.json's training; version 1 had no precision/attention/compile: its dtype and the engine's kernel."""
     training = TrainingSpec.from_json(data)
@@ -219,7 +233,8 @@ def with_stage_layers(model: ModelSpec, layout: Layout) -> Layout:
     """Fill layers_per_stage with a balanced split when the layout leaves it empty."""
     if layout.layers_per_stage:
         return layout
-    return layout.replace(layers_per_stage=balanced_layers(model.n_layers, layout.pp * layout.virtual_stages))
+    # balanced_layers splits n_layers over exactly pp * virtual_stages chunks: valid by construction
+    return layout.trusted_replace(layers_per_stage=balanced_layers(model.n_layers, layout.pp * layout.virtual_stages))
 
 
 def validate(model: ModelSpec, cluster: Cluster, training: TrainingSpec, layout: Layout) -> None:

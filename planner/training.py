@@ -22,11 +22,12 @@ under another's compute (planner.simulate.step). `async_tp` pipelines the tensor
 all-gathers and reduce-scatters of sequence parallelism with the GEMMs that
 consume or produce them (torchtitan's enable_async_tensor_parallel under
 torch.compile, Megatron-Core's --tp-comm-overlap with Transformer Engine's
-userbuffers; planner.simulate.tp_overlap). `fp8_params` and
-`fused_cross_entropy` change only memory: 8-bit parameters instead of 16-bit
-weights with 8-bit copies, and a loss that keeps only the compute-dtype
-logits (planner.memory): Transformer Engine's kernel on megatron, torch.compile
-on torchtitan.
+userbuffers; planner.simulate.tp_overlap). `tp_overlap_cfg` names the
+userbuffers config whose SM claims the overlap pays (planner.engines.megatron).
+`fp8_params` and `fused_cross_entropy` change only memory: 8-bit parameters
+instead of 16-bit weights with 8-bit copies, and Transformer Engine's loss
+that keeps only the compute-dtype logits (planner.memory; torchtitan compiles
+its loss with --compile instead, from its 2025-06 release).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ MAX_TOKENS_PER_STEP = 1 << 32
 # the overlap (planner.simulate), the last three only memory (planner.memory).
 _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": False, "moe_router_fusion": False,
                   "moe_router_graphs": False, "moe_a2a_overlap": False, "fp8_params": False,
-                  "fused_cross_entropy": False, "optimizer_dtype": "fp32"}
+                  "fused_cross_entropy": False, "optimizer_dtype": "fp32", "tp_overlap_cfg": ""}
 # what Adam's moments (SGD's momentum) may be stored in: Megatron-Core's precision-aware optimizer
 # (--use-precision-aware-optimizer --exp-avg-dtype / --exp-avg-sq-dtype, Transformer Engine's FusedAdam)
 OPTIMIZER_DTYPES = ("fp32", "bf16", "fp16")
 
-# The recipe options `plan --recipe KEY=true|false` sets (async_tp has its own flag, --async-tp).
-RECIPE_KEYS = tuple(k for k in _OPTIONAL_KEYS if k != "async_tp")
+# The recipe options `plan --recipe KEY=VALUE` sets (async_tp has its own flag, --async-tp); grad_dtype is
+# a training key every plan.json writes: the dtype gradients are kept and reduced in (Megatron's
+# grad_reduce_in_fp32 off: bf16)
+RECIPE_KEYS = (*(k for k in _OPTIONAL_KEYS if k != "async_tp"), "grad_dtype")
 
 
 def parse_recipe(items: tuple[str, ...] | list[str]) -> dict[str, bool | str]:
@@ -73,9 +76,15 @@ def parse_recipe(items: tuple[str, ...] | list[str]) -> dict[str, bool | str]:
         if key in out:
             raise UsageError(f"--recipe {key} given twice; give each option once")
         text = value.strip().lower()
-        if key == "optimizer_dtype":
-            if text not in OPTIMIZER_DTYPES:
-                raise UsageError(f"--recipe {item!r}: optimizer_dtype takes {', '.join(OPTIMIZER_DTYPES)}, got {value!r}")
+        if key in ("optimizer_dtype", "grad_dtype"):
+            allowed = OPTIMIZER_DTYPES if key == "optimizer_dtype" else DTYPES
+            if text not in allowed:
+                raise UsageError(f"--recipe {item!r}: {key} takes {', '.join(allowed)}, got {value!r}")
+            out[key] = text
+        elif key == "tp_overlap_cfg":  # a name the engine checks (Engine.tp_overlap_configs)
+            if not text or not text.replace("_", "").isalnum():
+                raise UsageError(f"--recipe {item!r}: tp_overlap_cfg takes the name of a userbuffers config "
+                                 "(letters, digits and underscores), e.g. userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192")
             out[key] = text
         elif text in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             out[key] = text in ("true", "1", "yes", "on")
@@ -115,10 +124,12 @@ class TrainingSpec:
     fp8_params: bool = False
     # the loss is one kernel that writes the logits' gradient into the compute-dtype logits in its
     # forward (Transformer Engine's parallel_cross_entropy: Megatron-Core --cross-entropy-loss-fusion
-    # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits; on torchtitan,
-    # the loss compiled with the blocks (its --training.compile from 2025-04; MemoryTraits.compiled_cross_entropy)
+    # --cross-entropy-fusion-impl te, Megatron-Bridge's performance recipes): no fp32 logits
     fused_cross_entropy: bool = False
     optimizer_dtype: str = "fp32"  # the optimizer's moments (OPTIMIZER_DTYPES); master weights stay fp32
+    # under async TP, the named userbuffers config whose SMs each overlapped collective takes from its GEMM
+    # (Engine.tp_overlap_configs: NeMo's and Megatron-Bridge's configs); "" = the engine's default
+    tp_overlap_cfg: str = ""
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -151,6 +162,8 @@ class TrainingSpec:
                             f"got {self.precision}; drop fp8_params or set the precision")
         if self.attention not in ("", *ATTENTION_KINDS):
             raise PlanError(f"training: attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if not isinstance(self.tp_overlap_cfg, str):
+            raise PlanError(f"training: tp_overlap_cfg must be a config name, got {self.tp_overlap_cfg!r}")
         if self.optimizer_dtype not in OPTIMIZER_DTYPES:
             raise PlanError(f"training: optimizer_dtype must be one of {OPTIMIZER_DTYPES}, got {self.optimizer_dtype!r}")
         for key in ("compile", *(k for k, v in _OPTIONAL_KEYS.items() if isinstance(v, bool))):

@@ -30,7 +30,10 @@ with plain DDP (tp 1, pp 1) and is refused otherwise.
 
 GPU precision: bf16 compute with fp32 gradient reduction (FSDP2
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); autocast for DDP,
-whose fp32 parameters reduce fp32 gradients). CPU ranks compute in fp32.
+whose fp32 parameters reduce fp32 gradients). CPU ranks compute in fp32. The
+data-parallel path and the autocast rule are the planner's
+(planner.engines: the meshplan engine's `dp_path` and `autocast`), which
+its memory model prices.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ from executor.parallel.expert import ExpertParallel
 from executor.parallel.mesh import grad_flat, shard_mesh
 from executor.parallel.pipeline import check_pipeline, split_stage
 from executor.parallel.recompute import apply_ac
-from planner.engines import dp_path
+from planner.engines import get_engine
 from planner.plan import Plan
 from topologies.errors import PlanError
+
+EXECUTOR = get_engine("meshplan")  # the rules this executor follows, as the planner prices them
 
 
 @dataclass
@@ -137,7 +142,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
                     setattr(module, name, buf.to(device))
     expert_params = experts.expert_params(parts) if experts is not None else []
     runners = [apply_ddp(part, mesh, device, expert_params) for part in parts] if dp_kind == "ddp" else list(parts)
-    autocast = dtype if dtype != torch.float32 and dp_kind in ("none", "ddp") else None
+    autocast = dtype if EXECUTOR.autocast(plan.layout, dtype.itemsize) else None
     return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast,
                          loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None),
                          experts=experts, expert_params=expert_params,
@@ -161,7 +166,7 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
     layout = plan.layout
     stages = list(layout.stages_of(mesh.get_local_rank("pp"))) if layout.pp > 1 else [0]
     parts = [split_stage(model, layout, s) for s in stages] if layout.pp > 1 else [model]
-    dp_kind = dp_path(layout)
+    dp_kind = EXECUTOR.dp_path(layout)
     experts = ExpertParallel(mesh, layout) if plan.model.moe is not None else None
     for part in parts:
         if plan.training.fp8:  # torchtitan converts before any parallelism (executor.components.float8)

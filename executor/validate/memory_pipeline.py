@@ -55,7 +55,7 @@ from topologies.errors import PlanError
 
 def check_emulated(plan: Plan) -> None:
     """Refuse the pipeline layouts this emulation does not reproduce."""
-    from planner.engines import dp_path
+    from planner.engines import get_engine
 
     layout = plan.layout
     schedule_ok = (layout.pp_schedule == "1f1b" and layout.virtual_stages == 1) or \
@@ -75,7 +75,7 @@ def check_emulated(plan: Plan) -> None:
             "local receive buffers, which the harness does not; check the layout with tp 1, or measure with "
             "`meshplan execute`"
         )
-    if layout.virtual_stages > 1 and dp_path(layout) == "fsdp":
+    if layout.virtual_stages > 1 and get_engine("meshplan").dp_path(layout) == "fsdp":
         raise PlanError(
             f"validate-memory cannot track interleaved 1F1B under FSDP (zero_stage {layout.zero_stage}, dp "
             f"{layout.dp}): PyTorch's FSDPMemTracker follows one FSDP root and a rank holds {layout.virtual_stages} "

@@ -10,7 +10,7 @@ import click
 
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
-from planner.engines import ENGINE_NAMES
+from planner.engines import ENGINE_CHOICES, releases_help
 from planner.figures import percent, sig
 from planner.layout import PP_SCHEDULES, RECOMPUTE_KINDS, RECOMPUTE_MODULES, recompute_label
 from planner.search.candidates import Pins
@@ -48,8 +48,10 @@ def _common(f):
         click.option("--global-batch", type=POSITIVE, default=None,
                      help="Sequences per optimizer step. Default: about 1M tokens (2^20 / seq-len), rounded to a "
                           "multiple of each layout's data-parallel degree (within 25%)."),
-        click.option("--engine", type=click.Choice(ENGINE_NAMES), default="meshplan", show_default=True,
-                     help="Whose precision recipe and overlap the prediction assumes."),
+        click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="meshplan", show_default=True,
+                     metavar="NAME[@RELEASE]",
+                     help="The training stack whose step the prediction models, at a release (a bare name is "
+                          f"its newest): {releases_help()}."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
                      help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
                           "Blackwell) around a bf16 model. GPUs without bf16 (T4, V100): fp16."),

@@ -95,11 +95,12 @@ def check_recompute_modules(pins: Pins, engine: str, model) -> None:
 
 def _check_async_tp(options: TrainingOptions, engine: str, gpu) -> None:
     """--async-tp exists in torchtitan (an Inductor pass, so --compile) and Megatron-Core (TE userbuffers)."""
-    from planner.engines import ENGINES, get_engine
+    from planner.engines import ENGINE_NAMES, get_engine, newest
     from topologies.errors import UsageError
 
     eng = get_engine(engine)
-    have = ", ".join(f"{name} ({e.async_tp_option})" for name, e in ENGINES.items() if e.async_tp_option)
+    have = ", ".join(f"{name} ({newest(name).async_tp_option})" for name in ENGINE_NAMES
+                     if newest(name).async_tp_option)
     if not eng.async_tp_option:
         raise UsageError(f"--async-tp: engine {engine} has no option that overlaps TP communication with its GEMMs; "
                          f"engines that have one: {have}. Use one of them or drop --async-tp")

@@ -60,7 +60,7 @@ def predicted_change(plan: Plan, layout: Layout, engine: str | None = None,
 
     Used by every exporter that maps a layout its target cannot run to the
     nearest one it can: the note then says what changes in time and memory.
-    `engine` is whose traits run the changed layout (default: the plan's);
+    `engine` is the engine that runs the changed layout (default: the plan's);
     `training` replaces the plan's where the change also moves the batch.
     """
     from planner.simulate.step import simulate_step

@@ -152,13 +152,13 @@ def execute_refusal(plan: Plan) -> str | None:
     The scripts only wrap `meshplan execute`, so a plan its executor refuses
     (planner.engines.executor_refusal) must say so instead of promising a run.
     """
-    from planner.engines import get_engine
+    from planner.engines import engine_name, get_engine
 
     on_gpu = plan.cluster.gpu.kind == "gpu"
     reason = get_engine("meshplan").refusal(plan.model, plan.layout, plan.training.dtype, on_gpu)
     if reason is None:
         return None
-    other = plan.engine if plan.engine != "meshplan" else "megatron"
+    other = engine_name(plan.engine) if engine_name(plan.engine) != "meshplan" else "megatron"
     return (f"`meshplan execute` refuses this plan ({reason}); launch it with {other}'s own launcher instead: "
             f"`meshplan export --to {other}`")
 

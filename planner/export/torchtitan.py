@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from planner.engines import ENGINE_NAMES
+from planner.engines import engine_name
 from planner.export import ExportRefused, ExportResult
 from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
 from planner.export.toml_emit import dumps
@@ -61,8 +61,8 @@ PYTHON_CONFIGS = (0, 3)  # first release configured by a Python module instead o
 
 
 def _engine(plan: Plan) -> str:
-    """Whose traits price a changed layout: torchtitan's where planner.engines has it, else the plan's."""
-    return "torchtitan" if "torchtitan" in ENGINE_NAMES else plan.engine
+    """Who prices a changed layout: the plan's torchtitan release, else torchtitan's newest."""
+    return plan.engine if engine_name(plan.engine) == "torchtitan" else "torchtitan"
 
 
 def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
@@ -168,14 +168,11 @@ def _model_notes(plan: Plan) -> list[str]:
 
 
 def _engine_notes(plan: Plan) -> list[str]:
-    """Whose traits predicted this plan: torchtitan's engine where planner.engines has one."""
-    if plan.engine == "torchtitan":
+    """Which engine predicted this plan, when it was not torchtitan."""
+    if engine_name(plan.engine) == "torchtitan":
         return []
-    if "torchtitan" in ENGINE_NAMES:
-        return [f"prediction: this plan was made for --engine {plan.engine}; `meshplan plan ... --engine "
-                "torchtitan` predicts torchtitan's own step (its layout choice may differ)"]
-    return [f"prediction: made for --engine {plan.engine}; meshplan has no torchtitan engine yet, and "
-            "torchtitan runs FSDP2/DTensor as meshplan's own executor does"]
+    return [f"prediction: this plan was made for --engine {plan.engine}; `meshplan plan ... --engine "
+            "torchtitan` predicts torchtitan's own step (its layout choice may differ)"]
 
 
 def _training(plan: Plan, notes: list[str]) -> dict[str, Any]:

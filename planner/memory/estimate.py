@@ -65,7 +65,7 @@ the gradients, 3 also the parameters.
 Which parameters a rank holds (`stage_params`): TP splits every attention and
 MLP matrix, the column-parallel biases and the vocabulary of the embedding
 and output layers by t (a tied matrix only where the engine splits it:
-MemoryTraits in planner.memory.params); norms, row-parallel biases, learned positions and the
+TensorParallel.splits_tied_vocab in planner.memory.params); norms, row-parallel biases, learned positions and the
 MoE router are replicated on every TP rank (sequence parallel shards norm
 activations, not norm weights). PP gives rank r its chunks (chunk r; with
 interleaving r, r + pp, ...; with zb-v r and 2pp - 1 - r) and their layers,
@@ -85,7 +85,8 @@ comm_buffers (D compute-dtype bytes, G grad_dtype bytes, P the stage's
 parameters; when each exists: planner.memory.phases):
   classic DDP    meshplan's ddp path: torch DDP with its default
                  gradient_as_bucket_view=False keeps bucket copies of every
-                 gradient for its lifetime: G * P (MemoryTraits.ddp_bucket_copy)
+                 gradient for its lifetime: G * P (the ddp path of Engine.dp_path:
+                 meshplan's executor, torchtitan's DDP through 2026-02)
   FSDP2          a block's D-byte unsharded gradient and its G-byte
                  reduce-scatter input; the root unit (embedding + final norm +
                  output, fully_shard(part)) holds the output layer's D-byte
@@ -95,7 +96,7 @@ parameters; when each exists: planner.memory.phases):
                  ZeRO-3 D * (max(root, block) + 2 blocks)
   TP + SP        all-gather output and reduce-scatter input: 2*s*b*h*D / cp
                  (megatron, deepspeed; PyTorch's SP saves the gathered tensors,
-                 counted as activations: MemoryTraits.sp_saves_gathered)
+                 counted as activations: TensorParallel.saves_gathered_inputs)
   PP             activation send + gradient receive: 2*s*b*h*D / cp (/t with SP); for
                  meshplan (torch.distributed.pipelining), activations instead: each
                  in-flight micro-batch's stage output kept for its backward and the
@@ -104,16 +105,16 @@ parameters; when each exists: planner.memory.phases):
   CP             ring (Transformer Engine's p2p): the K/V chunk sent and the one
                  received, 2 * 2*s*b*k*d*D / (cp*t); all-gather (torch's
                  context_parallel by default, meshplan's executor:
-                 MemoryTraits.cp_all_gather): the whole sequence's K/V, or in
+                 ContextParallel.gathers_kv): the whole sequence's K/V, or in
                  the backward its gradient before the reduce-scatter,
                  2*s*b*k*d*D / t; torchtitan repeats the K/V heads to the
                  a query heads before SDPA (its Attention's repeat_kv), so the
-                 gather carries a heads, not k (TimeTraits.sdpa_repeats_kv).
+                 gather carries a heads, not k (ModelCode.repeats_kv, to 2026-01).
                  Phased engines count it in the block phases only: it lives
                  while a block's attention runs, not at the loss backward
   EP             all-to-all dispatch and combine: 2 * top_k*s*b*h*D / cp; none for
                  meshplan, whose functional all-to-all outputs are the experts'
-                 saved inputs and outputs (MemoryTraits.executor_experts)
+                 saved inputs and outputs (Experts.executor_experts)
 other: CUDA context, NCCL communicator buffers and allocator slack:
 DEFAULT_OTHER_BYTES per GPU kind unless the caller (a calibration profile)
 passes other_bytes; plus, for the PyTorch engines (meshplan, torchtitan), the
@@ -139,11 +140,11 @@ published offload rows); over PCIe a large layer's copy can outlast it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
-from planner.engines import dp_path, fp8_rowwise_bytes, get_engine
+from planner.engines import Engine, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
@@ -155,18 +156,18 @@ from planner.memory.activations import (
     output_activation_bytes,
 )
 from planner.memory.boundary import boundary_buffers
-from planner.memory.in_flight import first_stage_alive, in_flight_microbatches, output_in_flight
+from planner.memory.in_flight import first_stage_alive, in_flight_per_rank, output_in_flight
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
     Activations,
     Phase,
     StageBytes,
-    meshplan_stage_bytes,
     on_gpu_layers,
     peak_phase,
     published_phase,
     published_stage_bytes,
     step_phases,
+    torch_stage_bytes,
 )
 from planner.memory.reserved import reserve_bytes
 from planner.memory.states import stage_states
@@ -198,11 +199,24 @@ class MemoryEstimate:
     peak_phase: str  # planner.memory.phases.PHASES: when the worst rank peaks
     worst_phases: dict[str, Phase]  # the worst stage: phase -> (params, grads, optimizer, activations, comm)
     other_bytes: int  # the fixed overhead, in every phase
-    stages: tuple[tuple[StageBytes, StageParams, float], ...]  # every stage: its bytes, parameters, in-flight
     activations: Activations
     published: bool  # megatron / deepspeed: one phase with everything at once
     reserve_bytes: int = 0  # the worst stage's reserved - allocated (planner.memory.reserved), in `other`
-    stage_reserve_bytes: tuple[int, ...] = ()  # the same for every stage
+    # per distinct stage (id of its shared StageParams): its bytes and reserve; every rank's parameters and
+    # in-flight micro-batches. `stages` and `stage_reserve_bytes` are made from them on first access
+    _built: dict[int, tuple[StageBytes, int]] = field(default_factory=dict, repr=False)
+    _params: tuple[StageParams, ...] = ()
+    _in_flight: tuple[float, ...] = ()
+
+    @cached_property
+    def stages(self) -> tuple[tuple[StageBytes, StageParams, float], ...]:
+        """Every pipeline rank: its bytes, parameters and in-flight micro-batches."""
+        return tuple((self._built[id(sp)][0], sp, n) for sp, n in zip(self._params, self._in_flight, strict=True))
+
+    @cached_property
+    def stage_reserve_bytes(self) -> tuple[int, ...]:
+        """Every rank's reserved - allocated (planner.memory.reserved)."""
+        return tuple(self._built[id(sp)][1] for sp in self._params)
 
     def _breakdown(self, phase: Phase, reserve: int | None = None) -> dict[str, int]:
         reserve = self.reserve_bytes if reserve is None else reserve
@@ -251,82 +265,111 @@ class MemoryEstimate:
         }
 
 
-def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str) -> tuple[int, int]:
+def _activation_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine) -> tuple[int, int]:
     """X: TP/SP, PP, CP and EP buffers of one micro-batch (module docstring table), as (the CP part, the rest).
 
     The CP part exists only while a block's attention runs; planner.memory.phases
     puts it in the block phases of a phased engine, every other X in every phase.
     """
     d = training.dtype_bytes
-    eng = get_engine(engine)
-    traits = eng.memory
     tokens = training.seq_len * layout.micro_batch_size / layout.cp
     act = tokens * model.hidden * d  # one micro-batch's hidden states on this rank
     total, cp_total = 0.0, 0.0
-    if layout.tp > 1 and layout.sequence_parallel and not traits.sp_saves_gathered:
+    if layout.tp > 1 and layout.sequence_parallel and not eng.tensor_parallel.saves_gathered_inputs:
         total += 2 * act
-    if layout.pp > 1 and not traits.pp_stage_outputs:
+    if layout.pp > 1 and not eng.pipeline.stage_outputs:
         total += 2 * act / (layout.tp if layout.sequence_parallel else 1)
     if layout.cp > 1:
-        kv_width = model.q_dim if eng.time.sdpa_repeats_kv else model.kv_dim  # repeated to the query heads first
+        kv_width = model.q_dim if eng.model_code.repeats_kv else model.kv_dim  # repeated to the query heads first
         local_kv = 2 * tokens * kv_width * d / layout.tp
-        cp_total = local_kv * layout.cp if traits.cp_all_gather else 2 * local_kv
-    if layout.ep > 1 and model.moe is not None and not traits.executor_experts:
+        cp_total = local_kv * layout.cp if eng.context_parallel.gathers_kv else 2 * local_kv
+    if layout.ep > 1 and model.moe is not None and not eng.experts.executor_experts:
         total += 2 * model.moe.top_k * act
     return int(cp_total), int(total)
 
 
-def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str, *,
-                 fused: bool) -> Activations:
-    """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
+_PER_LAYER: dict[tuple, tuple[ModelSpec, TrainingSpec, Engine, float, float]] = {}
+
+
+def _layer_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, fused: bool,
+                 autocast: bool) -> tuple[float, float]:
+    """(kept per layer, recompute transient) of one micro-batch, cached: a search asks for the same micro-batch,
+    tp, cp and recomputation over many data-parallel splits (the key holds what `_layer_bytes_of` reads; the
+    model, training and engine by identity, checked on a hit)."""
+    chunks = layout.pp * layout.virtual_stages if layout.recompute_layers else 0
+    key = (id(model), id(training), id(eng), layout.micro_batch_size, layout.tp, layout.cp, layout.sequence_parallel,
+           layout.recompute, layout.recompute_layers, layout.recompute_modules, chunks, fused, autocast)
+    hit = _PER_LAYER.get(key)
+    if hit is not None and hit[0] is model and hit[1] is training and hit[2] is eng:
+        return hit[3], hit[4]
+    per_layer, recomputed = _layer_bytes_of(model, training, layout, eng, fused, autocast)
+    if len(_PER_LAYER) > 16384:
+        _PER_LAYER.clear()
+    _PER_LAYER[key] = (model, training, eng, per_layer, recomputed)
+    return per_layer, recomputed
+
+
+def _layer_bytes_of(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, fused: bool,
+                    autocast: bool) -> tuple[float, float]:
     s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
     seq_par, d = layout.sequence_parallel, training.dtype_bytes
-    traits = get_engine(engine).memory
-    path = dp_path(layout) if traits.step_phases else "published"
-    autocast = path in ("none", "ddp") and d < FP32_BYTES
-    eng = get_engine(engine)
+    saves_gathered = eng.tensor_parallel.saves_gathered_inputs
     fp8_inputs = training.fp8 and eng.fp8.saves_fp8_inputs
     terms = layer_activation_terms(model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, fused_attention=fused,
-                                   autocast=autocast, sp_saves_gathered=traits.sp_saves_gathered,
-                                   fp8_inputs=fp8_inputs, fused_swiglu=traits.fused_swiglu,
-                                   moe_probs_in_experts=traits.moe_probs_in_experts)
+                                   autocast=autocast, sp_saves_gathered=saves_gathered,
+                                   fp8_inputs=fp8_inputs, fused_swiglu=eng.model_code.fused_swiglu,
+                                   moe_probs_in_experts=eng.experts.probs_in_experts)
     op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved, selective_modules(layout))
     if layout.recompute == "full" and layout.recompute_layers:  # the chunk's other layers keep everything
         share = recomputed_fraction(layout, model.n_layers)
         per_layer = share * per_layer + (1.0 - share) * sum(terms.values())
-    if traits.executor_experts and model.moe is not None and layout.recompute in ("none", "selective"):
+    if eng.experts.executor_experts and model.moe is not None and layout.recompute in ("none", "selective"):
         per_layer += _executor_moe_extra(model, s * b / cp, d)
-    if traits.cp_saves_gathered and cp > 1 and layout.recompute in ("none", "selective"):
+    if eng.context_parallel.saves_gathered and cp > 1 and layout.recompute in ("none", "selective"):
         # executor.parallel.context: attention saves the whole sequence's K/V, gathered from every cp rank and
         # repeated to the query heads (q_dim wide; kv_dim without GQA), beyond the local K/V the terms count
         per_layer += 2 * d * b * s * (model.q_dim - model.kv_dim / cp) / t
+    return per_layer, recomputed
+
+
+def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: Engine, *,
+                 fused: bool) -> Activations:
+    """One micro-batch's activation pieces, computed once per estimate and shared by every stage."""
+    s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
+    seq_par, d = layout.sequence_parallel, training.dtype_bytes
+    phased = eng.data_parallel.phased
+    autocast = phased and eng.autocast(layout, d)
+    saves_gathered = eng.tensor_parallel.saves_gathered_inputs
+    per_layer, recomputed = _layer_bytes(model, training, layout, eng, fused, autocast)
     # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward
     # (executor.model.Transformer.forward): one s-row copy for all blocks, left out
-    vocab_parallel = traits.vocab_parallel_loss and (not model.tie_embeddings or traits.tied_vocab_parallel)
+    vocab_parallel = not model.tie_embeddings or eng.tensor_parallel.splits_tied_vocab
+    loss = eng.loss.kind
     saved, logits_saved, logits_transient = output_activation_bytes(
         model, s, b, t, cp, sequence_parallel=seq_par, dtype_bytes=d, autocast=autocast,
-        vocab_parallel_loss=vocab_parallel, sp_saves_gathered=traits.sp_saves_gathered,
-        dtensor_loss_parallel=traits.dtensor_loss_parallel,
-        fused_loss_parallel_backward=traits.fused_loss_parallel_backward, eager_final_norm=traits.eager_final_norm)
+        vocab_parallel_loss=vocab_parallel, sp_saves_gathered=saves_gathered,
+        dtensor_loss_parallel=loss == "dtensor", fused_loss_parallel_backward=loss == "torch-loss-parallel",
+        eager_final_norm=eng.model_code.eager_final_norm)
     logits_grad = logits_saved / FP32_BYTES * d
-    if traits.inplace_loss_backward:  # MemoryTraits: the saved fp32 softmax becomes the gradient in place
+    if loss == "megatron":  # the saved fp32 softmax becomes the gradient in place (mechanisms.Loss)
         logits_transient = logits_grad
-    loss_hole = logits_grad if d < FP32_BYTES and traits.step_phases else 0.0
-    if training.fused_cross_entropy and traits.compiled_cross_entropy:
-        if t == 1:  # under TP the loss stays DTensor's loss_parallel (above): its compiled bytes are not measured
-            # torch.compile'd cross entropy (inductor, replayed on CPU with torch 2.13: 2 B per logit at the
-            # backward's start, 4 B at its peak): the D-byte logits saved, the D-byte gradient written by one
-            # fused backward kernel, no fp32 tensor and so no hole
-            logits_saved = logits_saved / FP32_BYTES * d
-            logits_transient, logits_grad, loss_hole = logits_saved, logits_saved, 0.0
-    elif training.fused_cross_entropy and traits.fused_cross_entropy:
+    loss_hole = logits_grad if d < FP32_BYTES and phased else 0.0
+    fused_loss = eng.fused_loss(training, layout)
+    if fused_loss == "compile":
+        # torch.compile'd cross entropy (inductor, replayed on CPU with torch 2.13: 2 B per logit at the
+        # backward's start, 4 B at its peak): the D-byte logits saved, the D-byte gradient written by one
+        # fused backward kernel, no fp32 tensor and so no hole (under TP the loss stays DTensor's
+        # loss_parallel, above: Engine.fused_loss)
+        logits_saved = logits_saved / FP32_BYTES * d
+        logits_transient, logits_grad, loss_hole = logits_saved, logits_saved, 0.0
+    elif fused_loss == "transformer-engine":
         # Transformer Engine's parallel_cross_entropy (cross_entropy.py, triton/cross_entropy.py): the forward
         # stores each logit's gradient over the D-byte logits and saves them; the backward scales them in place
         logits_saved, logits_transient, logits_grad, loss_hole = logits_saved / FP32_BYTES * d, 0.0, 0.0, 0.0
     stage_output = 0.0
-    if traits.pp_stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
+    if eng.pipeline.stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     boundary = None  # zb-v: planner.memory.phases' own rule
     if layout.pp_schedule != "zb-v":  # first rank, a middle one, the last rank
@@ -360,7 +403,7 @@ def default_other_bytes(gpu: GPUSpec) -> int:
 
 
 def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gpu: GPUSpec,
-                    engine: str = "meshplan", other_bytes: int | None = None, *,
+                    engine: str | Engine = "meshplan", other_bytes: int | None = None, *,
                     fused_attention: bool | None = None) -> MemoryEstimate:
     """Bytes per rank by category at the peak phase of every pipeline stage; the worst stage is the answer.
 
@@ -371,45 +414,101 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     eng = get_engine(engine)
     fused = eng.fused_attention(training) if fused_attention is None else fused_attention
     other = default_other_bytes(gpu) if other_bytes is None else other_bytes
-    acts = _activations(model, training, layout, engine, fused=fused)
-    cp_comm, comm = _activation_comm(model, training, layout, engine)
-    phased = eng.memory.step_phases
-    build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
+    acts = _activations(model, training, layout, eng, fused=fused)
+    cp_comm, comm = _activation_comm(model, training, layout, eng)
+    phased = eng.data_parallel.phased
+    build, phases_of = (torch_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
     if phased:
-        build = partial(meshplan_stage_bytes, experts_outside_fsdp=eng.memory.executor_experts,
-                        fp8_all_gather=eng.fp8.fp8_all_gather)
+        build = partial(torch_stage_bytes, engine=eng)
     elif eng.fp8_primary_weights(training):  # ZeRO-3 gathers the blocks' 8-bit parameters
         build = partial(published_stage_bytes, block_gather_bytes=fp8_rowwise_bytes(training.precision))
-    params = pipeline_params(model, layout, engine)
-    in_flight = [in_flight_microbatches(layout.pp_schedule, layout.pp, rank, layout.grad_accum_steps,
-                                        layout.virtual_stages) for rank in range(layout.pp)]
-    # every phase grows with the in-flight micro-batches: of the ranks holding equal parameters
-    # (middle stages, one shared object: memory_params) only the one with the most can be the worst
+    params = pipeline_params(model, layout, eng)
+    in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
+    built: dict[int, tuple[StageBytes, int]] = {}  # per stage: bytes, reserved - allocated (planner.memory.reserved)
+    worst, worst_peak, worst_name, worst_phases, host_bytes, worst_reserve = -1, -1, "", {}, 0, 0
+    for key, rank in _busiest(params, in_flight).items():
+        sp = params[rank]
+        states = stage_states(model, training, layout, sp, eng, gpu.fp8_any_layout)
+        if phased:
+            sb = build(model, training, layout, sp, states, comm)._replace(attention_comm=cp_comm)
+        else:  # the papers' accounting: every buffer at once
+            sb = build(model, training, layout, sp, states, comm + cp_comm)
+        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
+        host_bytes = max(host_bytes, states.host + int(offloaded))
+        phases = phases_of(sb, sp, acts, in_flight[rank])
+        name, phase = peak_phase(phases)
+        reserve = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
+        built[key] = (sb, reserve)
+        peak = sum(phase) + reserve
+        if peak > worst_peak or (peak == worst_peak and rank < worst):
+            worst, worst_peak, worst_name, worst_phases, worst_reserve = rank, peak, name, phases, reserve
+    return MemoryEstimate(
+        worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
+        other, acts, not phased, worst_reserve, built, params, in_flight)
+
+
+_BUSIEST: dict[tuple[int, int], tuple[tuple, tuple, dict[int, int]]] = {}
+
+
+def _busiest(params: tuple[StageParams, ...], in_flight: tuple[float, ...]) -> dict[int, int]:
+    """Every phase grows with the in-flight micro-batches: of the ranks holding equal parameters (middle
+    stages, one shared StageParams object: planner.memory.params) only the one with the most can be the
+    worst. {id of a stage's parameters: that rank}, cached on the two (cached) tuples' identities."""
+    key = (id(params), id(in_flight))
+    hit = _BUSIEST.get(key)
+    if hit is not None and hit[0] is params and hit[1] is in_flight:
+        return hit[2]
     busiest: dict[int, int] = {}
     for rank, sp in enumerate(params):
         first = busiest.setdefault(id(sp), rank)
         if in_flight[rank] > in_flight[first]:
             busiest[id(sp)] = rank
-    built: dict[int, StageBytes] = {}
-    reserve: dict[int, int] = {}  # planner.memory.reserved, per stage: reserved - allocated
-    worst, worst_peak, worst_name, worst_phases, host_bytes = -1, -1, "", {}, 0
-    for key, rank in busiest.items():
+    if len(_BUSIEST) > 4096:
+        _BUSIEST.clear()
+    _BUSIEST[key] = (params, in_flight, busiest)
+    return busiest
+
+
+def stage_state_floors(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
+                       fp8_any_layout: bool = True) -> dict[StageParams, tuple[int, int, int]]:
+    """{each distinct stage's StageParams: (parameters + compute copy + optimizer state, gradients,
+    parameters + gradients + optimizer: planner.memory.states.ModelStates.total) on one rank}, what
+    `peak_floor_bytes` adds to and the search's model-state check reads. None depends on the micro-batch;
+    the compute copy is the smallest any recomputation keeps (full recomputation's, planner.memory.states)."""
+    eng = get_engine(engine)
+    least_copy = layout.trusted_replace(recompute="full", recompute_layers=0, recompute_modules=())
+    out: dict[StageParams, tuple[int, int, int]] = {}
+    for sp in pipeline_params(model, layout, eng):
+        if sp not in out:
+            states = stage_states(model, training, least_copy, sp, eng, fp8_any_layout)
+            out[sp] = (states.params + states.compute_copy + states.optimizer, states.grads, states.total)
+    return out
+
+
+def peak_floor_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
+                     other_bytes: int, state_floors: dict[StageParams, tuple[int, int, int]]) -> int:
+    """A lower bound of `estimate_memory(...).peak_bytes` (same engine, attention kernel and fixed overhead)
+    that costs a few look-ups, for the search to rule out what cannot fit before estimating it.
+
+    Every rank's peak is at least its loss-backward phase (planner.memory.phases; the papers' one phase for
+    megatron and deepspeed), which holds the rank's parameters, compute copy and optimizer state, the
+    gradients of earlier micro-batches when there are several (every gradient in the papers' accounting),
+    never less than the step's own sharded ones (`stage_state_floors`), and the kept activations of its
+    in-flight micro-batches on the layers that stay on the GPU; every other term of that phase, and the
+    allocator's reserve, are never negative.
+    """
+    eng = get_engine(engine)
+    phased = eng.data_parallel.phased
+    autocast = phased and eng.autocast(layout, training.dtype_bytes)
+    per_layer, _ = _layer_bytes(model, training, layout, eng, eng.fused_attention(training), autocast)
+    params = pipeline_params(model, layout, eng)
+    in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
+    offloaded = layout.activation_offload_layers * layout.virtual_stages
+    with_grads = layout.grad_accum_steps > 1 or not phased
+    floor = 0.0
+    for rank in _busiest(params, in_flight).values():
         sp = params[rank]
-        states = stage_states(model, training, layout, sp, engine, gpu.fp8_any_layout)
-        if phased:
-            built[key] = sb = build(model, training, layout, sp, states, comm)._replace(attention_comm=cp_comm)
-        else:  # the papers' accounting: every buffer at once
-            built[key] = sb = build(model, training, layout, sp, states, comm + cp_comm)
-        offloaded = (sp.layers - on_gpu_layers(sp, acts)) * in_flight[rank] * acts.per_layer
-        host_bytes = max(host_bytes, states.host + int(offloaded))
-        phases = phases_of(sb, sp, acts, in_flight[rank])
-        name, phase = peak_phase(phases)
-        reserve[key] = reserve_bytes(sb, sp, acts, phases) if gpu.kind != "cpu" else 0  # no caching allocator
-        peak = sum(phase) + reserve[key]
-        if peak > worst_peak or (peak == worst_peak and rank < worst):
-            worst, worst_peak, worst_name, worst_phases = rank, peak, name, phases
-    stage_reserve = tuple(reserve[id(sp)] for sp in params)
-    return MemoryEstimate(
-        worst_peak + other, worst, host_bytes, worst * (layout.world_size // layout.pp), worst_name, worst_phases,
-        other, tuple((built[id(sp)], sp, in_flight[rank]) for rank, sp in enumerate(params)), acts, not phased,
-        stage_reserve[worst], stage_reserve)
+        on_gpu = sp.layers - min(offloaded, sp.layers - 1) if sp.layers else 0
+        states, grads, _ = state_floors[sp]
+        floor = max(floor, states + (grads if with_grads else 0) + in_flight[rank] * on_gpu * per_layer)
+    return int(floor) + other_bytes

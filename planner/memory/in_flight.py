@@ -26,6 +26,12 @@ def output_in_flight(schedule: str, pp: int) -> float:
     return 1.0 if schedule == "interleaved-1f1b" and pp > 1 else 0.0
 
 
+@lru_cache(maxsize=4096)  # per pipeline shape, for the search's thousands of memory checks
+def in_flight_per_rank(schedule: str, pp: int, grad_accum_steps: int, virtual_stages: int) -> tuple[float, ...]:
+    """`in_flight_microbatches` of every pipeline rank."""
+    return tuple(in_flight_microbatches(schedule, pp, rank, grad_accum_steps, virtual_stages) for rank in range(pp))
+
+
 def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: int, virtual_stages: int) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of its layers.
 

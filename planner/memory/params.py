@@ -21,7 +21,7 @@ Embedding: V*h/t (vocabulary-parallel) + learned positions S*h (replicated).
 Output: final norm (replicated) + V*h/t, unless tied and on the embedding's
 rank (then the one copy serves both; on different ranks both hold one).
 A tied matrix is split by t only where the engine does so
-(`planner.engines.MemoryTraits.tied_vocab_parallel`): meshplan's executor keeps it
+(`planner.engines.TensorParallel.splits_tied_vocab`): DTensor TP keeps it
 replicated on every TP rank, Megatron splits it like an untied one.
 
 Chunks of pipeline rank r (n = pp * virtual_stages chunks in model order):
@@ -36,11 +36,12 @@ most loaded rank when ZeroRedundancyOptimizer hands out whole tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from planner.engines import get_engine
+from planner.engines import Engine, get_engine
 from planner.layout import Layout, balanced_layers, rank_chunks
 from planner.model.spec import ModelSpec
 
@@ -117,21 +118,36 @@ def _moe_layers_per_chunk(model: ModelSpec, lps: tuple[int, ...]) -> tuple[int, 
     return tuple(out)
 
 
-def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str = "meshplan") -> StageParams:
+def stage_params(model: ModelSpec, layout: Layout, rank: int, engine: str | Engine = "meshplan") -> StageParams:
     """Parameters pipeline rank `rank` holds under `layout` (layers_per_stage may be empty)."""
     return pipeline_params(model, layout, engine)[rank]
 
 
-def pipeline_params(model: ModelSpec, layout: Layout, engine: str = "meshplan") -> tuple[StageParams, ...]:
+def pipeline_params(model: ModelSpec, layout: Layout, engine: str | Engine = "meshplan") -> tuple[StageParams, ...]:
     """stage_params for every pipeline rank, computed once per distinct placement."""
     return _pipeline_params(model, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.layers_per_stage,
                             layout.tp, layout.ep, layout.etp, layout.expert_dp_shard,
-                            tied_vocab_parallel=get_engine(engine).memory.tied_vocab_parallel)
+                            tied_vocab_parallel=get_engine(engine).tensor_parallel.splits_tied_vocab)
 
 
 @lru_cache(maxsize=16384)
 def _pipeline_params(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
                      etp: int, expert_shard: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+    """`_placement` with the expert ZeRO group filled in (equal stages still share one object)."""
+    stages = _placement(model, pp, v, schedule, lps, tp, ep, etp, tied_vocab_parallel=tied_vocab_parallel)
+    distinct: dict[int, StageParams] = {}
+    for sp in stages:
+        if id(sp) not in distinct:
+            distinct[id(sp)] = dataclasses.replace(sp, expert_shard=expert_shard)
+    return tuple(distinct[id(sp)] for sp in stages)
+
+
+@lru_cache(maxsize=4096)
+def _placement(model: ModelSpec, pp: int, v: int, schedule: str, lps: tuple[int, ...], tp: int, ep: int,
+               etp: int, *, tied_vocab_parallel: bool) -> tuple[StageParams, ...]:
+    """The parameters of every pipeline rank, with expert_shard 1: what does not depend on the data-parallel
+    split (dense models' stages are the same at every dp_shard)."""
+    expert_shard = 1
     lps = lps or balanced_layers(model.n_layers, pp * v)
     (plain_dense, _), (moe_dense, moe_experts) = layer_kind_params(model, tp, ep, etp)
     vocab_h = model.vocab * model.hidden

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from planner.engines import DDP_BUCKET_BYTES, dp_path
+from planner.engines import DDP_BUCKET_BYTES, Engine
 from planner.layout import Layout
 from planner.memory.activations import FP32_BYTES
 from planner.memory.params import StageParams, ceil_div
@@ -112,7 +112,7 @@ class Activations(NamedTuple):
     loss_transient: float  # the loss backward's extra fp32 gradients, once (last stage)
     logits_grad: float  # the D-byte gradient of the logits in the output layer's backward, once
     loss_hole: float = 0.0  # D per local logit the loss backward cannot reuse (planner.memory.reserved)
-    stage_output: float = 0.0  # pipelining: one micro-batch's stage output (MemoryTraits.pp_stage_outputs)
+    stage_output: float = 0.0  # pipelining: one micro-batch's stage output (Pipeline.stage_outputs)
     offloaded_layers: int = 0  # layers per rank whose kept activations sit in host memory (activation offload)
     # micro-batches whose output-layer tensors (final norm and output inputs, logits) the last stage holds at
     # once; 0: as many as its layers' (planner.memory.in_flight.output_in_flight)
@@ -245,20 +245,22 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
     return {"backward_start": (sb.params + sb.copy, sb.grads, sb.optimizer, int(act), sb.buckets + sb.comm)}
 
 
-def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False,
-                         fp8_all_gather: bool = False) -> StageBytes:
-    """The executor's buffers and temporaries (module docstring formulas).
+def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
+                      states: ModelStates, comm: int, *, engine: Engine) -> StageBytes:
+    """The buffers and temporaries of a PyTorch engine's data-parallel path (module docstring formulas).
 
-    experts_outside_fsdp: meshplan's executor leaves the routed experts out of FSDP2's units
-    (executor.parallel.expert reduces them), so a block unit gathers and reduces without them.
-    fp8_all_gather: FSDP2 gathers the blocks' float8 linear weights in one byte each (torchao's
-    enable_fsdp_float8_all_gather, executor.components.float8); norms stay in the compute dtype.
+    The path is the engine's (Engine.dp_path): torch DDP keeps bucket copies of every gradient
+    (gradient_as_bucket_view=False, the default meshplan's executor and torchtitan's DDP keep), FSDP2's
+    units hold unsharded gradients and reduce-scatter inputs. Routed experts outside FSDP2's units
+    (meshplan's executor: Experts.executor_experts, executor.parallel.expert reduces them) leave a block
+    unit without them; torchao's float8 all-gathers (Fp8Recipe.fp8_all_gather) gather the blocks' linear
+    weights in one byte each, norms in the compute dtype.
     """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
-    path = dp_path(layout)
+    experts_outside_fsdp, fp8_all_gather = engine.experts.executor_experts, engine.fp8.fp8_all_gather
+    path = engine.dp_path(layout)
     fsdp2 = path in ("fsdp", "replicate")
-    autocast = path in ("none", "ddp") and d < FP32_BYTES
+    autocast = engine.autocast(layout, d)
     grad_bytes = d if fsdp2 else FP32_BYTES + (d if autocast else 0)  # a fresh weight gradient, per parameter
     zero3 = path == "fsdp" and layout.zero_stage == 3 and states.compute_copy == 0
     sharded = layout.zero_stage >= 2

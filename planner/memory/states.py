@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.engines import FP32_BYTES, dp_path, fp8_rowwise_bytes, get_engine
+from planner.engines import FP32_BYTES, Engine, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
 from planner.model.spec import ModelSpec
@@ -34,11 +34,12 @@ class ModelStates:
         return self.params + self.grads + self.optimizer
 
 
-def _compute_copy(engine: str, layout: Layout, sp: StageParams, d: int) -> int:
-    """Compute-dtype weights kept from forward to backward by meshplan's executor (module docstring of estimate)."""
-    if not get_engine(engine).memory.fp32_params:
+def _compute_copy(eng: Engine, layout: Layout, sp: StageParams, d: int) -> int:
+    """Compute-dtype weights kept from forward to backward by a PyTorch engine that stores fp32 parameters
+    (module docstring of estimate), by its data-parallel path (Engine.dp_path)."""
+    if not eng.data_parallel.master_params:
         return 0
-    path = dp_path(layout)
+    path = eng.dp_path(layout)
     if path == "fsdp":
         return d * sp.total if layout.zero_stage == 2 or layout.pp > 1 else 0
     if d >= FP32_BYTES:
@@ -50,7 +51,7 @@ def _compute_copy(engine: str, layout: Layout, sp: StageParams, d: int) -> int:
 
 
 def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                 engine: str, fp8_any_layout: bool = True) -> ModelStates:
+                 engine: str | Engine, fp8_any_layout: bool = True) -> ModelStates:
     """The model states of one rank of the stage holding `sp` (module docstring table).
 
     fp8_any_layout: the GPU's FP8 GEMMs take any operand layout (GPUSpec.fp8_any_layout); True, the
@@ -62,21 +63,21 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     d, total = training.dtype_bytes, sp.total
     n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
     expert_shard = sp.expert_shard
-    if eng.executes:  # meshplan keeps its E / ep experts whole (not FSDP2's: executor.parallel.expert reduces them)
+    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
         expert_shard = 1
 
     def shard(bytes_per_param: int) -> int:
         return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, expert_shard)
 
-    traits = eng.memory
     params = shard(recipe.param) if recipe.shard_params else recipe.param * total
     grads = shard(recipe.grad) if recipe.shard_grads else recipe.grad * total
-    if layout.zero_stage == 1 and traits.zero1_whole_tensors:
-        optimizer = recipe.optimizer * zero1_rank_params(model, layout.tp, sp, n, tied_vocab_parallel=traits.tied_vocab_parallel)
+    if layout.zero_stage == 1 and eng.data_parallel.zero1_whole_tensors:
+        optimizer = recipe.optimizer * zero1_rank_params(model, layout.tp, sp, n,
+                                                         tied_vocab_parallel=eng.tensor_parallel.splits_tied_vocab)
     else:
         optimizer = shard(recipe.optimizer) if recipe.shard_optimizer else recipe.optimizer * total
-    copy = _compute_copy(engine, layout, sp, d)
-    if copy and training.fp8 and eng.fp8.fp8_all_gather and dp_path(layout) == "fsdp" and model.moe is None:
+    copy = _compute_copy(eng, layout, sp, d)
+    if copy and training.fp8 and eng.fp8.fp8_all_gather and eng.dp_path(layout) == "fsdp" and model.moe is None:
         # the kept unsharded blocks are what FSDP2 gathered: torchao's float8 all-gather makes each linear
         # weight a Float8Tensor over the gathered 1-byte data (fsdp_post_all_gather), norms stay in D
         copy -= (d - 1) * sp.layers * max(0, sp.block - model.norms_per_layer * model.hidden)
@@ -104,18 +105,20 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             params += int((eng.fp8_weight_bytes(training, fp8_any_layout) - recipe.param) * linear)
     elif not recipe.shard_params:
         params += int(eng.fp8_weight_bytes(training, fp8_any_layout) * linear)
-    if traits.rope_buffers and model.position == "rope":
+    if eng.model_code.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)
 
 
 def model_states(model: ModelSpec, training: TrainingSpec, layout: Layout,
-                 engine: str = "meshplan") -> ModelStates:
+                 engine: str | Engine = "meshplan") -> ModelStates:
     """The model states of the pipeline stage with the most (params + grads + optimizer)."""
-    states = [stage_states(model, training, layout, sp, engine) for sp in pipeline_params(model, layout, engine)]
+    distinct = {id(sp): sp for sp in pipeline_params(model, layout, engine)}  # equal stages share one object
+    states = [stage_states(model, training, layout, sp, engine) for sp in distinct.values()]
     return max(states, key=lambda s: s.total)
 
 
-def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str = "meshplan") -> int:
+def model_state_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout,
+                      engine: str | Engine = "meshplan") -> int:
     """params + grads + optimizer on the GPU of the worst stage: a lower bound of the peak to prune with."""
     return model_states(model, training, layout, engine).total

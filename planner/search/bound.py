@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from planner.engines import DDP_BUCKET_BYTES, get_engine
+from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
 from planner.layout import (
     MESH_AXES,
     Layout,
@@ -140,14 +140,14 @@ class StepBound:
     dictionary look-ups per candidate.
     """
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str,
-                 attention: str = "", recompute_modules: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: ModelSpec, cluster: Cluster, calibration: CalibrationProfile, engine: str | Engine,
+                 recompute_modules: tuple[str, ...] = ()) -> None:
         # Price the bound at the engine's speed, as simulate_step does; a faster
         # base profile would stay a valid bound but prune far less.
-        self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(engine)
-        self.recompute_modules = recompute_modules  # the search's --recompute-modules, on its selective level
         self.engine = get_engine(engine)
-        self.traits = self.engine.time_for(attention)
+        self.model, self.cluster, self.cal = model, cluster, calibration.for_engine(self.engine.name)
+        self.recompute_modules = recompute_modules  # the search's --recompute-modules, on its selective level
+        self.overlap_dp = self.engine.data_parallel.overlaps_backward
         self.collectives = StepComm(cluster, Layout(), self.cal).model
         self._units: dict[tuple, tuple[float, float, float, float]] = {}
         self._ends: dict[tuple, tuple[float, float, float, float]] = {}
@@ -155,6 +155,7 @@ class StepBound:
         self._chains: dict[tuple, tuple] = {}  # per pipeline: rank kinds with their tails at 0 (relaxed)
         self._tails: dict[tuple, tuple] = {}  # per mesh, ZeRO and pipeline: rank kinds with their tails
         self._times: dict[tuple, float | tuple[float, float]] = {}
+        self._group_shapes: dict[tuple, object] = {}  # _axes_key -> the CollectiveModel's GroupShape of that group
 
     def seconds(self, layout: Layout, training: TrainingSpec) -> float:
         """Never above simulate_step(...).step_time_s for this layout (see the module doc)."""
@@ -194,7 +195,7 @@ class StepBound:
         f_layer, b_layer = self._layers(units, fsdp, expert_s, host_scale, training, recompute, pp * v, maximum)
         ends = self._ends.get((training.seq_len, training.dtype, micro_batch_size, tp, cp)) or \
             self.end_times(Layout.trusted(tp=tp, cp=cp), training, micro_batch_size)  # they read tp and cp only
-        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.traits.overlap_dp,
+        best = chain_seconds(f_layer, b_layer, ends, per_replica // micro_batch_size, kinds, self.overlap_dp,
                              schedule in CHAIN_BACK_SCHEDULES, maximum)
         return self._solo(best, pp)
 
@@ -225,7 +226,7 @@ class StepBound:
         hit = self._times.get(key)
         if hit is None:
             hit = self._times[key] = layer_host_scale(self.model, training, shape,
-                                                      training.fused_attention(self.traits.fused_attention))
+                                                      self.engine.fused_attention(training))
         return hit
 
     def expert(self, shape_key: tuple[int, ...], ep: int, etp: int, training: TrainingSpec) -> float:
@@ -286,12 +287,16 @@ class StepBound:
         That group is the sums of k * stride over the axes (`group_offsets`), so it is keyed by the axes' sizes
         and strides: meshes that differ elsewhere share the price.
         """
-        key = (op, size_bytes, _axes_key(shape_key, axes))
+        axes_key = _axes_key(shape_key, axes)
+        key = (op, size_bytes, axes_key)
         hit = self._times.get(key)
         if hit is None:
-            group = group_offsets(shape_key, axes)
-            hit = self._times[key] = 0.0 if size_bytes <= 0 or len(group) < 2 else \
-                self.collectives.time_s(op, size_bytes, group) * self.cal.collective_scale.get(op, 1.0)
+            shape = self._group_shapes.get(axes_key)  # the group, reduced to what its price depends on, once
+            if shape is None:
+                group = group_offsets(shape_key, axes)
+                shape = self._group_shapes[axes_key] = self.collectives.group_shape(group) if len(group) > 1 else None
+            hit = self._times[key] = 0.0 if size_bytes <= 0 or shape is None else \
+                self.collectives.shape_time_s(op, size_bytes, shape) * self.cal.collective_scale.get(op, 1.0)
         return hit
 
     def unit(self, shape: Layout, training: TrainingSpec, micro_batch_size: int, recompute: str | tuple[str, int]
@@ -313,14 +318,14 @@ class StepBound:
             gpu, cal = self.cluster.gpu, self.cal
             peak = gpu.peak_flops(training.dtype)
             lt = layer_times(self.model, training.seq_len, training.dtype_bytes, layout, gpu, peak, cal,
-                             training.fused_attention(self.traits.fused_attention),
+                             self.engine.fused_attention(training),
                              fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
                              cast_bytes=fp8_cast_bytes(training.precision, gpu))
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
                 point = StepComm(self.cluster, Layout.trusted(tp=layout.tp), cal).tp_point_s(act, layout.sequence_parallel)
-            hidden = lt.backward_weight_s if self.traits.overlap_tp_backward else 0.0
+            hidden = lt.backward_weight_s if self.engine.tensor_parallel.backward_overlap else 0.0
             recomputed = point * (2 * recomputed_fraction(layout, self.model.n_layers)
                                   + recomputed_comm(self.model, layout)[0])
             hit = self._units[key] = (lt.forward_s, lt.backward_s, 2 * point,
@@ -413,7 +418,7 @@ class ShapeBound:
                                      self.expert_s, self.host_scale, self.training, recompute,
                                      self.shape.pp * self.shape.virtual_stages)
         best = chain_seconds(f_layer, b_layer, p.end_times(self.shape, self.training, micro_batch_size),
-                             self.per_replica // micro_batch_size, self.kinds, p.traits.overlap_dp, self.chain_back)
+                             self.per_replica // micro_batch_size, self.kinds, p.overlap_dp, self.chain_back)
         return p._solo(best, self.shape.pp)
 
 

@@ -293,7 +293,7 @@ def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int, engine: str =
     if result.near_miss is not None:
         return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus))
     if s.shapes == 0 and s.unsupported:
-        if engine != "meshplan":
+        if get_engine(engine).name != "meshplan":
             return PlanError(f"no layout of {n_gpus} GPUs with the pinned options ({pinned}) runs on engine "
                              f"{engine}: {s.unsupported_reason}")
         return PlanError(f"no layout of {n_gpus} GPUs with the pinned options ({pinned}) runs on meshplan's "

@@ -39,8 +39,7 @@ import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, partial_recompute_options, recompute_fields
-from planner.memory.estimate import default_other_bytes
-from planner.memory.states import model_state_bytes
+from planner.memory.estimate import default_other_bytes, peak_floor_bytes, stage_state_floors
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
 from planner.search.bound import StepBound
@@ -96,6 +95,7 @@ class SearchStats:
     state_pruned: int = 0  # shapes whose model state alone does not fit
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
     memory_checks: int = 0
+    floor_pruned: int = 0  # memory checks a floor of the peak answered (planner.memory.estimate.peak_floor_bytes)
     simulated: int = 0
     bound_pruned: int = 0  # candidates never looked at again thanks to the bound
     unsupported: int = 0  # shapes meshplan's executor cannot run (engine meshplan only)
@@ -201,7 +201,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     ctx = _Context(model=model, cluster=cluster, seq_len=seq_len,
                    target_batch=global_batch or default_global_batch(seq_len, cluster.gpu.kind != "cpu"), batch_fixed=global_batch is not None,
                    pins=pins or Pins(), engine=engine, calibration=calibration,
-                   bound=StepBound(model, cluster, calibration, engine, attention,
+                   bound=StepBound(model, cluster, calibration, engine,
                                    (pins.recompute_modules or ()) if pins else ()),
                    usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile, async_tp=async_tp,
@@ -238,10 +238,7 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
     goes back with the bound of that recomputation.
     """
     recomputes = ctx.recompute_kinds()
-    if ctx.engine == "meshplan":  # the executor's refusals (planner.engines.executor_refusal)
-        recomputes = tuple(r for r in recomputes if not get_engine(ctx.engine).refusal(
-            ctx.model, Layout(recompute=r), ctx.dtype, ctx.on_gpu))
-    if not recomputes:
+    if not recomputes or get_engine(ctx.engine).model_refusal(ctx.model):  # a module the engine does not build
         return []
     partial = get_engine(ctx.engine).partial_recompute and ctx.pins.recompute is None and "full" in recomputes
     by_pipeline: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
@@ -318,8 +315,9 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
 def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
                   recomputes: tuple[tuple[str, int], ...]) -> int | None:
     """The lightest recompute level >= `level` whose memory fits at this micro-batch, or None (R8, R9)."""
-    if sh.state_fits is None:
-        state = model_state_bytes(ctx.model, sh.training, sh.layout, ctx.engine) + ctx.other_bytes
+    if sh.state_fits is None:  # the model states alone (planner.memory.states.model_state_bytes)
+        sh.state_floors = stage_state_floors(ctx.model, sh.training, sh.layout, ctx.engine)
+        state = max(total for _, _, total in sh.state_floors.values()) + ctx.other_bytes
         sh.state_fits = state <= ctx.capacity_bytes
         if not sh.state_fits:
             ctx.stats.state_pruned += 1
@@ -329,8 +327,18 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
     smaller = [lv for m, lv in sh.levels.items() if m < mb]
     level = max([level, *smaller])
     while level < len(recomputes):
-        layout = sh.layout.trusted_replace(micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
-                                           **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ()))
+        layout = with_stage_layers(ctx.model, sh.layout.trusted_replace(
+            micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
+            **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ())))
+        # a floor of the peak first (planner.memory.estimate.peak_floor_bytes): what cannot fit by its
+        # states and kept activations alone, and cannot come closer than the nearest miss so far (whose
+        # figure the infeasibility message names), is never estimated in full
+        if ctx.near_miss is not None:
+            floor = peak_floor_bytes(ctx.model, sh.training, layout, ctx.engine, ctx.other_bytes, sh.state_floors)
+            if floor > ctx.capacity_bytes and floor >= ctx.near_miss.needed_bytes:
+                ctx.stats.floor_pruned += 1
+                level += 1
+                continue
         memory = step_memory(ctx.model, sh.training, layout, ctx.cluster, ctx.calibration, ctx.engine)
         ctx.stats.memory_checks += 1
         if memory.peak_bytes <= ctx.capacity_bytes:

@@ -82,11 +82,11 @@ def group_offsets(shape: tuple[int, ...], axes: tuple[str, ...]) -> tuple[int, .
     """
     if len(shape) != len(MESH_AXES) or not set(axes) <= set(MESH_AXES):
         raise PlanError(f"mesh shape {shape} and axes {axes} must follow the mesh axes {MESH_AXES}")
-    offsets = [0]
+    offsets = np.zeros(1, dtype=np.int64)
     for axis, size, stride in zip(MESH_AXES, shape, _strides(shape), strict=True):
-        if axis in axes:
-            offsets = [o + k * stride for o in offsets for k in range(size)]
-    return tuple(offsets)
+        if axis in axes and size > 1:
+            offsets = np.add.outer(offsets, np.arange(size, dtype=np.int64) * stride).ravel()
+    return tuple(offsets.tolist())
 
 
 @lru_cache(maxsize=4096)

@@ -38,7 +38,7 @@ head-tail chunks (load balancing is on by default):
   copy of the whole), the send buffer's `torch.cat`, the final casts.
 * under full recomputation the forward, gather and merges included, runs again.
 
-`TimeTraits.sdpa_repeats_kv`: torchtitan's Llama (9dec370 through ff0829c10,
+`ModelCode.repeats_kv`: torchtitan's Llama (9dec370 through ff0829c10,
 2026-01-27) repeats the K/V heads to the query heads (`repeat_kv`) before
 SDPA, so everything above moves n_heads-wide K/V, not n_kv_heads-wide.
 

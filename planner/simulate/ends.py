@@ -1,12 +1,11 @@
 """The model's ends in a step: the embedding on the first chunk, final norm, output layer and loss
 on the last, each with its host work and the communication only the ends have (FSDP's root
-units, TP's embedding and output collectives, the logits gather of engines without a
-vocabulary-parallel loss). `planner.simulate.step` places them on the pipeline's chunks.
+units, TP's embedding and output collectives). `planner.simulate.step` places them on the
+pipeline's chunks.
 """
 
 from __future__ import annotations
 
-from planner.engines import get_engine
 from planner.layout import Layout
 from planner.memory.params import stage_params
 from planner.model.spec import ModelSpec
@@ -62,16 +61,14 @@ def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, c
     return out[0], out[1], out[2], out[3]
 
 
-def ends_tp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, gpu_peak_bw: float,
-                  cal: CalibrationProfile, engine: str) -> tuple[float, float, float, float]:
+def ends_tp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm
+                   ) -> tuple[float, float, float, float]:
     """TP communication of the model's ends per micro-batch (embedding F, B, output F, B).
 
     A vocabulary-split embedding all-reduces its output (m*h) in the forward;
     the column-split output layer all-reduces its input gradient in the
-    backward. An engine without a vocabulary-parallel loss (MemoryTraits)
-    all-gathers the logits (m*V) to every TP rank and runs the loss over the
-    full vocabulary there: the gather and the extra (1 - 1/t) of the loss's
-    fp32 passes (`output_times` prices V/t) join the output's forward.
+    backward. Every engine keeps the logits split into its loss (DTensor's
+    loss_parallel, Megatron's vocab-parallel cross entropy), so no logits move.
     """
     if layout.tp == 1:
         return 0.0, 0.0, 0.0, 0.0
@@ -79,9 +76,4 @@ def ends_tp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, com
     m = tokens_per_micro_batch(training.seq_len, layout)
     act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
     emb = 0.0 if model.tie_embeddings else act
-    out_f = 0.0
-    if not get_engine(engine).memory.vocab_parallel_loss:
-        loss_extra = 3 * 4 * m * model.vocab * (1 - 1 / layout.tp) / (gpu_peak_bw * cal.memory_efficiency)
-        out_f = comm.time_s("all_gather", m * model.vocab * d, ("tp",)) + loss_extra / 2
-        return emb, 0.0, out_f, act + loss_extra / 2
-    return emb, 0.0, out_f, act
+    return emb, 0.0, 0.0, act

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -240,7 +241,8 @@ def _compiled(schedule: str, pp: int, v: int, n: int) -> _Compiled:
     """
     orders = _zbv_orders(pp, n) if schedule == "zb-v" else [_ORDERS[schedule](r, pp, v, n) for r in range(pp)]
     sizes = [len(o) for o in orders]
-    kind, chunk, mb = np.array([op for order in orders for op in order], dtype=np.int64).reshape(-1, 3).T
+    flat = chain.from_iterable(chain.from_iterable(orders))  # (kind, chunk, micro-batch) of every operation
+    kind, chunk, mb = np.fromiter(flat, dtype=np.int64, count=3 * sum(sizes)).reshape(-1, 3).T
     rank = np.repeat(np.arange(pp), sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     n_chunks, total = pp * v, int(starts[-1])

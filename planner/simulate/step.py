@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.engines import DDP_BUCKET_BYTES, TimeTraits, get_engine
+from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
 from planner.layout import Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
-from planner.memory.params import layer_params_split, stage_params
+from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
@@ -121,7 +121,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     comm_overlap) of its own time: 0 where collectives run on the computing cores.
     async_gemms: under async TP, the GEMMs each TP collective is pipelined with
     (planner.simulate.tp_overlap); the backward keeps the better of that and tp_hidden_s.
-    cp_ring: price context parallelism as a p2p ring here (TimeTraits.cp_rotate "ring"); the
+    cp_ring: price context parallelism as a p2p ring here (ContextParallel.rotate "ring"); the
     all-gather kind is priced by the caller (planner.simulate.context).
     """
     raw_overlap = overlap
@@ -174,13 +174,13 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
 
 
 def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, peak: float,
-                cluster: Cluster, cal: CalibrationProfile, traits: TimeTraits, fp8_gather: bool = False) -> _Unit:
+                cluster: Cluster, cal: CalibrationProfile, eng: Engine) -> _Unit:
     """One layer's passes: the GPU runs compute then exposed comm; the host issues the layer's
     kernels (layer_overhead_s per forward scaled by the operations the layer dispatches,
     planner.simulate.launches; twice per backward, once more to recompute) and one
     dispatch per collective (collective_overhead_s); the two overlap (`combine`)."""
-    lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal,
-                     training.fused_attention(traits.fused_attention),
+    fused = eng.fused_attention(training)
+    lt = layer_times(model, training.seq_len, training.dtype_bytes, layout, cluster.gpu, peak, cal, fused,
                      fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile,
                      cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu))
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
@@ -190,22 +190,21 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         async_gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout, peak, cal,
                                     fp8_peak_flops(training.precision, cluster.gpu))
         act = tokens_per_micro_batch(training.seq_len, layout) * model.hidden * training.dtype_bytes
-        sm_f, sm_dgrad, sm_wgrad = sm_share_s(async_gemms, traits.tp_overlap_sms, cluster.gpu.sm_count,
+        sm_f, sm_dgrad, sm_wgrad = sm_share_s(async_gemms, eng.tp_overlap_sms(training), cluster.gpu.sm_count,
                                               comm.time_s("all_gather", act, ("tp",)),
                                               comm.time_s("reduce_scatter", act, ("tp",)))
         chunk = async_gemms.chunking_s
         redo = (chunk + sm_f) * recomputed_fraction(layout, model.n_layers) if layout.recompute == "full" else 0.0
         lt = lt + PassTimes(chunk + sm_f, chunk + sm_dgrad, sm_wgrad, redo)
-    cp_ring = traits.cp_rotate == "ring"
+    cp_ring = eng.context_parallel.rotate == "ring"
     if not cp_ring and layout.cp > 1:  # torch's context_parallel (planner.simulate.context)
-        fused = training.fused_attention(traits.fused_attention)
         core_f, core_b = layer_attention_core_times(model, training.seq_len, training.dtype_bytes, layout,
                                                     cluster.gpu, peak, cal, fused)
         cp = torch_cp_cost(model, training.seq_len, training.dtype_bytes, layout, comm, cluster.gpu, cal,
-                           core_f, core_b, repeats_kv=traits.sdpa_repeats_kv, compile=training.compile)
+                           core_f, core_b, repeats_kv=eng.model_code.repeats_kv, compile=training.compile)
         lt = lt + PassTimes(cp.forward_s, cp.backward_s, 0.0, cp.recompute_s)
-    tp_hidden = lt.backward_weight_s if traits.overlap_tp_backward else 0.0
-    gather_bytes = 1 if fp8_gather and training.fp8 else training.dtype_bytes
+    tp_hidden = lt.backward_weight_s if eng.tensor_parallel.backward_overlap else 0.0
+    gather_bytes = 1 if eng.fp8.fp8_all_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
                                                    lt.backward_s, attention, tp_hidden, gather_bytes,
                                                    cal.comm_overlap, async_gemms, cp_ring)
@@ -214,7 +213,7 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         calls_f, calls_b = calls_f + cp.calls_f, calls_b + cp.calls_b
     p = cal.overlap_exponent
     host = cal.layer_overhead_s * (COMPILE_HOST_FACTOR if training.compile else 1.0)
-    scale_f, scale_b = layer_host_scale(model, training, layout, training.fused_attention(traits.fused_attention))
+    scale_f, scale_b = layer_host_scale(model, training, layout, fused)
     host_f, host_b = layer_host_s(model, layout, cal, host * scale_f, (calls_f, calls_b), host * scale_b)
     f = combine(lt.forward_s + sum(comm_f.values()), host_f, p)
     b = combine(lt.backward_s + sum(comm_b.values()), host_b, p)
@@ -263,7 +262,7 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
          comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
     """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
 
-    "overlapped": one transfer per direction. "exchange" (TimeTraits.pipe_p2p): each 1F1B
+    "overlapped": one transfer per direction. "exchange" (Pipeline.p2p): each 1F1B
     micro-batch meets two blocking exchanges of activation and gradient (DeepSpeed's
     TrainSchedule, tests/unit/test_megatron_papers.py) and the all-gathers over tp that
     rebuild split tensors (activation at the receiver; output, and a split gradient,
@@ -286,9 +285,8 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
-          cal: CalibrationProfile, traits: TimeTraits, rank: int, last_backward_s: float) -> dict[str, float]:
-    """Exposed work of one pipeline rank after its last backward: DP reduction, optimizer, gathers."""
-    sp = stage_params(model, layout, rank)
+          cal: CalibrationProfile, overlap_dp: bool, sp: StageParams, last_backward_s: float) -> dict[str, float]:
+    """Exposed work of one pipeline rank holding `sp` after its last backward: DP reduction, optimizer, gathers."""
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
     if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
@@ -298,7 +296,7 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
         reduce_bytes = sp.total * g / layout.shard_ranks
         reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
-    if traits.overlap_dp and reduce_s > 0:
+    if overlap_dp and reduce_s > 0:
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes)
         reduce_s = max(last_bucket, reduce_s - cal.comm_overlap * last_backward_s)
     gather = 0.0
@@ -321,25 +319,24 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
 
 
 def step_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
-                calibration: CalibrationProfile | None = None, engine: str = "meshplan",
-                traits: TimeTraits | None = None) -> MemoryEstimate:
+                calibration: CalibrationProfile | None = None, engine: str | Engine = "meshplan") -> MemoryEstimate:
     """The memory of `layout` as a prediction reports it; the search checks fit with this same call.
 
     One call site for both, so the search never prunes a layout its own
     prediction calls feasible: same stage split (balanced when empty), same
     fixed overhead (the calibration's, else the memory model's default), same
-    attention kernel (the engine's, or `traits`).
+    attention kernel (the engine's unless the training names one).
     """
-    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    fused = training.fused_attention((traits or get_engine(engine).time).fused_attention)
-    return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, engine, cal.other_bytes,
-                           fused_attention=fused)
+    eng = get_engine(engine)
+    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(eng.name)
+    return estimate_memory(model, training, with_stage_layers(model, layout), cluster.gpu, eng, cal.other_bytes,
+                           fused_attention=eng.fused_attention(training))
 
 
 def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,
-                  calibration: CalibrationProfile | None = None, engine: str = "meshplan",
-                  events: bool = False, traits: TimeTraits | None = None) -> StepResult:
-    """Time one optimizer step of `layout`; `traits` overrides the engine's (see planner.engines).
+                  calibration: CalibrationProfile | None = None, engine: str | Engine = "meshplan",
+                  events: bool = False) -> StepResult:
+    """Time one optimizer step of `layout` on `engine` (NAME, NAME@RELEASE or an Engine: planner.engines).
 
     The calibration runs at the engine's speed (`CalibrationProfile.for_engine`).
     The layout is trusted to be consistent (`planner.plan.validate`, which the
@@ -347,26 +344,24 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     the rank groups depend on it. Fewer micro-batches than stages is allowed:
     engines run such steps, with a larger bubble.
     """
-    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(engine)
-    traits = traits or get_engine(engine).time_for(training.attention)
+    eng = get_engine(engine)
+    cal = (calibration or load_calibration(None, cluster.gpu)).for_engine(eng.name)
     layout = with_stage_layers(model, layout)
     if layout.world_size != cluster.world_size:
         raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
     split_w = layout.pp_schedule == "zb-v"
-    eng = get_engine(engine)
-    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, traits, eng.fp8.fp8_all_gather)
+    unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, eng)
     ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
-    if traits.recompute_pipe_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
+    if eng.pipeline.recomputes_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
         ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
     ends_comm = {"fsdp_comm": root_fsdp_comm_s(model, training, layout, comm, cal, ends),
-                 "tp_comm": ends_tp_comm_s(model, training, layout, comm, cluster.gpu.memory_gbytes_per_s * 1e9, cal,
-                                          engine)}
+                 "tp_comm": ends_tp_comm_s(model, training, layout, comm)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
-    add_grad_fold(model, training, layout, cluster, cal, traits, engine, durations, compute)
-    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, traits.pipe_p2p)
+    add_grad_fold(model, training, layout, cluster, cal, eng, durations, compute)
+    p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, eng.pipeline.p2p)
     n = layout.grad_accum_steps
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     plain_f = durations[F]
@@ -374,8 +369,13 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
         durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
                                                        comm_kinds)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
-    tails = [_tail(model, training, layout, comm, cluster, cal, traits, r, pipe.last_backward_s[r])
-             for r in range(layout.pp)]
+    overlap_dp = eng.data_parallel.overlaps_backward
+    tails, seen = [], {}  # ranks holding equal parameters (one shared StageParams) with equal last backwards
+    for sp, last_b in zip(pipeline_params(model, layout), pipe.last_backward_s, strict=True):
+        key = (id(sp), last_b)
+        if key not in seen:
+            seen[key] = _tail(model, training, layout, comm, cluster, cal, overlap_dp, sp, last_b)
+        tails.append(seen[key])
     finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
     step = max(finish)
     r = finish.index(step)
@@ -387,7 +387,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
-    memory = step_memory(model, training, layout, cluster, cal, engine, traits)
+    memory = step_memory(model, training, layout, cluster, cal, eng)
     tokens_per_s = training.tokens_per_step / step
     model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
     step_events = None

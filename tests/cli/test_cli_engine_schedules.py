@@ -8,9 +8,9 @@ import pytest
 
 @pytest.mark.parametrize("args, message", [
     (("--engine", "megatron", "--pp-schedule", "zb-v"),
-     "runs on engine megatron: engine megatron pipelines with 1f1b, interleaved-1f1b only"),
+     "runs on engine megatron: engine megatron@core-0.16 pipelines with 1f1b, interleaved-1f1b only"),
     (("--engine", "deepspeed", "--pp", "2", "--zero", "2"),
-     "runs on engine deepspeed: engine deepspeed runs ZeRO 0-1 with pipeline parallelism, got ZeRO-2 with pp 2"),
+     "runs on engine deepspeed: engine deepspeed@0.6 runs ZeRO 0-1 with pipeline parallelism, got ZeRO-2 with pp 2"),
 ])
 def test_what_an_engine_does_not_pipeline_is_a_usage_error(cli, args, message):
     r = cli("plan", "--model", "13B", "--gpus", "16", *args)

@@ -45,8 +45,8 @@ def test_16_bit_moments_export_as_megatrons_precision_aware_optimizer(cli, tmp_p
     (("--recipe", "cuda_graphs=maybe"), "cuda_graphs takes true or false, got 'maybe'"),
     (("--recipe", "cuda_graphs=true", "--recipe", "cuda_graphs=false"), "given twice"),
     (("--engine", "megatron", "--recipe", "fp8_params=true"), "needs precision fp8 or mxfp8, got bf16"),
-    (("--precision", "fp8", "--recipe", "fp8_params=true"), "engine meshplan keeps 16-bit weights"),
-    (("--recipe", "optimizer_dtype=bf16"), "engine meshplan keeps the optimizer's moments in fp32"),
+    (("--precision", "fp8", "--recipe", "fp8_params=true"), "engine meshplan@0.1 keeps 16-bit weights"),
+    (("--recipe", "optimizer_dtype=bf16"), "engine meshplan@0.1 keeps the optimizer's moments in fp32"),
     (("--engine", "megatron", "--recipe", "optimizer_dtype=fp8"), "optimizer_dtype takes fp32, bf16, fp16"),
 ])
 def test_recipe_options_that_cannot_run_are_usage_errors(cli, args, message):

@@ -23,7 +23,7 @@ def test_modules_land_in_plan_json_and_imply_selective(cli, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--engine", "megatron", "--recompute-modules", "core_attn,attention"), "unknown attention"),
-    (("--recompute-modules", "core_attn"), "engine meshplan has no per-module selective recomputation"),
+    (("--recompute-modules", "core_attn"), "engine meshplan@0.1 has no per-module selective recomputation"),
     (("--engine", "megatron", "--recompute", "full", "--recompute-modules", "mlp"), "but --recompute is full"),
     (("--engine", "megatron", "--recompute-modules", "mla_up_proj"), "has no MLA attention"),
     (("--engine", "megatron", "--recompute-modules", "mlp,mlp"), "a module named twice"),

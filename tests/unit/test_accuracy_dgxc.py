@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import load_bench, shared_data
 
-from planner.engines import TE_UB_DEFAULT, CommSms
+from planner.engines import TE_UB_DEFAULT, CommSms, get_engine
 
 bench = load_bench("accuracy_dgxc")
 rows_module = load_bench("dgxc_rows")
@@ -90,12 +90,13 @@ def test_rows_run_the_tp_overlap_their_recipes_ran_with_their_userbuffers_config
     assert all(r.tp_comm_overlap == (r.source == "nemo" and r.layout.tp > 1) for r in rows if r.expressible)
     assert [r.training.async_tp for r in rows] == [r.tp_comm_overlap for r in rows]
     assert sum(r.tp_comm_overlap for r in rows) >= 100
-    assert all((r.ub_sms is not None) == r.tp_comm_overlap for r in rows)
-    by_model = {(r.model, r.gpu): r.ub_sms for r in rows if r.tp_comm_overlap}
+    sms = {r.id: get_engine(r.engine).tp_overlap_sms(r.training) for r in rows if r.tp_comm_overlap}
+    by_model = {(r.model, r.gpu): sms[r.id] for r in rows if r.tp_comm_overlap}
     assert by_model[("Nemotron-4 15B", "h100-sxm")] == TE_UB_DEFAULT  # NeMo ships no H100 config for it
-    gpt3 = by_model[("GPT-3 175B", "h100-sxm")]  # userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048
-    assert gpt3.fprop_rs == (CommSms(24, True), CommSms(1, True))
-    assert gpt3 != TE_UB_DEFAULT and next(r for r in rows if r.ub_sms is gpt3).traits().tp_overlap_sms == gpt3
+    gpt3 = by_model[("GPT-3 175B", "h100-sxm")]
+    assert {r.training.tp_overlap_cfg for r in rows if r.model == "GPT-3 175B" and r.precision == "bf16"} == \
+        {"userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"}
+    assert gpt3.fprop_rs == (CommSms(24, True), CommSms(1, True)) and gpt3 != TE_UB_DEFAULT
     plain = rows_module.load_dense_rows(rows_module.DATA if rows_module.DATA.exists()
                                         else shared_data("data/published/dgxc.json"), tp_overlap=False)
     assert not any(r.training.async_tp for r in plain)

@@ -46,7 +46,8 @@ def test_every_row_cites_its_table_and_release(rows):
             assert rec["release"] in rec["src"] or rec["release"].startswith("2024")
             assert rec["source"] in doc["sources"]
     assert {r.gpu for r in rows} == {"a100", "h100", "h200", "b200", "b300", "gb200", "gb300"}
-    assert {r.engine for r in rows} == {"megatron", "torchtitan"}
+    assert {r.engine for r in rows} == {"megatron@core-0.8", "megatron@core-0.14", "megatron@core-0.15",
+                                        "megatron@core-0.16", "torchtitan@2024-04", "torchtitan@2025-06"}
 
 
 def test_layouts_are_the_stated_ones(rows):
@@ -115,7 +116,7 @@ def test_published_layouts_fit_and_measured_memory(figures):
     # torchtitan's measured peak (max reserved) on H200, Llama 3.1 8B FP8, FSDP 32 and 64 (June 2025 stack):
     # +38% and +37% while the eager loss (12 B per logit and a 2 B hole) was priced; torchtitan compiles its
     # loss with --training.compile since 2025-04 (build_cross_entropy_loss, bbb1b616e; not in the December
-    # 2024 H100 tables' 9dec370), which keeps 4 B per logit (MemoryTraits.compiled_cross_entropy): -2.5%, -4.5%
+    # 2024 H100 tables' 9dec370), which keeps 4 B per logit (the "compile" fused loss, torchtitan@2025-06): -2.5%, -4.5%
     mae, bias, measured = figures["memory/measured"]
     assert measured == 2 and mae < 0.08 and -0.08 < bias < 0.0
 
@@ -192,13 +193,13 @@ def test_bridge_rows_run_the_tp_overlap_their_scripts_set(rows):
     config by GPU (BRIDGE_UB_CONFIGS); its Qwen3-235B H100 script turns it off; tp 1 and NeMo 24.07 rows run none."""
     by_id = {r.id: r for r in rows}
     h100 = by_id["mb-26.02-h100-llama3-405b-1024g-fp8"]
-    assert h100.training.async_tp and h100.ub_sms == bench.BRIDGE_UB_CONFIGS[(False, 16384)]
+    assert h100.training.async_tp and h100.training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(False, 16384)]
     gb300 = by_id["mb-25.11-gb300-llama3-405b-256g-fp8"]
-    assert gb300.training.async_tp and gb300.ub_sms == bench.BRIDGE_UB_CONFIGS[(True, 16384)]
-    assert by_id["mb-26.02-gb200-llama3-70b-64g-mxfp8"].ub_sms == bench.BRIDGE_UB_CONFIGS[(True, 8192)]
+    assert gb300.training.async_tp and gb300.training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(True, 16384)]
+    assert by_id["mb-26.02-gb200-llama3-70b-64g-mxfp8"].training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(True, 8192)]
     assert not by_id["mb-26.02-h100-qwen3-235b-a22b-256g-fp8"].training.async_tp
     assert not by_id["mb-25.11-gb200-llama3-70b-64g-fp8"].training.async_tp  # tp 1, Megatron FSDP
     assert not any(r.training.async_tp for r in rows if r.training and r.source != "megatron-bridge")
     # the overlap shortens the step: the overlapped collectives hide under their GEMMs
-    plain = bench.simulate(replace(h100, ub_sms=None, training=h100.training.replace(async_tp=False)))
+    plain = bench.simulate(replace(h100, training=h100.training.replace(async_tp=False, tp_overlap_cfg="")))
     assert bench.simulate(h100).step_time_s < plain.step_time_s

@@ -5,7 +5,7 @@ to host memory after their forward and brings each back ahead of its
 backward; the GPU keeps the other layers' (planner.memory.estimate).
 Sharded parameters (Megatron FSDP) keep no persistent 8-bit weight copies
 (planner.memory.states); Megatron-Core's loss backward works in place on its
-saved fp32 softmax (MemoryTraits.inplace_loss_backward).
+saved fp32 softmax (mechanisms.Loss "megatron").
 """
 
 from __future__ import annotations

@@ -157,24 +157,16 @@ def test_fold_run_keeps_compute_factor_and_cpu_memory():
     assert new.other_bytes == base.other_bytes  # CPU peaks are resident sets, not tensors
 
 
-def test_tp_ends_gather_logits_only_without_a_vocab_parallel_loss(monkeypatch):
-    """An engine that gathers the logits to every TP rank pays an all-gather; a vocab-parallel loss does not."""
-    import dataclasses
-
-    from planner import engines
-
-    meshplan = engines.get_engine("meshplan")
-    assert meshplan.memory.vocab_parallel_loss  # the executor runs loss_parallel under TP
-    gathering = dataclasses.replace(meshplan, memory=dataclasses.replace(meshplan.memory, vocab_parallel_loss=False))
-    monkeypatch.setitem(engines.ENGINES, "gathering", gathering)
+def test_tp_ends_gather_no_logits():
+    """Every engine keeps the logits split into its loss (DTensor's loss_parallel, Megatron's vocab-parallel
+    cross entropy): the ends' TP communication is the embedding and output all-reduces, no all-gather."""
     plan = _plan("tp2")
     base = _cpu_profile()
     gathers = base.replace(collective_scale={"all_gather": 2.0})
-    for engine, moves in (("gathering", True), ("meshplan", False), ("megatron", False)):
+    for engine in ("meshplan", "megatron", "torchtitan", "deepspeed"):
         one = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, base, engine=engine)
         two = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, gathers, engine=engine)
-        assert (two.time_breakdown_s["tp_comm"] > one.time_breakdown_s["tp_comm"]) == moves
-        assert one.time_breakdown_s["tp_comm"] > 0  # the embedding and output all-reduces in all
+        assert two.time_breakdown_s["tp_comm"] == one.time_breakdown_s["tp_comm"] > 0
 
 
 def test_block_fit_recovers_compute_level_dtensor_fsdp_and_solo_costs():

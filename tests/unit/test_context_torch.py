@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from planner.engines import TimeTraits, get_engine
+from planner.engines import ContextParallel, get_engine
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.simulate.calibration import load_calibration
@@ -113,21 +113,21 @@ def test_full_recompute_runs_the_gather_and_merges_again():
 
 
 def test_unknown_rotate_method_is_refused():
-    with pytest.raises(PlanError, match="cp_rotate"):
-        TimeTraits(fused_attention=True, overlap_dp=True, cp_rotate="alltoall-ring")
+    with pytest.raises(PlanError, match="rotate"):
+        ContextParallel("custom", rotate="alltoall-ring", gathers_kv=True)
 
 
 def test_torchtitan_all_gather_costs_more_than_the_ring_and_nothing_without_cp():
     training = TrainingSpec(seq_len=SEQ, global_batch_size=2, precision="bf16")
     cluster = load_cluster("dgx-h100", 16)
-    titan = get_engine("torchtitan").time
-    ring = dataclasses.replace(titan, cp_rotate="ring")
-    assert titan.cp_rotate == "allgather" and get_engine("megatron").time.cp_rotate == "ring"
+    titan = get_engine("torchtitan@2024-12")
+    ring = dataclasses.replace(titan, context_parallel=dataclasses.replace(titan.context_parallel, rotate="ring"))
+    assert titan.context_parallel.rotate == "allgather" and get_engine("megatron").context_parallel.rotate == "ring"
     cp = Layout(cp=8, dp_shard=2, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, recompute="full")
-    gathered = simulate_step(MODEL, training, cp, cluster, engine="torchtitan")
-    ringed = simulate_step(MODEL, training, cp, cluster, engine="torchtitan", traits=ring)
+    gathered = simulate_step(MODEL, training, cp, cluster, engine=titan)
+    ringed = simulate_step(MODEL, training, cp, cluster, engine=ring)
     assert gathered.step_time_s > ringed.step_time_s
     assert gathered.time_breakdown_s["cp_comm"] > 0.0  # at least the last fp32 dK/dV send
     flat = Layout(dp_shard=16, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, recompute="full")
-    assert simulate_step(MODEL, training, flat, cluster, engine="torchtitan").step_time_s == \
-        simulate_step(MODEL, training, flat, cluster, engine="torchtitan", traits=ring).step_time_s
+    assert simulate_step(MODEL, training, flat, cluster, engine=titan).step_time_s == \
+        simulate_step(MODEL, training, flat, cluster, engine=ring).step_time_s

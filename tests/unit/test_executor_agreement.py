@@ -20,7 +20,7 @@ from executor.model import build_model
 from executor.parallel.mesh import build_mesh
 from executor.parallel.parallelize import shard
 from planner.cli.plan import plan as plan_command
-from planner.engines import dp_path
+from planner.engines import get_engine
 from planner.layout import DP_AXES, rank_coords, stage_ranges
 from planner.memory.params import pipeline_params
 from planner.plan import load_plan
@@ -74,7 +74,7 @@ _EXPECTED = {
 @pytest.mark.parametrize("name", list(DETERMINISM_LAYOUTS))
 def test_dp_kind_is_the_planners_dp_path(plans, name):
     plan = plans[name]
-    planned = dp_path(plan.layout)
+    planned = get_engine("meshplan").dp_path(plan.layout)
     _, _, kind, placements = _built(plan, 0)
     assert kind == planned
     assert _EXPECTED[planned](placements, plan.layout), (planned, placements)

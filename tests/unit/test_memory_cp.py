@@ -49,19 +49,23 @@ def test_kv_in_flight_ring_against_all_gather(cp):
     layout = _layout(cp)  # no tp, pp or ep: the CP buffer is the only activation buffer
     local_kv = 2 * SEQ / cp * MODEL.kv_dim * training.dtype_bytes
     # (the CP part, the rest)
-    assert _activation_comm(MODEL, training, layout, "megatron") == (int(2 * local_kv), 0)  # TE p2p: send + receive
-    assert _activation_comm(MODEL, training, layout, "meshplan") == (int(cp * local_kv), 0)  # the whole sequence
-    # torchtitan's Attention repeats the K/V heads to the query heads before SDPA: the gather moves those
+    # TE p2p: send + receive; meshplan's executor: the whole sequence
+    assert _activation_comm(MODEL, training, layout, get_engine("megatron")) == (int(2 * local_kv), 0)
+    assert _activation_comm(MODEL, training, layout, get_engine("meshplan")) == (int(cp * local_kv), 0)
+    # torchtitan's Attention repeated the K/V heads to the query heads before SDPA: the gather moved those
     assert MODEL.q_dim > MODEL.kv_dim
-    assert _activation_comm(MODEL, training, layout, "torchtitan") == (int(cp * local_kv * MODEL.q_dim / MODEL.kv_dim), 0)
+    titan_2025 = _activation_comm(MODEL, training, layout, get_engine("torchtitan@2025-06"))
+    assert titan_2025 == (int(cp * local_kv * MODEL.q_dim / MODEL.kv_dim), 0)
+    # ... until ff0829c10 (2026-01-27, in torchtitan@2026-02): SDPA takes GQA's K/V as they are
+    assert _activation_comm(MODEL, training, layout, get_engine("torchtitan@2026-02")) == (int(cp * local_kv), 0)
 
 
 def test_cp_exchange_buffers_only_while_a_block_runs():
     # the gathered K/V exists during a block's attention: in block_backward, not at the loss backward
     training = TrainingSpec(seq_len=SEQ, global_batch_size=8, attention="fused")
     gpu = get_gpu("h100-sxm")
-    with_cp = estimate_memory(MODEL, training, _layout(4), gpu, "torchtitan")
-    cp_bytes, _ = _activation_comm(MODEL, training, _layout(4), "torchtitan")
+    with_cp = estimate_memory(MODEL, training, _layout(4), gpu, "torchtitan@2025-06")
+    cp_bytes, _ = _activation_comm(MODEL, training, _layout(4), get_engine("torchtitan@2025-06"))
     assert cp_bytes > 0
     for sb, _, _ in with_cp.stages:
         assert sb.attention_comm == cp_bytes and sb.comm == 0
@@ -73,7 +77,8 @@ def test_cp_exchange_buffers_only_while_a_block_runs():
     assert sum(phases["block_backward"]) - sum(without["block_backward"]) == cp_bytes
     # the papers' accounting (megatron) keeps every buffer at once
     published = estimate_memory(MODEL, training, _layout(4), gpu, "megatron")
-    assert all(sb.comm == _activation_comm(MODEL, training, _layout(4), "megatron")[0] for sb, _, _ in published.stages)
+    megatron_cp = _activation_comm(MODEL, training, _layout(4), get_engine("megatron"))[0]
+    assert all(sb.comm == megatron_cp for sb, _, _ in published.stages)
 
 
 def test_eager_attention_with_cp_is_refused_where_the_engine_has_no_such_kernel():
@@ -83,9 +88,9 @@ def test_eager_attention_with_cp_is_refused_where_the_engine_has_no_such_kernel(
         reason = get_engine(engine).refusal(MODEL, layout, "bf16", True, eager)
         assert reason is not None and "--attention fused" in reason and "cp 2" in reason
         assert get_engine(engine).refusal(MODEL, _layout(1), "bf16", True, eager) is None
-    # DeepSpeed-Ulysses runs any attention after its all-to-all
-    assert get_engine("deepspeed").refusal(MODEL, Layout(cp=2, dp_replicate=2, grad_accum_steps=4), "bf16", True,
-                                           eager) is None
+    # DeepSpeed's pipeline releases modelled predate DeepSpeed-Ulysses: no context parallelism at all
+    assert "no context parallelism" in get_engine("deepspeed").refusal(
+        MODEL, Layout(cp=2, dp_replicate=2, grad_accum_steps=4), "bf16", True, eager)
 
 
 def test_meshplans_executor_saves_the_gathered_kv():

@@ -185,7 +185,7 @@ def test_loss_backward_bytes_per_logit_match_torch(tp):
 
 def test_compiled_loss_keeps_two_bytes_per_logit_and_writes_two():
     """torchtitan's loss under torch.compile (inductor on CPU here): the bf16 logits saved, a bf16 gradient
-    made in the backward; the constants planner.memory.estimate uses for MemoryTraits.compiled_cross_entropy."""
+    made in the backward; the constants planner.memory.estimate uses for the "compile" fused loss (mechanisms.Loss)."""
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile, record_function
 

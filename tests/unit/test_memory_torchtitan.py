@@ -50,13 +50,13 @@ def test_loss_parallel_backward_holds_16_bytes_per_local_logit():
 
 
 def test_compiled_loss_keeps_the_compute_dtype_logits_and_their_gradient():
-    # torchtitan from 2025-04 compiles its loss with the blocks (fused_cross_entropy + compile): D saved, D more
-    # in the backward, no fp32 tensors and no allocator hole; without TP only (loss_parallel stays as it is)
-    plain_training = TrainingSpec(seq_len=SEQ, global_batch_size=8, dtype="bf16", compile=True)
-    compiled_training = plain_training.replace(fused_cross_entropy=True)
+    # torchtitan from its 2025-06 release (bbb1b616e, 2025-04) compiles its loss with the blocks under
+    # --compile: D saved, D more in the backward, no fp32 tensors and no allocator hole; without TP only
+    # (loss_parallel stays as it is); the 2024-12 release compiled the blocks alone
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, dtype="bf16", compile=True)
     layout = with_stage_layers(MODEL, Layout(dp_shard=8, zero_stage=3))
-    plain = estimate_memory(MODEL, plain_training, layout, H100, "torchtitan")
-    compiled = estimate_memory(MODEL, compiled_training, layout, H100, "torchtitan")
+    plain = estimate_memory(MODEL, training, layout, H100, "torchtitan@2024-12")
+    compiled = estimate_memory(MODEL, training, layout, H100, "torchtitan@2025-06")
     logits = SEQ * MODEL.vocab
     acts = compiled.activations
     assert (acts.logits_saved, acts.loss_transient, acts.logits_grad, acts.loss_hole) == \
@@ -64,19 +64,21 @@ def test_compiled_loss_keeps_the_compute_dtype_logits_and_their_gradient():
     # the peak at the loss backward drops by the eager loss's 12 B - 4 B per logit and its 2 B hole
     assert plain.peak_phase == "backward_start"
     assert plain.peak_bytes - compiled.peak_bytes >= 8 * logits
+    # without --compile the 2025-06 release runs the eager loss
+    eager = estimate_memory(MODEL, training.replace(compile=False), layout, H100, "torchtitan@2025-06").activations
+    assert eager.logits_saved == plain.activations.logits_saved == pytest.approx(4 * logits)
     tp = with_stage_layers(MODEL, Layout(tp=2, dp_shard=4, zero_stage=3, sequence_parallel=True))
-    assert estimate_memory(MODEL, compiled_training, tp, H100, "torchtitan").activations.loss_transient == \
+    assert estimate_memory(MODEL, training, tp, H100, "torchtitan@2025-06").activations.loss_transient == \
         pytest.approx(12 * logits / 2)
 
 
-def test_compiled_loss_needs_compile():
+def test_torchtitan_has_no_transformer_engine_loss():
     from planner.engines import get_engine
 
-    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, dtype="bf16", fused_cross_entropy=True)
+    training = TrainingSpec(seq_len=SEQ, global_batch_size=8, dtype="bf16", fused_cross_entropy=True, compile=True)
     reason = get_engine("torchtitan").refusal(MODEL, Layout(dp_shard=8, zero_stage=3), "bf16", True, training)
-    assert reason is not None and "compile" in reason
-    assert get_engine("torchtitan").refusal(MODEL, Layout(dp_shard=8, zero_stage=3), "bf16", True,
-                                            training.replace(compile=True)) is None
+    assert reason is not None and "compiled with the blocks under --compile" in reason
+    assert get_engine("megatron").refusal(MODEL, Layout(dp_shard=8, zero_stage=1), "bf16", True, training) is None
 
 
 def test_eager_final_norm_keeps_its_fp32_copy_and_normalized_output():

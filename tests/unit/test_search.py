@@ -90,17 +90,17 @@ def test_bound_never_exceeds_the_simulated_step(name):
     assert ratios[len(ratios) // 2] > 0.8  # tight enough to prune: half the layouts within 20%
 
 
-def test_bound_follows_eager_megatrons_traits():
-    """`--attention eager` runs megatron on the 2021-22 traits (no gradient-reduce overlap): the bound
-    is built from the same traits as the simulated step, so it stays below it and as tight."""
+def test_bound_follows_the_2022_megatrons_overlap():
+    """megatron@2022 reduces gradients after the backward and runs eager attention: the bound is built
+    from the same engine as the simulated step, so it stays below it and as tight."""
     model, cluster = load_model("7B"), load_cluster("dgx-a100-80g", 16)
-    training = TrainingSpec(2048, 32, attention="eager")
-    bound = StepBound(model, cluster, load_calibration(None, cluster.gpu), "megatron", "eager")
-    assert bound.traits == get_engine("megatron").time_for("eager")
+    training = TrainingSpec(2048, 32)
+    bound = StepBound(model, cluster, load_calibration(None, cluster.gpu), "megatron@2022")
+    assert bound.engine == get_engine("megatron@2022") and not bound.overlap_dp
     leaves = list(_leaves(model, cluster, 2048, 32))
     random.Random(0).shuffle(leaves)
     ratios = sorted(bound.seconds(layout, training) / simulate_step(model, training, layout, cluster,
-                                                                     engine="megatron").step_time_s
+                                                                     engine="megatron@2022").step_time_s
                     for layout in leaves[:100])
     assert ratios[-1] <= 1 + 1e-9 and ratios[len(ratios) // 2] > 0.8
 

@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 import planner.search.search as search_module
-from planner.engines import ENGINE_NAMES, MEGATRON_DEEPSPEED_2022
+from planner.engines import ENGINE_NAMES
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.plan import with_stage_layers
@@ -90,5 +90,31 @@ def test_megatron_llama3_8b_cp2_fits_80gb():
     best = result.best
     assert (best.layout.tp, best.layout.cp, best.layout.recompute) == (1, 2, "none")
     assert best.result.memory.peak_bytes < 80e9
-    eager = step_memory(model, best.training, best.layout, cluster, engine="megatron", traits=MEGATRON_DEEPSPEED_2022)
+    eager = step_memory(model, best.training.replace(attention="eager"), best.layout, cluster, engine="megatron")
     assert eager.peak_bytes > best.result.memory.peak_bytes
+
+
+@pytest.mark.parametrize("model_name,gpus,engine", [("13B", 16, "meshplan"), ("70B", 64, "megatron"),
+                                                    ("8B", 8, "torchtitan@2025-10"), ("70B", 64, "deepspeed"),
+                                                    ("mixtral-8x7b", 16, "meshplan")])
+def test_the_memory_floor_is_never_above_the_estimate(model_name, gpus, engine, monkeypatch):
+    """The search rules candidates out by planner.memory.estimate.peak_floor_bytes before estimating them:
+    on every layout it estimates, the floor is at or below the estimate (and not a loose one)."""
+    from planner.memory.estimate import peak_floor_bytes, stage_state_floors
+
+    ratios = []
+    real = search_module.step_memory
+
+    def checked(model, training, layout, cluster, calibration, eng):
+        memory = real(model, training, layout, cluster, calibration, eng)
+        floors = stage_state_floors(model, training, layout, eng, cluster.gpu.fp8_any_layout)
+        floor = peak_floor_bytes(model, training, layout, eng, memory.other_bytes, floors)
+        assert floor <= memory.peak_bytes, (layout, floor, memory.peak_bytes)
+        ratios.append(floor / memory.peak_bytes)
+        return memory
+
+    monkeypatch.setattr(search_module, "step_memory", checked)
+    model = load_model(model_name)
+    result = search_module.search(model, load_cluster("dgx-h100", gpus), min(model.max_seq_len, 4096), engine=engine)
+    assert result.ranked and len(ratios) > 50
+    assert max(ratios) > 0.8  # tight where it matters: near the GPU's capacity

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from planner.engines import TimeTraits, get_engine
+from planner.engines import get_engine
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.plan import MEMORY_CATEGORIES, with_stage_layers
@@ -104,8 +106,10 @@ def test_interleaving_and_zero_bubble_cut_the_1f1b_bubble():
 
 def test_overlapping_the_dp_reduction_hides_part_of_it():
     layout = Layout(tp=2, dp_replicate=8, micro_batch_size=1, grad_accum_steps=8)
-    overlapped = run(layout, traits=TimeTraits(fused_attention=True, overlap_dp=True))
-    serial = run(layout, traits=TimeTraits(fused_attention=True, overlap_dp=False))
+    meshplan = get_engine("meshplan")  # the same engine with its gradient reduction after the backward
+    serial_dp = dataclasses.replace(meshplan.data_parallel, overlaps_backward=False)
+    overlapped = run(layout, engine=meshplan)
+    serial = run(layout, engine=dataclasses.replace(meshplan, data_parallel=serial_dp))
     assert 0 < overlapped.time_breakdown_s["dp_comm"] < serial.time_breakdown_s["dp_comm"]
     assert overlapped.step_time_s < serial.step_time_s
 
@@ -113,7 +117,7 @@ def test_overlapping_the_dp_reduction_hides_part_of_it():
 def test_eager_attention_engines_are_slower_on_long_sequences():
     training = TrainingSpec(seq_len=8192, global_batch_size=32)
     layout = Layout(tp=8, dp_replicate=2, micro_batch_size=1, grad_accum_steps=16)
-    assert get_engine("deepspeed").time.fused_attention is False
+    assert get_engine("deepspeed").attention == "eager"
     assert run(layout, training=training, engine="deepspeed").step_time_s > \
         run(layout, training=training, engine="meshplan").step_time_s
 

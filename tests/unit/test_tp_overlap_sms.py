@@ -65,11 +65,12 @@ def test_megatron_async_tp_pays_te_defaults_and_torchtitan_none():
     model, cluster = load_model("llama3-70b"), load_cluster("dgx-h100", 16)
     layout = Layout(tp=8, dp_shard=2, zero_stage=1, sequence_parallel=True, micro_batch_size=1, grad_accum_steps=4)
     training = TrainingSpec(seq_len=4096, global_batch_size=8, async_tp=True)
-    megatron = get_engine("megatron").time
-    assert megatron.tp_overlap_sms == TE_UB_DEFAULT and get_engine("torchtitan").time.tp_overlap_sms == NO_SMS
-    priced = simulate_step(model, training, layout, cluster, engine="megatron")
-    free = simulate_step(model, training, layout, cluster, engine="megatron",
-                         traits=dataclasses.replace(megatron, tp_overlap_sms=NO_SMS))
+    megatron = get_engine("megatron")
+    assert megatron.tp_overlap_sms(training) == TE_UB_DEFAULT
+    assert get_engine("torchtitan").tp_overlap_sms(training) == NO_SMS
+    priced = simulate_step(model, training, layout, cluster, engine=megatron)
+    free = simulate_step(model, training, layout, cluster,
+                         engine=dataclasses.replace(megatron, tp_overlap_default=NO_SMS))
     assert priced.time_breakdown_s["compute"] > free.time_breakdown_s["compute"]
     cal = load_calibration(None, cluster.gpu).for_engine("megatron")
     gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout,
