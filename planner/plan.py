@@ -195,11 +195,14 @@ def _first_non_finite(obj: Any, where: str = "") -> tuple[str, float] | None:
 
 
 def _engine_spec(data: dict[str, Any]) -> str:
-    """NAME@RELEASE from plan.json's engine and engine_release (NAME alone: the newest release)."""
+    """NAME@RELEASE from plan.json's engine and engine_release; NAME alone for the newest release, as `plan`
+    spells a bare --engine, so a saved plan loads equal to the one that was saved."""
     name, release = data.get("engine", "meshplan"), data.get("engine_release")
     if not isinstance(name, str) or (release is not None and not isinstance(release, str)):
         raise PlanError(f"plan.json engine and engine_release must be strings, got {name!r}, {release!r}")
-    return f"{name}@{release}" if release else name
+    if not release or get_engine(name).release == release:
+        return name
+    return f"{name}@{release}"
 
 
 def _training(data: dict[str, Any], version: int, engine: str) -> TrainingSpec:
