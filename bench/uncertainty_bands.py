@@ -138,7 +138,8 @@ def percentile(values: list[float], share: float) -> float:
 def bands(rows: list[Scored]) -> list[dict]:
     groups: dict[tuple[str, str, bool], list[Scored]] = {}
     for r in rows:
-        groups.setdefault((r.engine, band_family(r.gpu), r.moe), []).append(r)
+        # a band describes the engine across the releases its rows ran (planner.accuracy.bands.band_for)
+        groups.setdefault((r.engine.split("@")[0], band_family(r.gpu), r.moe), []).append(r)
     out = []
     for (engine, family, moe), rs in sorted(groups.items()):
         held = [r for r in rs if not r.fitted]
