@@ -97,7 +97,7 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with meshplan_agent(run_dir):
+        with meshplan_agent(run_dir) as own_failures:
             run(parse_args(argv))
     except RendezvousError as exc:
         raise ExecutionError(
@@ -110,7 +110,7 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
             raise PreemptedRun(name) from None
         raise InterruptedRun(f"interrupted by {name}") from None
     except ChildFailedError as exc:
-        rank, failure = _first_failure(exc)
+        rank, failure = _first_failure(exc, own_failures)
         if failure.exitcode in (INTERRUPTED_EXIT_CODE, -signal.SIGINT):
             raise InterruptedRun(f"rank {rank} was interrupted") from None
         if failure.exitcode == PREEMPTED_EXIT_CODE:
@@ -124,11 +124,14 @@ def launch(argv: list[str], nproc: int, on_cpu: bool, run_dir: Path) -> None:
         raise error from None
 
 
-def _first_failure(exc) -> tuple[int, object]:
+def _first_failure(exc, own: dict) -> tuple[int, object]:
     """The failure to report: a worker's own exit (a meshplan error's code, a signal) before peers that died of
-    it, as torchrun orders them (by time), unless a later one carries one of meshplan's exit codes."""
-    rank, first = exc.get_first_failure()
-    ours = sorted((r, f) for r, f in exc.failures.items() if f.exitcode in (2, 3, 4, PREEMPTED_EXIT_CODE))
+    it -- among the workers that ended on their own (`own`, executor.resilience.agent) when the agent saw any,
+    as torchrun orders them (by time) -- unless a later one carries one of meshplan's exit codes."""
+    failures = {r: f for r, f in exc.failures.items() if r in own} or exc.failures
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    first = failures[rank]
+    ours = sorted((r, f) for r, f in failures.items() if f.exitcode in (2, 3, 4, PREEMPTED_EXIT_CODE))
     return ours[0] if ours and first.exitcode not in (2, 3, 4, PREEMPTED_EXIT_CODE) else (rank, first)
 
 

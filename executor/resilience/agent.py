@@ -68,6 +68,8 @@ class MeshplanAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             own = {r: f for r, f in result.failures.items() if r in crashed}
             self._failures = own or dict(result.failures)
+            self.own_failures.clear()
+            self.own_failures.update(own)
             final = sorted((r, f.exitcode) for r, f in result.failures.items() if f.exitcode in FINAL_EXIT_CODES)
             if final and self._remaining_restarts > 0:
                 rank, code = final[0]
@@ -134,13 +136,19 @@ def _how(failure) -> str:
 
 @contextlib.contextmanager
 def meshplan_agent(run_dir: Path):
-    """torch.distributed.run.run() inside this block starts a MeshplanAgent for `run_dir`."""
+    """torch.distributed.run.run() inside this block starts a MeshplanAgent for `run_dir`.
+
+    Yields a dict the agent fills with the failures of its last monitored round that ended on their own
+    ({global rank: failure}), before it killed their peers: the launcher reports one of those, not a peer
+    the agent's SIGKILL ended (torchrun orders failures by their error files' time, which races).
+    """
     import torch.distributed.launcher.api as launcher
 
-    agent = type("MeshplanAgentForRun", (MeshplanAgent,), {"run_dir": Path(run_dir)})
+    own: dict = {}
+    agent = type("MeshplanAgentForRun", (MeshplanAgent,), {"run_dir": Path(run_dir), "own_failures": own})
     original = launcher.LocalElasticAgent
     launcher.LocalElasticAgent = agent
     try:
-        yield
+        yield own
     finally:
         launcher.LocalElasticAgent = original
