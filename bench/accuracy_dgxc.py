@@ -1,7 +1,8 @@
 """Accuracy of the step-time model on NVIDIA's DGX Cloud dense runs: bf16 and FP8, H100 and GB200, three stacks.
 
-Rows: bench/dgxc_rows.py (what each stack is simulated as, and which rows
-cannot be expressed). Fitted, per GPU family and never per row:
+Rows: bench/rows/dgxc (one file per run: the `meshplan plan` flags that state
+it, what it measured; bench/rows/dgxc/README.md says what each stack is run
+as, and which runs cannot be stated). Fitted, per GPU family and never per row:
 
 * H100: only `fp8_gemm_efficiency` (the fraction of the FP8 peak that 8-bit
   GEMMs reach). The 16-bit parameters stay those bench/accuracy_published.py
@@ -21,7 +22,7 @@ model with fewer layers) are fitted; every other model and both JAX stacks
 (MaxText, PaxML: never fitted, another software stack) are scored unseen.
 
 Left out of the fit and the MAPE, and said so in the output: rows that
-cannot be expressed (dgxc_rows), and INCONSISTENT rows: Nemotron-4 340B in
+cannot be expressed, and INCONSISTENT rows (bench.inconsistent): Nemotron-4 340B in
 v25.04 lists VP=NA, but a non-interleaved 8-stage pipeline with 16
 micro-batches cannot run in the measured 4.36 s: the same layout with VP=12
 in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
@@ -39,7 +40,7 @@ in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
     python bench/accuracy_dgxc.py --no-tp-overlap  # the NeMo rows' TP collectives without their overlap
 
 TP communication overlap: every NeMo row with tp > 1 ran Transformer
-Engine's userbuffers (bench/dgxc_rows.py), and is priced so: async TP
+Engine's userbuffers (bench/rows/dgxc/README.md), and is priced so: async TP
 (planner.simulate.tp_overlap: each collective hidden under its own GEMM,
 tp-chunked GEMMs at the knee's efficiency) with the SMs the recipe's
 userbuffers config gives each overlapped collective taken from its GEMM
@@ -62,17 +63,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import rowset  # noqa: E402
 from dgxc_rows import FAMILY, DgxcRow, load_dense_rows  # noqa: E402
 
 from planner.simulate.calibration import CALIBRATION_DIR, CalibrationProfile, load_calibration  # noqa: E402
-from planner.simulate.step import simulate_step  # noqa: E402
 from topologies.hardware import get_gpu  # noqa: E402
 
 FIT_MODELS = ("GPT-3 175B", "Llama 3.1 8B", "Llama 3.1 405B")
-INCONSISTENT = {"dgxc-v25.04-nemotron4-340b-256g-bf16", "dgxc-v25.04-nemotron4-340b-512g-bf16",
-                "dgxc-v25.04-nemotron4-340b-1024g-bf16", "dgxc-v25.04-nemotron4-340b-2048g-bf16",
-                "dgxc-v25.04-nemotron4-340b-256g-fp8", "dgxc-v25.04-nemotron4-340b-512g-fp8",
-                "dgxc-v25.04-nemotron4-340b-1024g-fp8", "dgxc-v25.04-nemotron4-340b-2048g-fp8"}
 TARGET_MAPE = 0.12  # on rows not fitted (the goal beyond it: 5%)
 TARGET_EXPRESSIBLE = 0.85
 # (name, initial, lower, upper) per family; "attention_efficiency" follows gemm_efficiency (module doc)
@@ -96,7 +93,7 @@ def split(row: DgxcRow, swapped: bool = False) -> str:
     """fit | validate | inconsistent | inexpressible; swapped: the NeMo models' roles exchanged (--swap)."""
     if not row.expressible:
         return "inexpressible"
-    if row.id in INCONSISTENT:
+    if row.inconsistent:  # the row file's bench.inconsistent says why
         return "inconsistent"
     if row.source != "nemo":
         return "validate"
@@ -107,10 +104,10 @@ def profiles() -> dict[str, CalibrationProfile]:
     return {fam: load_calibration(None, get_gpu(gpu)) for gpu, fam in FAMILY.items()}
 
 
-def simulate(row: DgxcRow, profile: CalibrationProfile):
-    """One row's step on its engine release, with its recipe's userbuffers config (TrainingSpec.tp_overlap_cfg:
-    DGX Cloud rows and the Megatron-Bridge rows of the GB200 fit alike)."""
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+def simulate(row, profile: CalibrationProfile):
+    """One row's step as `meshplan simulate ROW.json` predicts it, on `profile` (DGX Cloud rows and the
+    Megatron-Bridge rows of the GB200 fit alike)."""
+    return rowset.predict(row.row, profile)
 
 
 def predict(row: DgxcRow, profile: CalibrationProfile) -> float:

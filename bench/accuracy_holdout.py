@@ -14,8 +14,10 @@ counts, HBM bandwidth, the SFU exponential rate Blackwell Ultra doubles,
 Ultra's measured rate per SM); every B200 and B300 row and the 26.02 GB300
 rows are held out. H200 runs on the H100 profile.
 
-How each row becomes a plan (engine, layout, recipe traits, which rows are
-INCONSISTENT and left out of the MAPE): bench/holdout_rows.py.
+Rows: bench/rows/holdout, one file per run (its `meshplan plan` flags and what
+it measured; bench/rows/holdout/README.md says how each source's statements
+became flags, which rows are INCONSISTENT and left out of the MAPE, and which
+cannot be stated). `meshplan simulate` any of them gives the bench's figure.
 
 Every expressible row prints its predicted peak memory per GPU against the
 GPU's memory (and the measured peak where the source gives one); the last
@@ -94,8 +96,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import rowset  # noqa: E402
 from holdout_rows import (  # noqa: E402
-    BRIDGE_UB_CONFIGS,  # noqa: F401 (tests and benches read the rows' tables here)
     CLUSTERS,
     DATA,  # noqa: F401
     PerfRow,
@@ -131,7 +133,11 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
 
 
 def simulate_with(row: PerfRow, profile):
-    """One row's step under `profile`, with its script's userbuffers SM claims where it overlapped TP."""
+    """One row's step under `profile`: the step `meshplan simulate` gives its row file; a PerfRow whose model,
+    training, layout or engine a test replaced (a what-if) is simulated as replaced."""
+    plan = row.row.plan
+    if (row.model_spec, row.training, row.layout, row.engine) == (plan.model, plan.training, plan.layout, plan.engine):
+        return rowset.predict(row.row, profile)
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 

@@ -1,7 +1,10 @@
-"""`meshplan simulate plan.json`: re-simulate a plan, show where the step's time goes, draw it.
+"""`meshplan simulate plan.json | ROW.json`: re-simulate a plan or a published run, show where the step's time goes.
 
 A thin layer over `planner.simulate.step.simulate_step`; the trace and the chart
-come from `planner.simulate.trace` (matplotlib only when --png is given).
+come from `planner.simulate.trace` (matplotlib only when --png is given). A row
+file (planner.cli.row: `meshplan plan` flags and what the run measured, as the
+accuracy benches keep them under bench/rows/) is predicted as every bench
+predicts it (`simulate_row`) and printed next to its measurement.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
                   ("embedding_sync", "  of which tied-embedding sync"))
 
 
-@click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n")
-@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n  meshplan simulate bench/rows/dgxc/dgxc-v25.02-llama31-70b-64g-bf16.json\n")
+@click.argument("plan_path", metavar="PLAN.json|ROW.json", type=click.Path(dir_okay=False))
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome/Perfetto trace of one step (open it at ui.perfetto.dev).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
@@ -30,7 +33,9 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
 def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calibration: str | None,
              as_json: bool) -> None:
-    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a Gantt chart."""
+    """Re-simulate PLAN.json, or predict a published run's ROW.json: step time, its breakdown, memory;
+    optionally a trace and a Gantt chart."""
+    from planner.cli.row import load_row, row_plan, simulate_row
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
@@ -38,11 +43,17 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
 
     check_output(trace_path, "--trace")
     check_output(png_path, "--png", image=True)
-    plan = load_plan(plan_path)
-    cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)
-    result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
-                           events=want_events)
+    row = load_row(plan_path) if _is_row_file(plan_path) else None
+    if row is not None:
+        plan, shipped = row_plan(row)
+        cal = load_calibration(calibration, plan.cluster.gpu) if calibration else shipped
+        result = simulate_row(row, cal, events=want_events)
+    else:
+        plan = load_plan(plan_path)
+        cal = load_calibration(calibration, plan.cluster.gpu)
+        result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
+                               events=want_events)
     layout = plan.layout
     if trace_path:
         from planner.simulate.trace import write_trace
@@ -58,13 +69,31 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
                          f"{layout.pp}, dp {layout.dp}, ZeRO-{layout.zero_stage}")
         log(f"wrote {png_path}")
     prediction = result.prediction()
+    measured = row.measured_s if row is not None else None
     if as_json:
         # plan.json's `prediction` keys at the top, then where it came from and what was written
+        extra = {"row": row.id, "measured_step_time_s": measured, "error": result.step_time_s / measured - 1,
+                 "parallel": plan.layout.to_json(), "engine": plan.engine} if row is not None else {}
         emit_json({**prediction.to_json(),
                    "plan_prediction": plan.prediction.to_json() if plan.prediction else None,
-                   "calibration": cal.source, "trace": trace_path, "png": png_path})
+                   "calibration": cal.source, "trace": trace_path, "png": png_path, **extra})
         return
     _print_human(plan, result, cal.source)
+    if row is not None:
+        console().print(f"row {row.id}: measured {measured:.3f} s per step ({row.source.get('name', 'source')}); "
+                        f"predicted {result.step_time_s:.3f} s ({100 * (result.step_time_s / measured - 1):+.1f}%)")
+
+
+def _is_row_file(path: str) -> bool:
+    """A published run's row file (planner.cli.row) rather than a plan.json."""
+    import json
+
+    from planner.cli.row import is_row
+
+    try:
+        return is_row(json.loads(open(path, encoding="utf-8").read()))
+    except (OSError, ValueError, RecursionError):
+        return False  # load_plan names what is wrong with it
 
 
 def _print_human(plan, result, calibration_source: str) -> None:
