@@ -5,9 +5,9 @@ the Megatron-Bridge performance summaries of the 25.09, 25.11 and 26.02 NeMo
 containers and the NeMo 24.07 H100 FP8 table; bench/data/torchtitan_perf.json,
 torchtitan's FSDP2 tables (64 A100, 2024) and its Llama 3.1 8B FP8 runs on 32
 and 64 H200 (2025-06). Two fits take rows of this file: the GB200 profile's
-(bench/accuracy_dgxc.py --fit --blackwell both: the Megatron-Bridge GB200
+(bench/fit.py gb200: the Megatron-Bridge GB200
 dense rows with the DGX Cloud GB200 rows) and its Blackwell Ultra factor
-(bench/blackwell_parts.py: the 25.11 GB300 dense rows); `fitted` marks them
+(bench/fit.py blackwell-ultra: the 25.11 GB300 dense rows); `fitted` marks them
 and "dense/held out" leaves them out. B200, B300 and GB300 run on that
 profile carried per SM (planner.simulate.calibration.per_sm_transfer: SM
 counts, HBM bandwidth, the SFU exponential rate Blackwell Ultra doubles,
@@ -168,7 +168,7 @@ def fit_attention(rows: list[PerfRow], gpu: str) -> float:
     """Diagnostic, never written to a profile: the attention_efficiency that fits `gpu`'s dense rows best.
 
     Attention alone, the GEMM efficiencies kept as shipped (the shipped GB200
-    profile fits all three: bench/accuracy_dgxc.py --fit --blackwell both).
+    profile fits all three: bench/fit.py gb200).
     Scored on the other GPUs of the same calibration family, which this fit
     never sees.
     """

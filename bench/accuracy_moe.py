@@ -65,13 +65,12 @@ Layout.recompute_modules): its rows +6.1% and +0.4% (were +5.3%, -0.3%),
 splits 19.7%, 10.6% and 12.6% (19.5%, 10.6%, 12.5% just before).
 
     python bench/accuracy_moe.py          # per-row errors, MAPE/bias/worst per source and split
-    python bench/accuracy_moe.py --fit    # also write the fit on every fitted row into the H100 and GB200 profiles
+    python bench/fit.py moe               # write the fit on every fitted row into the H100 and GB200 profiles
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,8 +281,6 @@ def _report_split(name: str, res: dict[str, Any], by_id: dict[str, MoERow]) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true",
-                        help="write the fit on every consistent row into the shipped H100 and GB200 profiles")
     parser.add_argument("--gb200-domain", type=int, choices=(4, 72), default=72,
                         help="GPUs per NVLink domain on GB200 (module docstring)")
     parser.add_argument("--no-tp-overlap", action="store_true",
@@ -311,16 +308,7 @@ def main() -> None:
     by_id = {r.id: r for r in rows}
     for name, res in evaluate(rows, bases).items():
         _report_split(name, res, by_id)
-    if args.fit:
-        from planner.simulate.calibration import CALIBRATION_DIR
 
-        moe = fit([r for r in scored(rows) if not fit_excluded(r)], bases)
-        for family in ("h100", "gb200"):
-            path = CALIBRATION_DIR / f"{family}.json"
-            data = json.loads(path.read_text())
-            data.update({key.partition("@")[0]: v for key, v in moe.items() if key.partition("@")[2] in ("", family)})
-            path.write_text(json.dumps(data, indent=2) + "\n")
-            print(f"wrote the {family} values of {moe} to {path}")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ scores that table with the cap's FLOP/s share fitted on one row). Every row is s
 one calibration profile; nothing is fitted per row.
 
     python bench/accuracy_published.py        # per-row error, MAPE per source and split
-    python bench/accuracy_published.py --fit  # refit planner/simulate/calibrations/h100.json
+    python bench/fit.py h100-bf16             # refit the H100 profile's bf16 fields (bench/fit.py)
 
-Hold-out: `--fit` uses only the rows of FIT_MODELS and writes that fit; the
+Hold-out: bench/fit.py h100-bf16 fits on the rows of FIT_MODELS only; the
 other models (whole model families, not alternate rows) are never seen by it.
 Four parameters are fitted (FIT_PARAMETERS); on 2026-11-22 the hold-out MAPE
 was 4.0% (NeMo, 4 rows) and 3.1% (LLM Foundry, 23 rows).
@@ -147,7 +147,8 @@ def report(profile: CalibrationProfile, rows: list[Published] | None = None) -> 
 # The fitted parameters: (name, initial value, lower bound, upper bound). The
 # base efficiencies are Megatron-Core + Transformer Engine's (the fastest stack);
 # "eager." names are factors on them for the engines that run eager PyTorch
-# modules. Everything else keeps CalibrationProfile's defaults: the rows barely
+# modules. Everything else keeps what the profile holds (defaults for the host and link terms, the
+# FP8 and MoE fields other fits write): the rows barely
 # move the GEMM knee, host overhead or link terms, and fitting them overfits
 # (the hold-out MAPE of NeMo rose from ~3% to ~14% with layer_overhead_s free).
 FIT_PARAMETERS = (
@@ -194,29 +195,13 @@ def fit(rows: list[Published], base: CalibrationProfile) -> CalibrationProfile:
     return profile_from([float(f"{v:.4g}") for v in result.x], base)  # 4 digits: what the data supports
 
 
-def fit_and_save() -> CalibrationProfile:
-    """Fit on the FIT_MODELS rows only and write the profile: the validation rows stay unseen."""
-    import datetime
-
-    from planner.simulate.calibration import CALIBRATION_DIR
-
-    rows = [r for r in load_rows() if r.in_mape and r.split == "fit"]
-    profile = fit(rows, CalibrationProfile(gpu=GPU)).replace(
-        date=datetime.date.today().isoformat(),
-        source="fitted by bench/accuracy_published.py --fit on published NeMo 24.09 (Megatron-Core) and "
-               "LLM Foundry (PyTorch FSDP) H100 bf16 runs, validation models held out")
-    profile.save(CALIBRATION_DIR / "h100.json")
-    return profile
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", help="profile JSON (default: the shipped H100 profile)")
-    parser.add_argument("--fit", action="store_true", help="refit the H100 profile on the fit rows")
     args = parser.parse_args()
     from topologies.hardware import get_gpu
 
-    profile = fit_and_save() if args.fit else load_calibration(args.calibration, get_gpu(GPU))
+    profile = load_calibration(args.calibration, get_gpu(GPU))
     print(f"profile: {profile.source} ({profile.date})")
     report(profile)
 

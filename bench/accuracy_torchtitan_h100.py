@@ -22,13 +22,14 @@ The hardware is not a catalogued part: Grand Teton hosts whose H100s carry
 catalogued H100 SXM: 80 GB of HBM3 at 3.35 TB/s, 700 W), 400 Gbit/s per GPU
 between hosts. Memory size and bandwidth are the source's. What the 500 W cap
 leaves of the tensor-core rate is published nowhere, so it is the one fitted
-number: `--fit` sets the sustained FLOP/s fraction on table 1's eager FSDP row
-alone and every other row is scored with it (compile, float8, 128 GPUs,
-context parallelism, TP, pipelining never seen by the fit); the cluster file
-bench/clusters/grand-teton-h100.toml holds the rates it gives.
+number: bench/fit.py grand-teton fits the sustained FLOP/s fraction on table 1's
+eager FSDP row alone and writes the rates it gives into the cluster file
+bench/clusters/grand-teton-h100.toml (its record beside it, grand-teton-h100.fit.json);
+every other row is scored with it (compile, float8, 128 GPUs, context
+parallelism, TP, pipelining never seen by the fit).
 
     python bench/accuracy_torchtitan_h100.py          # per-row error with the shipped fraction
-    python bench/accuracy_torchtitan_h100.py --fit    # refit the fraction on the one row, then score
+    python bench/accuracy_torchtitan_h100.py --fit    # fit the fraction on the one row, score with it (writes nothing)
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def report(fraction: float) -> dict[str, tuple[float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fit", action="store_true", help="refit the power-cap fraction on the fit row")
+    parser.add_argument("--fit", action="store_true", help="fit the power-cap fraction on the fit row and score with "
+                                                           "it (writes nothing: bench/fit.py grand-teton writes it)")
     args = parser.parse_args()
     fraction = POWER_CAP_FLOPS_FRACTION
     if args.fit:

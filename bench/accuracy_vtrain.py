@@ -8,7 +8,7 @@ gradients all-reduced after the backward (no DDP bucketing). Every row is
 simulated with the same calibration profile; nothing is fitted per row.
 
     python bench/accuracy_vtrain.py            # MAPE on both files, worst rows
-    python bench/accuracy_vtrain.py --fit      # refit the A100 profile (hold-out check first)
+    python bench/fit.py a100                   # refit the A100 profile on every row (bench/fit.py)
 
 The cluster is what the publishers state: 8 A100 SXM per node on NVSwitch,
 800 Gbit/s per node between nodes (4 x 200 Gbit/s HDR). The engine is the
@@ -127,34 +127,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", help="profile JSON (default: the shipped A100 profile)")
     parser.add_argument("--worst", type=int, default=5, help="worst rows to list per file")
-    parser.add_argument("--fit", action="store_true", help="refit the A100 profile: hold-out check, then all rows")
     args = parser.parse_args()
     from topologies.hardware import get_gpu
 
-    if args.fit:
-        profile = fit_and_save(CalibrationProfile(gpu="a100-80g-sxm"))
-    else:
-        profile = load_calibration(args.calibration, get_gpu("a100-80g-sxm"))
+    profile = load_calibration(args.calibration, get_gpu("a100-80g-sxm"))
     print(f"profile: {profile.source} ({profile.date})")
     report(profile, args.worst)
 
-
-def fit_and_save(base: CalibrationProfile) -> CalibrationProfile:
-    """Fit on even rows, report odd rows (hold-out), then fit on all rows and write the profile."""
-    import datetime
-
-    from planner.simulate.calibration import CALIBRATION_DIR
-
-    rows = {kind: load_rows(kind) for kind in FILES}
-    half = fit({k: v[0::2] for k, v in rows.items()}, base)
-    for kind, rs in rows.items():
-        print(f"hold-out {kind}: fitted on even rows MAPE {100 * mape(errors(rs[0::2], half)):.2f}%, "
-              f"odd rows (unseen) {100 * mape(errors(rs[1::2], half)):.2f}%")
-    profile = fit(rows, base).replace(
-        gpu="a100-80g-sxm", date=datetime.date.today().isoformat(),
-        source="fitted by bench/accuracy_vtrain.py --fit on vTrain's Megatron-DeepSpeed A100 measurements")
-    profile.replace(other_bytes=None).save(CALIBRATION_DIR / "a100.json")
-    return profile
 
 
 if __name__ == "__main__":

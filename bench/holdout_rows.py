@@ -108,8 +108,8 @@ def inconsistent(rows: list[PerfRow]) -> set[str]:
 
 
 def fitted(row: PerfRow) -> bool:
-    """Rows a shipped profile was fitted on: the GB200 profile's fit (bench/accuracy_dgxc.py --fit --blackwell
-    both) includes this source's dense GB200 rows, its Blackwell Ultra factor (part_sm_rate, bench/blackwell_parts.py)
-    the 25.11 dense GB300 rows; every other row is held out."""
+    """Rows a shipped profile was fitted on: the GB200 profile's fit (bench/fit.py gb200) includes this source's
+    dense GB200 rows, its Blackwell Ultra factor (part_sm_rate, bench/fit.py blackwell-ultra) the 25.11 dense
+    GB300 rows; every other row is held out."""
     dense_bridge = row.source == "megatron-bridge" and not row.moe
     return dense_bridge and (row.gpu == "gb200" or (row.gpu == "gb300" and row.release == "25.11"))

@@ -234,6 +234,12 @@ def simulate_row(row: Row, calibration=None, extra: tuple[str, ...] = (), events
 _PLANS: dict[tuple[str, tuple[str, ...] | None], tuple] = {}
 
 
+def forget_plans() -> None:
+    """Drop the cached plans and the profiles read with them (bench/fit.py, after it writes a profile: a row whose
+    flags leave its micro-batch to the search may plan another layout under the new numbers)."""
+    _PLANS.clear()
+
+
 def _cached_plan(row: Row):
     """row_plan of `row` once per process: a fit simulates every row many times with other profiles."""
     key = (str(row.path), row.flags)

@@ -8,8 +8,7 @@ H100 7.6%, H200 6.2%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.1% (its
 fitted on; MoE 15.8%, bias -9.5% (GPT-OSS 21.1% with Megatron-Core's unfused
 GLU clamp and expert biases priced and the 25.11 runs' recipes as they ran,
 27.7% without the first two); 6 of 93 rows predicted
-above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/accuracy_dgxc.py
---fit --blackwell both) includes this source's GB200 rows; B200, B300 and
+above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/fit.py gb200) includes this source's GB200 rows; B200, B300 and
 GB300 take it per SM (planner.simulate.calibration.per_sm_transfer), with
 Blackwell Ultra's factor fitted on the 25.11 GB300 dense rows
 (bench/blackwell_parts.py); every B200 and B300 row is held out.
