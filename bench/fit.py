@@ -54,7 +54,8 @@ import rowset  # noqa: E402
 from planner.cli import row as row_module  # noqa: E402
 from planner.cli.row import Row  # noqa: E402
 from planner.simulate import calibration as calibration_module  # noqa: E402
-from planner.simulate.calibration import CalibrationProfile, field_value, with_field  # noqa: E402
+from planner.simulate.calibration import CalibrationProfile  # noqa: E402
+from planner.simulate.fit_records import field_value, with_field  # noqa: E402
 
 CLUSTER = REPO / "bench" / "clusters" / "grand-teton-h100.toml"
 WORST = 3  # worst rows kept in a record

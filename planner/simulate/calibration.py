@@ -145,9 +145,9 @@ class CalibrationProfile:
     source: str = "defaults"  # where the numbers come from
     date: str = ""  # when they were measured or fitted (ISO date)
     # {fit name: record} of the fits that wrote this profile's numbers (bench/fit.py): "fields" (each fitted
-    # field by path, `field_value`, and its value), "rows" (the row ids fitted on, by bench/rows folder),
-    # "error" and "held_out" (MAPE, bias, rows and worst rows), "held_out_rows", "date", "command". `save`
-    # drops a record once one of its fields no longer holds its value (a later calibration changed it).
+    # field by path, planner.simulate.fit_records, and its value), "rows" (the row ids fitted on, by
+    # bench/rows folder), "error" and "held_out" (MAPE, bias, rows and worst rows), "held_out_rows", "date",
+    # "command". `save` drops a record once one of its fields no longer holds its value.
     fits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -268,43 +268,13 @@ class CalibrationProfile:
 
     def save(self, path: str | Path) -> None:
         """Write the profile; fit records whose fields it no longer holds are dropped (they would lie)."""
+        from planner.simulate.fit_records import holds
         from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        held = {name: record for name, record in self.fits.items()
-                if all(_same(field_value(self, p), v) for p, v in record["fields"].items())}
+        held = {name: record for name, record in self.fits.items() if holds(self, record)}
         write_text(path, dumps_json(self.replace(fits=held).to_json()) + "\n", what="calibration profile")
 
-
-def field_value(profile: CalibrationProfile, path: str) -> Any:
-    """A field of `profile` by path: "gemm_efficiency", "link_efficiency.net",
-    "engine_factors.meshplan.attention_efficiency", "part_sm_rate.gb300"; None where a key is absent."""
-    head, *keys = path.split(".")
-    value: Any = getattr(profile, head)
-    for key in keys:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value
-
-
-def with_field(profile: CalibrationProfile, path: str, value: Any) -> CalibrationProfile:
-    """`profile` with the field at `path` (field_value's) set to `value`; other keys of a dict field kept."""
-    head, *keys = path.split(".")
-    if not keys:
-        return profile.replace(**{head: value})
-    top = json.loads(json.dumps(getattr(profile, head)))
-    node = top
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    node[keys[-1]] = value
-    return profile.replace(**{head: top})
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    return a == b
 
 
 # Defaults for GPU kinds without a measured profile file (literature, not fitted

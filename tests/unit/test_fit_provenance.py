@@ -11,7 +11,8 @@ import pytest
 from conftest import load_bench
 
 from planner.simulate import calibration as calibration_module
-from planner.simulate.calibration import CalibrationProfile, field_value, with_field
+from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.fit_records import field_value, with_field
 from topologies.cluster_load import load_cluster
 from topologies.errors import UsageError
 from topologies.hardware import get_gpu
