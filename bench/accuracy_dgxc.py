@@ -1,11 +1,12 @@
 """Accuracy of the step-time model on NVIDIA's DGX Cloud dense runs: bf16 and FP8, H100 and GB200, three stacks.
 
-Rows: bench/dgxc_rows.py (what each stack is simulated as, and which rows
-cannot be expressed). Fitted, per GPU family and never per row:
+Rows: bench/rows/dgxc (one file per run: the `meshplan plan` flags that state
+it, what it measured; bench/rows/dgxc/README.md says what each stack is run
+as, and which runs cannot be stated). Fitted, per GPU family and never per row:
 
 * H100: only `fp8_gemm_efficiency` (the fraction of the FP8 peak that 8-bit
-  GEMMs reach). The 16-bit parameters stay those bench/accuracy_published.py
-  fitted on NeMo 24.09 and LLM Foundry runs, so every bf16 row here is a
+  GEMMs reach). The 16-bit parameters stay those fitted on NeMo 24.09 and
+  LLM Foundry runs (bench/fit.py h100-bf16), so every bf16 row here is a
   hold-out row for them.
 * GB200: `gemm_efficiency`, `fp8_gemm_efficiency` and `attention_efficiency`
   (--blackwell, BLACKWELL_SPLITS). One model's rows cannot separate attention
@@ -14,20 +15,22 @@ cannot be expressed). Fitted, per GPU family and never per row:
   attention-heavy, 405B is not): "both", the shipped profile. "dgxc" keeps
   the DGX Cloud rows alone with attention tied to the GEMMs in the H100
   ratio; "bridge" fits on the Megatron-Bridge rows alone, every DGX Cloud row
-  unseen. B200, B300 and GB300 share the profile and are never fitted.
+  unseen. B200, B300 and GB300 share the profile per SM (bench/fit.py
+  blackwell-ultra fits Ultra's rate per SM on the 25.11 GB300 rows).
+  bench/fit.py writes every fit; this bench only scores.
 
 Hold-out by model: only the rows of FIT_MODELS (and their proxies, the same
 model with fewer layers) are fitted; every other model and both JAX stacks
 (MaxText, PaxML: never fitted, another software stack) are scored unseen.
 
 Left out of the fit and the MAPE, and said so in the output: rows that
-cannot be expressed (dgxc_rows), and INCONSISTENT rows: Nemotron-4 340B in
+cannot be expressed, and INCONSISTENT rows (bench.inconsistent): Nemotron-4 340B in
 v25.04 lists VP=NA, but a non-interleaved 8-stage pipeline with 16
 micro-batches cannot run in the measured 4.36 s: the same layout with VP=12
 in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
 
     python bench/accuracy_dgxc.py          # per row, then per source/GPU/precision/split
-    python bench/accuracy_dgxc.py --fit    # refit and write planner/simulate/calibrations/{h100,gb200}.json
+    python bench/fit.py h100-fp8 gb200     # refit and write the H100 FP8 and GB200 fields (bench/fit.py)
     python bench/accuracy_dgxc.py --blackwell bridge   # another GB200 split: fit, score this bench and
                                            # bench/accuracy_holdout.py's dense rows, write nothing
                                            # (2026-11-24 before the TP overlap was priced, validate /
@@ -39,7 +42,7 @@ in v25.05 takes 4.61 s; the row's configuration is taken to be misprinted.
     python bench/accuracy_dgxc.py --no-tp-overlap  # the NeMo rows' TP collectives without their overlap
 
 TP communication overlap: every NeMo row with tp > 1 ran Transformer
-Engine's userbuffers (bench/dgxc_rows.py), and is priced so: async TP
+Engine's userbuffers (bench/rows/dgxc/README.md), and is priced so: async TP
 (planner.simulate.tp_overlap: each collective hidden under its own GEMM,
 tp-chunked GEMMs at the knee's efficiency) with the SMs the recipe's
 userbuffers config gives each overlapped collective taken from its GEMM
@@ -48,7 +51,7 @@ NeMo has none). Measured 2026-11-24 on the 107 held-out rows: without the
 overlap 5.6% MAPE (the profiles fitted that way); overlap without the SM
 share 7.7% (too fast); with it and TE's default claims on every row 5.4%
 before refitting; with each recipe's own claims 5.8% with the profiles
-fitted without overlap, 5.7% after this bench's --fit (shipped; fit rows
+fitted without overlap, 5.7% after refitting with it (shipped; fit rows
 5.9% -> 5.6%). --no-tp-overlap scores plain collectives.
 """
 
@@ -62,17 +65,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import rowset  # noqa: E402
 from dgxc_rows import FAMILY, DgxcRow, load_dense_rows  # noqa: E402
 
-from planner.simulate.calibration import CALIBRATION_DIR, CalibrationProfile, load_calibration  # noqa: E402
-from planner.simulate.step import simulate_step  # noqa: E402
+from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
 from topologies.hardware import get_gpu  # noqa: E402
 
 FIT_MODELS = ("GPT-3 175B", "Llama 3.1 8B", "Llama 3.1 405B")
-INCONSISTENT = {"dgxc-v25.04-nemotron4-340b-256g-bf16", "dgxc-v25.04-nemotron4-340b-512g-bf16",
-                "dgxc-v25.04-nemotron4-340b-1024g-bf16", "dgxc-v25.04-nemotron4-340b-2048g-bf16",
-                "dgxc-v25.04-nemotron4-340b-256g-fp8", "dgxc-v25.04-nemotron4-340b-512g-fp8",
-                "dgxc-v25.04-nemotron4-340b-1024g-fp8", "dgxc-v25.04-nemotron4-340b-2048g-fp8"}
 TARGET_MAPE = 0.12  # on rows not fitted (the goal beyond it: 5%)
 TARGET_EXPRESSIBLE = 0.85
 # (name, initial, lower, upper) per family; "attention_efficiency" follows gemm_efficiency (module doc)
@@ -96,7 +95,7 @@ def split(row: DgxcRow, swapped: bool = False) -> str:
     """fit | validate | inconsistent | inexpressible; swapped: the NeMo models' roles exchanged (--swap)."""
     if not row.expressible:
         return "inexpressible"
-    if row.id in INCONSISTENT:
+    if row.inconsistent:  # the row file's bench.inconsistent says why
         return "inconsistent"
     if row.source != "nemo":
         return "validate"
@@ -107,10 +106,10 @@ def profiles() -> dict[str, CalibrationProfile]:
     return {fam: load_calibration(None, get_gpu(gpu)) for gpu, fam in FAMILY.items()}
 
 
-def simulate(row: DgxcRow, profile: CalibrationProfile):
-    """One row's step on its engine release, with its recipe's userbuffers config (TrainingSpec.tp_overlap_cfg:
-    DGX Cloud rows and the Megatron-Bridge rows of the GB200 fit alike)."""
-    return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
+def simulate(row, profile: CalibrationProfile):
+    """One row's step as `meshplan simulate ROW.json` predicts it, on `profile` (DGX Cloud rows and the
+    Megatron-Bridge rows of the GB200 fit alike)."""
+    return rowset.predict(row.row, profile)
 
 
 def predict(row: DgxcRow, profile: CalibrationProfile) -> float:
@@ -176,14 +175,11 @@ def _apply(family: str, base: CalibrationProfile, values, params=None) -> Calibr
 
 
 def bridge_gb200_rows() -> list:
-    """The Megatron-Bridge performance-summary GB200 dense rows bench/accuracy_holdout.py scores (expressible, consistent).
-
-    Priced as the shipped GB200 profile was fitted on them: without the TP overlap their scripts ran, which
-    bench/accuracy_holdout.py prices since (refitting with it moves fp8_gemm_efficiency 0.4606 -> 0.451).
-    """
+    """The Megatron-Bridge performance-summary GB200 dense rows bench/accuracy_holdout.py scores (expressible,
+    consistent), priced as that bench prices them: with the TP overlap their scripts ran."""
     import accuracy_holdout
 
-    rows = accuracy_holdout.load_rows(tp_overlap=False)
+    rows = accuracy_holdout.load_rows()
     bad = accuracy_holdout.inconsistent(rows)
     return [r for r in rows if r.gpu == "gb200" and r.source == "megatron-bridge" and not r.moe
             and r.expressible and r.id not in bad]
@@ -221,33 +217,6 @@ def fit(rows: list[DgxcRow], swapped: bool = False, blackwell: str = "dgxc",
     return profs
 
 
-BLACKWELL_SOURCES = {
-    "dgxc": "DGX Cloud NeMo Llama 3.1 405B GB200 NVL72 runs (bf16, MXFP8), attention tied to the GEMMs in the "
-            "H100 ratio",
-    "bridge": "the Megatron-Bridge performance-summary GB200 dense rows (Llama 3 8B/70B, Llama 3.1 405B; bf16, "
-              "FP8, MXFP8)",
-    "both": "DGX Cloud NeMo Llama 3.1 405B GB200 NVL72 runs and the Megatron-Bridge performance-summary GB200 "
-            "dense rows (Llama 3 8B/70B, Llama 3.1 405B; bf16, FP8, MXFP8)",
-}
-
-
-def save(profs: dict[str, CalibrationProfile], blackwell: str = "dgxc") -> None:
-    import datetime
-
-    today = datetime.date.today().isoformat()
-    h100 = profs["h100"]
-    h100.replace(source=h100.source.split("; fp8")[0] + "; fp8_gemm_efficiency fitted by bench/accuracy_dgxc.py "
-                 "--fit on DGX Cloud NeMo FP8 runs of GPT-3 175B, Llama 3.1 8B/405B", date=today,
-                 other_bytes=None).save(CALIBRATION_DIR / "h100.json")
-    old = load_calibration(None, get_gpu("gb200")).source
-    host = old[old.index("; layer_overhead_s"):] if "; layer_overhead_s" in old else ""
-    profs["gb200"].replace(
-        gpu="gb200", other_bytes=None, date=today,
-        source=f"gemm, fp8 gemm and attention efficiencies fitted by bench/accuracy_dgxc.py --fit --blackwell "
-               f"{blackwell} on {BLACKWELL_SOURCES[blackwell]}; DGX Cloud Nemotron-4 340B, B200, B300 and GB300 "
-               f"held out{host}").save(CALIBRATION_DIR / "gb200.json")
-
-
 def score_holdout(gb200: CalibrationProfile) -> dict:
     """bench/accuracy_holdout.py's dense per-GPU lines with this GB200 profile on every Blackwell part."""
     import accuracy_holdout
@@ -261,13 +230,12 @@ def score_holdout(gb200: CalibrationProfile) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="refit and write the H100 and GB200 profiles")
     parser.add_argument("--quiet", action="store_true", help="only the per-group lines")
     parser.add_argument("--swap", action="store_true",
                         help="robustness: fit on the held-out NeMo models, score the usual fit models (writes nothing)")
     parser.add_argument("--blackwell", choices=BLACKWELL_SPLITS,
-                        help="GB200 fit rows (default with --fit: both); without --fit: fit, print this bench and "
-                             "bench/accuracy_holdout.py's dense figures with it, write nothing")
+                        help="fit the GB200 profile on these rows, print this bench and bench/accuracy_holdout.py's "
+                             "dense figures with it (a what-if: writes nothing; bench/fit.py gb200 fits on both)")
     parser.add_argument("--no-tp-overlap", action="store_true",
                         help="price the NeMo rows' TP collectives as plain ones, not the overlap they ran; see the module doc")
     args = parser.parse_args()
@@ -279,11 +247,8 @@ def main() -> None:
               f"{len(e)} NeMo rows of {', '.join(FIT_MODELS)} scored: MAPE {100 * sum(map(abs, e)) / len(e):.1f}%, "
               f"bias {100 * sum(e) / len(e):+.1f}%")
         return
-    refit = args.fit or args.blackwell is not None
     blackwell = args.blackwell or "both"
-    profs = fit(rows, blackwell=blackwell) if refit else profiles()
-    if args.fit:
-        save(profs, blackwell)
+    profs = fit(rows, blackwell=blackwell) if args.blackwell is not None else profiles()
     for fam, p in profs.items():
         print(f"{fam}: gemm {p.gemm_efficiency}, fp8 gemm {p.fp8_gemm_efficiency}, attention "
               f"{p.attention_efficiency} ({p.source}, {p.date})")

@@ -5,17 +5,19 @@ the Megatron-Bridge performance summaries of the 25.09, 25.11 and 26.02 NeMo
 containers and the NeMo 24.07 H100 FP8 table; bench/data/torchtitan_perf.json,
 torchtitan's FSDP2 tables (64 A100, 2024) and its Llama 3.1 8B FP8 runs on 32
 and 64 H200 (2025-06). Two fits take rows of this file: the GB200 profile's
-(bench/accuracy_dgxc.py --fit --blackwell both: the Megatron-Bridge GB200
+(bench/fit.py gb200: the Megatron-Bridge GB200
 dense rows with the DGX Cloud GB200 rows) and its Blackwell Ultra factor
-(bench/blackwell_parts.py: the 25.11 GB300 dense rows); `fitted` marks them
+(bench/fit.py blackwell-ultra: the 25.11 GB300 dense rows); `fitted` marks them
 and "dense/held out" leaves them out. B200, B300 and GB300 run on that
 profile carried per SM (planner.simulate.calibration.per_sm_transfer: SM
 counts, HBM bandwidth, the SFU exponential rate Blackwell Ultra doubles,
 Ultra's measured rate per SM); every B200 and B300 row and the 26.02 GB300
 rows are held out. H200 runs on the H100 profile.
 
-How each row becomes a plan (engine, layout, recipe traits, which rows are
-INCONSISTENT and left out of the MAPE): bench/holdout_rows.py.
+Rows: bench/rows/holdout, one file per run (its `meshplan plan` flags and what
+it measured; bench/rows/holdout/README.md says how each source's statements
+became flags, which rows are INCONSISTENT and left out of the MAPE, and which
+cannot be stated). `meshplan simulate` any of them gives the bench's figure.
 
 Every expressible row prints its predicted peak memory per GPU against the
 GPU's memory (and the measured peak where the source gives one); the last
@@ -94,8 +96,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import rowset  # noqa: E402
 from holdout_rows import (  # noqa: E402
-    BRIDGE_UB_CONFIGS,  # noqa: F401 (tests and benches read the rows' tables here)
     CLUSTERS,
     DATA,  # noqa: F401
     PerfRow,
@@ -131,7 +133,11 @@ def simulate(row: PerfRow, overrides: Overrides | None = None):
 
 
 def simulate_with(row: PerfRow, profile):
-    """One row's step under `profile`, with its script's userbuffers SM claims where it overlapped TP."""
+    """One row's step under `profile`: the step `meshplan simulate` gives its row file; a PerfRow whose model,
+    training, layout or engine a test replaced (a what-if) is simulated as replaced."""
+    plan = row.row.plan
+    if (row.model_spec, row.training, row.layout, row.engine) == (plan.model, plan.training, plan.layout, plan.engine):
+        return rowset.predict(row.row, profile)
     return simulate_step(row.model_spec, row.training, row.layout, row.cluster(), profile, engine=row.engine)
 
 
@@ -162,7 +168,7 @@ def fit_attention(rows: list[PerfRow], gpu: str) -> float:
     """Diagnostic, never written to a profile: the attention_efficiency that fits `gpu`'s dense rows best.
 
     Attention alone, the GEMM efficiencies kept as shipped (the shipped GB200
-    profile fits all three: bench/accuracy_dgxc.py --fit --blackwell both).
+    profile fits all three: bench/fit.py gb200).
     Scored on the other GPUs of the same calibration family, which this fit
     never sees.
     """

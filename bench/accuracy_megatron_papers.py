@@ -58,117 +58,70 @@ error 2.9e-4 against 4.7e-4): a hint, not evidence.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-from planner.model.spec import ModelSpec  # noqa: E402
-from planner.search.candidates import Pins  # noqa: E402
-from planner.search.search import search  # noqa: E402
-from topologies.cluster_load import load_cluster  # noqa: E402
+import rowset  # noqa: E402
 
-SEQ, VOCAB = 2048, 51200
-CLUSTER = "dgx-a100-80g"
+from planner.cli.row import Row  # noqa: E402
+
 TARGET = 0.10  # every paper row within 10% of its published step time
-
-# Narayanan et al. 2021, table 1: billions, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU
-NARAYANAN_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
-# Korthikanti et al. 2022, table 3 (name, heads, hidden, layers, tp, pp, GPUs, batch) and table 5
-# (seconds per iteration: full recompute, sequence parallel + selective recompute)
-KORTHIKANTI_TABLE_3 = [("22B", 64, 6144, 48, 8, 1, 8, 4), ("175B", 96, 12288, 96, 8, 8, 64, 64),
-                       ("530B", 128, 20480, 105, 8, 35, 280, 280), ("1T", 160, 25600, 128, 8, 64, 512, 512)]
-KORTHIKANTI_TABLE_5 = {"22B": (1.42, 1.10), "175B": (18.13, 13.75), "530B": (49.05, 37.83), "1T": (94.42, 71.49)}
-# MT-NLG system performance: nodes of 8 GPUs, seconds per iteration (batch 1920)
-MT_NLG = [(280, 60.1), (350, 50.2), (420, 44.4)]
-NARAYANAN_ENGINE = "megatron@2021"
+SOURCES = ("narayanan-2021", "korthikanti-2022", "mt-nlg")
 
 
-def gpt(name: str, heads: int, hidden: int, layers: int) -> ModelSpec:
-    """The papers' GPT: learned positions, LayerNorm, GELU MLP of 4h, biases, tied embeddings, dropout 0.1."""
-    return ModelSpec(name=f"gpt-{name}", n_layers=layers, hidden=hidden, n_heads=heads, n_kv_heads=heads,
-                     head_dim=hidden // heads, ffn_hidden=4 * hidden, vocab=VOCAB, max_seq_len=SEQ, mlp="gelu",
-                     norm="layernorm", position="learned", tie_embeddings=True, bias=True, dropout=0.1)
+def _rows(source: str) -> list[Row]:
+    return [r for r in rowset.rows("papers") if r.bench["source"] == source]
 
 
-@dataclass(frozen=True)
-class PaperRow:
-    """One published step: the model, the degrees the paper pins, what it measured."""
-
-    id: str
-    source: str
-    model: ModelSpec
-    gpus: int
-    batch: int
-    pins: Pins
-    measured_s: float
-    engine: str  # NAME@RELEASE that ran it
+def narayanan_rows() -> list[Row]:
+    return _rows("narayanan-2021")
 
 
-def narayanan_rows() -> list[PaperRow]:
-    rows = []
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_1:
-        flops = 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
-        pins = Pins(tp=tp, pp=pp, dp=gpus // (tp * pp), zero_stage=0, recompute="full", sequence_parallel=False,
-                    pp_schedule="1f1b" if pp > 1 else None)
-        rows.append(PaperRow(f"{billions}B", "narayanan-2021", gpt(f"{billions}b", heads, hidden, layers), gpus,
-                             batch, pins, flops / (tflops * 1e12 * gpus), NARAYANAN_ENGINE))
-    return rows
+def korthikanti_rows() -> list[Row]:
+    return _rows("korthikanti-2022")
 
 
-def korthikanti_rows() -> list[PaperRow]:
-    rows = []
-    for name, heads, hidden, layers, tp, pp, gpus, batch in KORTHIKANTI_TABLE_3:
-        for (mode, recompute, sp), seconds in zip((("full", "full", False), ("sp+selective", "selective", True)),
-                                                  KORTHIKANTI_TABLE_5[name], strict=True):
-            pins = Pins(tp=tp, pp=pp, dp=gpus // (tp * pp), zero_stage=0, recompute=recompute, sequence_parallel=sp,
-                        micro_batch_size=1, pp_schedule="1f1b" if pp > 1 else None)
-            rows.append(PaperRow(f"{name} {mode}", "korthikanti-2022", gpt(name, heads, hidden, layers), gpus, batch,
-                                 pins, seconds, "megatron@2022"))
-    return rows
+def mt_nlg_rows() -> list[Row]:
+    return _rows("mt-nlg")
 
 
-def mt_nlg_rows() -> list[PaperRow]:
-    model = gpt("530b", 128, 20480, 105)
-    return [PaperRow(f"530B {nodes} nodes", "mt-nlg", model, 8 * nodes, 1920,
-                     Pins(tp=8, pp=35, dp=8 * nodes // 280, recompute="full", sequence_parallel=False,
-                          micro_batch_size=1, pp_schedule="1f1b"), seconds, "deepspeed@0.5.3")
-            for nodes, seconds in MT_NLG]
-
-
-def load_rows() -> list[PaperRow]:
+def load_rows() -> list[Row]:
     return narayanan_rows() + korthikanti_rows() + mt_nlg_rows()
 
 
-def predict(row: PaperRow):
-    """The best plan with the paper's degrees pinned, on the engine release that ran it: (step seconds, layout)."""
-    cluster = load_cluster(CLUSTER, row.gpus)
-    result = search(row.model, cluster, SEQ, row.batch, row.pins, row.engine, top_k=1)
-    if result.best is None:
-        raise RuntimeError(f"{row.source} {row.id}: nothing fits with {row.pins}")
-    return result.best.result.step_time_s, result.best.layout
+def with_engine(row: Row, engine: str) -> Row:
+    """The row run on another engine release: a what-if on its --engine flag."""
+    flags = list(row.flags)
+    flags[flags.index("--engine") + 1] = engine
+    return dataclasses.replace(row, flags=tuple(flags))
 
 
-def errors(rows: list[PaperRow]) -> list[float]:
+def predict(row: Row):
+    """The row's step as `meshplan simulate ROW.json` gives it, and its layout: the paper's degrees pinned,
+    the rest (the unpublished micro-batch, ZeRO) what `plan` picks on the engine release that ran it."""
+    plan = row.plan
+    return rowset.predict(row).step_time_s, plan.layout
+
+
+def errors(rows: list[Row]) -> list[float]:
     return [predict(r)[0] / r.measured_s - 1.0 for r in rows]
 
 
-def report(rows: list[PaperRow] | None = None) -> dict[str, list[float]]:
+def report(rows: list[Row] | None = None) -> dict[str, list[float]]:
     rows = rows if rows is not None else load_rows()
     print(f"{'source':<17} {'row':<20} {'mb':>3} {'measured s':>10} {'predicted':>10} {'error':>7}")
     by_source: dict[str, list[float]] = {}
     for r in rows:
         step_s, layout = predict(r)
         err = step_s / r.measured_s - 1.0
-        by_source.setdefault(r.source, []).append(err)
-        print(f"{r.source:<17} {r.id:<20} {layout.micro_batch_size:3} {r.measured_s:10.2f} {step_s:10.2f} "
+        source = r.bench["source"]
+        by_source.setdefault(source, []).append(err)
+        print(f"{source:<17} {r.bench['label']:<20} {layout.micro_batch_size:3} {r.measured_s:10.2f} {step_s:10.2f} "
               f"{100 * err:+6.1f}%")
     for source, errs in by_source.items():
         print(f"{source:>17}: {len(errs)} rows, MAPE {100 * sum(map(abs, errs)) / len(errs):.1f}%, "

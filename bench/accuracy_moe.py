@@ -1,14 +1,14 @@
 """Accuracy of the MoE step-time model against NVIDIA's published DGX Cloud MoE runs.
 
-Rows: the moe_bf16 and moe_fp8 rows of ../shared/data/published/dgxc.json
+Runs: the moe_bf16 and moe_fp8 rows of ../shared/data/published/dgxc.json
 (NeMo / Megatron-Core; Grok-1 314B and its proxies with fewer layers,
 DeepSeek-V3 671B; H100 SXM and GB200 NVL72), simulated as engine "megatron"
 on each GPU family's shipped profile (dense efficiencies fitted elsewhere:
 bench/accuracy_published.py, bench/accuracy_dgxc.py) with the MoE
 parameters of CalibrationProfile on top.
 
-Each row runs its recipe as the scripts it names state it (RECIPES, _model,
-_stage_layers; dgxc-benchmarking launch.sh -> NeMo
+Rows: bench/rows/dgxc-moe (bench/rows/dgxc-moe/README.md). Each row runs its
+recipe as the scripts it names state it (dgxc-benchmarking launch.sh -> NeMo
 scripts/performance/llm/pretrain_*.py at the pinned commit): token drop at
 capacity factor 1.0 padded to capacity (MegatronTokenDropCallback in both
 scripts: no load imbalance to fit), DeepSeek-V3's one MTP layer and its
@@ -65,14 +65,12 @@ Layout.recompute_modules): its rows +6.1% and +0.4% (were +5.3%, -0.3%),
 splits 19.7%, 10.6% and 12.6% (19.5%, 10.6%, 12.5% just before).
 
     python bench/accuracy_moe.py          # per-row errors, MAPE/bias/worst per source and split
-    python bench/accuracy_moe.py --fit    # also write the fit on every fitted row into the H100 and GB200 profiles
+    python bench/fit.py moe               # write the fit on every fitted row into the H100 and GB200 profiles
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,28 +80,21 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from dgxc_rows import MEGATRON_RELEASE  # noqa: E402
+import rowset  # noqa: E402
 
+from planner.cli.row import Row  # noqa: E402
 from planner.layout import Layout  # noqa: E402
-from planner.model.presets import PRESETS  # noqa: E402
 from planner.model.spec import ModelSpec  # noqa: E402
-from planner.plan import validate  # noqa: E402
 from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
-from planner.simulate.step import simulate_step  # noqa: E402
-from planner.training import PRECISIONS, TrainingSpec  # noqa: E402
-from topologies.cluster import Cluster  # noqa: E402
-from topologies.cluster_load import load_cluster  # noqa: E402
-from topologies.errors import MeshplanError  # noqa: E402
+from planner.training import TrainingSpec  # noqa: E402
 from topologies.hardware import get_gpu  # noqa: E402
 
-DATA = next((p / "shared" / "data" / "published" / "dgxc.json" for p in (REPO.parent, REPO.parent.parent)
-             if (p / "shared" / "data" / "published" / "dgxc.json").exists()),
-            REPO.parent / "shared" / "data" / "published" / "dgxc.json")
 # --gb200-domain 4 only: GB200 as a B200 in trays of 4 (NVIDIA GB200 NVL72 datasheet, per GPU: dense BF16
-# 2.45 PFLOP/s, FP8 twice that, 186 GB HBM3e at 8 TB/s; one 400 Gbit/s ConnectX-7 port per GPU).
-GB200 = {"gpu_bf16_tflops": "2450", "gpu_fp16_tflops": "2450", "gpu_fp8_tflops": "4900", "gpu_memory_gib": "173",
-         "gpu_memory_gbytes_per_s": "8000", "nic_gbit_per_s": "400"}
-GB200_DOMAIN = [72]  # GPUs on one NVLink domain (module docstring); main() may change it
+# 2.45 PFLOP/s, FP8 twice that, 186 GB HBM3e at 8 TB/s; one 400 Gbit/s ConnectX-7 port per GPU), as flags
+GB200_TRAYS = ("--cluster", "dgx-b200", "--set", "gpu_bf16_tflops=2450", "--set", "gpu_fp16_tflops=2450",
+               "--set", "gpu_fp8_tflops=4900", "--set", "gpu_memory_gib=173", "--set", "gpu_memory_gbytes_per_s=8000",
+               "--set", "nic_gbit_per_s=400", "--set", "gpus_per_node=4", "--set", "nics_per_node=4")
+WHAT_IF: dict[str, bool] = {"gb200_trays": False, "no_tp_overlap": False}  # main()'s options
 MOE_PARAMETERS = (  # (name, initial, lower, upper)
     ("grouped_gemm_efficiency", 1.0, 0.05, 1.0),
     ("all_to_all_net_efficiency", 1.0, 0.02, 1.0),
@@ -111,127 +102,64 @@ MOE_PARAMETERS = (  # (name, initial, lower, upper)
     ("fp8_expert_efficiency@gb200", 1.0, 0.2, 1.0),
 )
 TARGET_MAPE = 0.20
-# What each (model, GPU) recipe runs beyond the README's table, from the scripts the rows name
-# (dgxc-benchmarking launch.sh -> NeMo scripts/performance/llm/pretrain_*.py at the pinned commit):
-# DeepSeek-V3 (NeMo 7a8f1cc): selective recompute of core_attn on GB200, of mla_up_proj on H100
-# (Layout.recompute_modules); on GB200 the attention is the unfused one: Transformer Engine 2.2-2.4 disables cuDNN's fused
-# attention on sm100 for head_dim > 128 (MLA's query/key heads are 192 wide) and FlashAttention for
-# head_dim_qk != head_dim_v (fused_attn.cpp, dot_product_attention/utils.py), leaving
-# UnfusedDotProductAttention. Grok-1 (NeMo 6f2c6fd): no recompute, fused attention.
-RECIPES = {
-    ("dsv3", "h100"): {"recompute": "selective", "recompute_modules": ("mla_up_proj",), "attention": "fused"},
-    ("dsv3", "gb200"): {"recompute": "selective", "attention": "eager"},
-    ("grok1", "h100"): {"recompute": "none", "attention": "fused"},
-    ("grok1", "gb200"): {"recompute": "none", "attention": "fused"},
-}
-# Host-side recipe options (planner.simulate.launches): NeMo's Grok-1 script turns CUDA graphs on for
-# GB200 only (v25.05; DeepSeek-V3's script never does), and the v25.02 Grok-1 yaml sets
-# moe_grouped_gemm false (one MLP per local expert).
-CUDA_GRAPHS = {("grok1", "gb200")}
-NO_GROUPED_GEMM = {"v25.02.01"}
-# TP communication overlap (TrainingSpec.async_tp, Megatron's --tp-comm-overlap), as each release's
-# recipe sets it: Grok-1 v25.05's script (NeMo 6f2c6fd pretrain_grok1_314b.py) adds
-# MegatronCommOverlapCallback(tp_comm_overlap=True); the v25.02 Grok-1 yaml has ub_tp_comm_overlap
-# false and DeepSeek-V3's script (NeMo 7a8f1cc pretrain_deepseek_v3.py) tp_comm_overlap=False.
-# TP_OVERLAP[0] False (--no-tp-overlap) prices every row without it.
-TP_COMM_OVERLAP = {("grok1", "v25.05")}
-TP_OVERLAP = [True]
-_TOKENS_HALVED = ("the README's tokens/s (572,679 bf16, 807,684 fp8) is half of seq * GBS / step time at "
-                  "GBS 1024 = 2 x GPUs (launch.sh) while its MFU agrees with the step time")
-INCONSISTENT = {  # row id -> why the source contradicts itself
-    "dgxc-v25.05-grok1-gb200-512g-bf16": _TOKENS_HALVED,
-    "dgxc-v25.05-grok1-gb200-512g-fp8": _TOKENS_HALVED,
-}
 
 
 @dataclass(frozen=True)
 class MoERow:
-    id: str
-    family: str  # grok1 | dsv3
-    release: str
-    model: ModelSpec
-    training: TrainingSpec | None
-    layout: Layout | None
-    gpu: str
-    gpus: int
-    measured_s: float
-    why_not: str  # "" when expressible
-    inconsistent: str = ""  # why the source contradicts itself ("" when it does not): left out of fits and MAPE
+    """A DGX Cloud MoE row (bench/rows/dgxc-moe): its plan and the bench's grouping of it."""
 
-    def cluster(self) -> Cluster:
-        return self.cluster_of(self.gpu, self.gpus)
+    row: Row
 
-    @staticmethod
-    def cluster_of(gpu: str, gpus: int) -> Cluster:
-        if gpu == "gb200":
-            if GB200_DOMAIN[0] == 72:  # the catalog's GB200 in its NVL72 rack (topologies/presets/gb200-nvl72.toml)
-                return load_cluster("gb200-nvl72", gpus)
-            domain = str(GB200_DOMAIN[0])
-            return load_cluster("dgx-b200", gpus, overrides={**GB200, "gpus_per_node": domain, "nics_per_node": domain})
-        return load_cluster("dgx-h100", gpus)
+    @property
+    def id(self) -> str:
+        return self.row.id
 
+    @property
+    def family(self) -> str:  # grok1 | dsv3
+        return self.row.bench["family"]
 
-def _model(rec: dict[str, Any]) -> ModelSpec:
-    hf = rec["hf_like"]
-    if rec["arch"] == "deepseek":
-        base = PRESETS["deepseek-v3"]
-        changes = {"mtp_layers": int(hf.get("mtp_layers") or 0)}
-    else:  # Grok-1 as NeMo configures it: the Llama 3 vocabulary, untied output layer
-        base = PRESETS["grok-1"]
-        changes = {"vocab": hf["vocab"], "tie_embeddings": False}
-    # both NeMo performance scripts add MegatronTokenDropCallback: capacity factor 1.0, padded to capacity
-    moe = {**dataclasses.asdict(base.moe), "capacity_factor": 1.0}
-    data = {**base.to_json(), **changes, "moe": moe, "n_layers": hf["layers"], "max_seq_len": rec["seq"],
-            "name": f"{base.name}-{hf['layers']}l"}
-    return ModelSpec.from_json(json.loads(json.dumps(data)))
+    @property
+    def release(self) -> str:
+        return self.row.bench["release"]
 
+    @property
+    def gpu(self) -> str:  # h100 | gb200
+        return self.row.bench["gpu"]
 
-def _stage_layers(family: str, n_layers: int, chunks: int) -> tuple[int, ...]:
-    """NeMo's DeepSeek-V3 performance script splits 64 // pp layers per middle stage, one fewer on the
-    first and two fewer on the last (scripts/performance/llm/pretrain_deepseek_v3.py); others evenly."""
-    if family != "dsv3" or chunks == 1:
-        return ()
-    middle = 64 // chunks
-    stages = (middle - 1,) + (middle,) * (chunks - 2) + (middle - 2,)
-    return stages if sum(stages) == n_layers else ()
+    @property
+    def measured_s(self) -> float:
+        return self.row.measured_s
 
+    @property
+    def why_not(self) -> str:  # "" when expressible
+        return self.row.not_expressible
 
-def _row(rec: dict[str, Any]) -> MoERow:
-    family = "dsv3" if rec["arch"] == "deepseek" else "grok1"
-    release = rec["id"].split("-")[1]
-    gpu = "gb200" if rec["gpu"].startswith("gb200") else "h100"
-    model = _model(rec)
-    common = dict(id=rec["id"], family=family, release=release, model=model, gpu=gpu, gpus=rec["gpus"],
-                  measured_s=rec["step_time_s"], inconsistent=INCONSISTENT.get(rec["id"], ""))
-    # fp8 rows: 8-bit GEMMs around a bf16 model (Transformer Engine). NeMo's Grok-1 script runs
-    # bf16_with_fp8_mixed (per-tensor delayed scaling) on every GPU, GB200 included.
-    precision = rec["precision"]
-    if precision not in PRECISIONS:
-        return MoERow(training=None, layout=None, why_not=f"precision {precision} not in {PRECISIONS}", **common)
-    tp, pp, cp, ep, vp = (rec[k] or 1 for k in ("tp", "pp", "cp", "ep", "vp"))
-    etp = rec.get("etp") or tp  # Megatron-Core's default expert tensor parallelism is tp
-    dp = rec["gpus"] // (tp * pp * cp)
-    mb, gbs = rec["micro_batch"], rec["global_batch"]
-    recipe = RECIPES[(family, gpu)]
-    try:
-        layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, zero_stage=1 if dp > 1 else 0, ep=ep, etp=etp,
-                        micro_batch_size=mb, grad_accum_steps=gbs // (dp * mb), sequence_parallel=tp > 1,
-                        pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
-                        recompute=recipe["recompute"], recompute_modules=recipe.get("recompute_modules", ()),
-                        layers_per_stage=_stage_layers(family, model.n_layers, pp * vp))
-        training = TrainingSpec(seq_len=rec["seq"], global_batch_size=gbs, dtype="bf16", precision=precision,
-                                attention=recipe["attention"], grad_dtype="bf16",
-                                cuda_graphs=(family, gpu) in CUDA_GRAPHS, moe_grouped_gemm=release not in NO_GROUPED_GEMM,
-                                async_tp=TP_OVERLAP[0] and (family, release) in TP_COMM_OVERLAP and tp > 1)
-        validate(model, MoERow.cluster_of(gpu, rec["gpus"]), training, layout)
-    except MeshplanError as exc:
-        return MoERow(training=None, layout=None, why_not=str(exc), **common)
-    return MoERow(training=training, layout=layout, why_not="", **common)
+    @property
+    def inconsistent(self) -> str:  # why the source contradicts itself: left out of fits and MAPE
+        return self.row.bench.get("inconsistent", "")
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.row.plan.model
+
+    @property
+    def training(self) -> TrainingSpec | None:
+        return self.row.plan.training if not self.why_not else None
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.row.plan.layout if not self.why_not else None
+
+    @property
+    def gpus(self) -> int:
+        return self.row.plan.cluster.world_size
+
+    def cluster(self):
+        return self.row.plan.cluster
 
 
-def load_rows(path: Path = DATA) -> list[MoERow]:
-    doc = json.loads(path.read_text())
-    return [_row(r) for r in doc["rows"] if r["category"].startswith("moe")]
+def load_rows() -> list[MoERow]:
+    return [MoERow(r) for r in rowset.rows("dgxc-moe")]
 
 
 def base_profiles() -> dict[str, CalibrationProfile]:
@@ -239,21 +167,22 @@ def base_profiles() -> dict[str, CalibrationProfile]:
     return {gpu: load_calibration(None, get_gpu(name)) for gpu, name in (("h100", "h100-sxm"), ("gb200", "gb200"))}
 
 
-def moe_values(profile: CalibrationProfile, family: str) -> dict[str, float]:
-    """The fitted MoE parameters as `profile` (of GPU family `family`) ships them."""
-    return {key.partition("@")[0]: getattr(profile, key.partition("@")[0]) for key, *_ in MOE_PARAMETERS
-            if key.partition("@")[2] in ("", family)}
-
-
 def predict(row: MoERow, bases: dict[str, CalibrationProfile], moe: dict[str, float] | None = None) -> float:
-    """Step time of `row` on its GPU family's profile, with `moe` in place of its MoE parameters."""
-    assert row.training is not None and row.layout is not None
+    """Step time of `row` as `meshplan simulate` gives it, on its GPU family's profile with `moe` in place of its
+    MoE parameters (and main()'s what-ifs: GB200 in trays of 4, no TP overlap)."""
     profile = bases[row.gpu]
     if moe:
         profile = profile.replace(**{key.partition("@")[0]: v for key, v in moe.items()
                                      if key.partition("@")[2] in ("", row.gpu)})
-    return simulate_step(row.model, row.training, row.layout, row.cluster(), profile,
-                         engine=MEGATRON_RELEASE[row.release]).step_time_s
+    r = rowset.without_tp_overlap(row.row) if WHAT_IF["no_tp_overlap"] else row.row
+    extra = GB200_TRAYS if WHAT_IF["gb200_trays"] and row.gpu == "gb200" else ()
+    return rowset.predict(r, profile, extra).step_time_s
+
+
+def moe_values(profile: CalibrationProfile, family: str) -> dict[str, float]:
+    """The fitted MoE parameters as `profile` (of GPU family `family`) ships them."""
+    return {key.partition("@")[0]: getattr(profile, key.partition("@")[0]) for key, *_ in MOE_PARAMETERS
+            if key.partition("@")[2] in ("", family)}
 
 
 def fit(rows: list[MoERow], bases: dict[str, CalibrationProfile]) -> dict[str, float]:
@@ -309,8 +238,9 @@ HOST_BOUND = ("host-bound: DeepSeek-V3 on GB200 without CUDA graphs (NVIDIA's pr
 
 
 def fit_excluded(row: MoERow) -> str:
-    """Why `row` is left out of every fit ("" when it is fitted where its split says)."""
-    return HOST_BOUND if (row.family, row.gpu) == ("dsv3", "gb200") else ""
+    """Why `row` is left out of every fit ("" when it is fitted where its split says): the row file's
+    bench.host_bound (HOST_BOUND)."""
+    return row.row.bench.get("host_bound", "")
 
 
 def scored(rows: list[MoERow]) -> list[MoERow]:
@@ -351,15 +281,12 @@ def _report_split(name: str, res: dict[str, Any], by_id: dict[str, MoERow]) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true",
-                        help="write the fit on every consistent row into the shipped H100 and GB200 profiles")
     parser.add_argument("--gb200-domain", type=int, choices=(4, 72), default=72,
                         help="GPUs per NVLink domain on GB200 (module docstring)")
     parser.add_argument("--no-tp-overlap", action="store_true",
                         help="price every row without the TP communication overlap its recipe ran (TP_COMM_OVERLAP)")
     args = parser.parse_args()
-    GB200_DOMAIN[0] = args.gb200_domain
-    TP_OVERLAP[0] = not args.no_tp_overlap
+    WHAT_IF.update(gb200_trays=args.gb200_domain == 4, no_tp_overlap=args.no_tp_overlap)
     rows = load_rows()
     bases = base_profiles()
     usable = [r for r in rows if not r.why_not]
@@ -381,16 +308,7 @@ def main() -> None:
     by_id = {r.id: r for r in rows}
     for name, res in evaluate(rows, bases).items():
         _report_split(name, res, by_id)
-    if args.fit:
-        from planner.simulate.calibration import CALIBRATION_DIR
 
-        moe = fit([r for r in scored(rows) if not fit_excluded(r)], bases)
-        for family in ("h100", "gb200"):
-            path = CALIBRATION_DIR / f"{family}.json"
-            data = json.loads(path.read_text())
-            data.update({key.partition("@")[0]: v for key, v in moe.items() if key.partition("@")[2] in ("", family)})
-            path.write_text(json.dumps(data, indent=2) + "\n")
-            print(f"wrote the {family} values of {moe} to {path}")
 
 
 if __name__ == "__main__":

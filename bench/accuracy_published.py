@@ -1,6 +1,7 @@
 """Accuracy of the step-time model against published bf16 training runs on H100 SXM.
 
-The rows (bench/data/h100_published.json) come from two independent software
+The rows (bench/rows/published, transcribed from the tables
+bench/data/h100_published.json cites) come from two independent software
 stacks, each row citing its table:
 
 * llm-foundry: MosaicML's MPT throughput table, Composer + PyTorch FSDP
@@ -17,9 +18,9 @@ scores that table with the cap's FLOP/s share fitted on one row). Every row is s
 one calibration profile; nothing is fitted per row.
 
     python bench/accuracy_published.py        # per-row error, MAPE per source and split
-    python bench/accuracy_published.py --fit  # refit planner/simulate/calibrations/h100.json
+    python bench/fit.py h100-bf16             # refit the H100 profile's bf16 fields (bench/fit.py)
 
-Hold-out: `--fit` uses only the rows of FIT_MODELS and writes that fit; the
+Hold-out: bench/fit.py h100-bf16 fits on the rows of FIT_MODELS only; the
 other models (whole model families, not alternate rows) are never seen by it.
 Four parameters are fitted (FIT_PARAMETERS); on 2026-11-22 the hold-out MAPE
 was 4.0% (NeMo, 4 rows) and 3.1% (LLM Foundry, 23 rows).
@@ -28,24 +29,19 @@ was 4.0% (NeMo, 4 rows) and 3.1% (LLM Foundry, 23 rows).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-from planner.layout import Layout  # noqa: E402
-from planner.model.spec import ModelSpec  # noqa: E402
+import rowset  # noqa: E402
+
+from planner.cli.row import Row  # noqa: E402
 from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
-from planner.simulate.step import simulate_step  # noqa: E402
-from planner.training import TrainingSpec  # noqa: E402
-from topologies.cluster import Cluster  # noqa: E402
-from topologies.cluster_load import load_cluster  # noqa: E402
 
-DATA = REPO / "bench" / "data" / "h100_published.json"
 GPU = "h100-sxm"
 # Validation models are never seen by the fit: whole model families held out.
 FIT_MODELS = ("mpt-760m", "mpt-3b", "mpt-13b", "mpt-70b", "llama3.1-8b", "llama3.1-405b-nemo", "nemotron4-15b")
@@ -58,60 +54,49 @@ TARGET_MAPE = 0.10
 
 @dataclass(frozen=True)
 class Published:
-    """One published run: its layout, its stack and what it measured."""
+    """One published run (a row file of bench/rows/published): its stack, split and what it measured."""
 
-    id: str
-    source: str
-    model_spec: ModelSpec
-    seq_len: int
-    gpus: int
-    layout: Layout
-    engine: str  # NAME@RELEASE (the source's "engine")
-    measured_s: float  # step time
-    in_mape: bool
-    num_params: int | None  # as published, when the source prints it
+    row: Row
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    @property
+    def source(self) -> str:
+        return self.row.bench["source"]
+
+    @property
+    def in_mape(self) -> bool:
+        return self.row.bench["in_mape"]
+
+    @property
+    def measured_s(self) -> float:
+        return self.row.measured_s
+
+    @property
+    def model_spec(self):
+        return self.row.plan.model
+
+    @property
+    def num_params(self) -> int | None:
+        """The parameter count the source prints, where it prints one."""
+        return self.row.bench.get("num_params")
 
     @property
     def split(self) -> str:
         """fit | validate for rows in the MAPE, "-" for the rows only shown."""
         if not self.in_mape:
             return "-"
-        return "fit" if self.model_spec.name in FIT_MODELS else "validate"
-
-    def training(self) -> TrainingSpec:
-        return TrainingSpec(seq_len=self.seq_len, global_batch_size=self.layout.micro_batch_size
-                            * self.layout.grad_accum_steps * self.layout.dp, dtype="bf16")
-
-    def cluster(self) -> Cluster:
-        return load_cluster("dgx-h100", self.gpus)
+        return "fit" if self.row.bench["model"] in FIT_MODELS else "validate"
 
 
-def _row(rec: dict[str, Any], models: dict[str, Any], sources: dict[str, Any]) -> Published:
-    src = sources[rec["source"]]
-    shape = dict(models[rec["model"]], n_layers=rec.get("n_layers", models[rec["model"]]["n_layers"]))
-    model = ModelSpec(name=rec["model"], max_seq_len=rec["seq_len"], **shape)
-    tp, pp, cp, vp = (rec.get(k, 1) for k in ("tp", "pp", "cp", "virtual_stages"))
-    dp = rec["gpus"] // (tp * pp * cp)
-    mb, gbs = rec["micro_batch"], rec["global_batch"]
-    if dp * tp * pp * cp != rec["gpus"] or gbs % (dp * mb):
-        raise ValueError(f"{rec['id']}: {rec['gpus']} GPUs, global batch {gbs} do not fit tp {tp} pp {pp} cp {cp} mb {mb}")
-    layout = Layout(tp=tp, pp=pp, cp=cp, dp_shard=dp, zero_stage=rec["zero"], micro_batch_size=mb,
-                    grad_accum_steps=gbs // (dp * mb), recompute=rec["recompute"],
-                    sequence_parallel=rec.get("sequence_parallel", False),
-                    pp_schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp)
-    step = rec.get("step_time_s") or gbs * rec["seq_len"] / rec["tokens_per_s"]
-    return Published(rec["id"], rec["source"], model, rec["seq_len"], rec["gpus"], layout, src["engine"],
-                     step, src["in_mape"], rec.get("num_params"))
-
-
-def load_rows(path: Path = DATA) -> list[Published]:
-    doc = json.loads(path.read_text())
-    return [_row(rec, doc["models"], doc["sources"]) for rec in doc["rows"]]
+def load_rows() -> list[Published]:
+    return [Published(r) for r in rowset.rows("published")]
 
 
 def predict(row: Published, profile: CalibrationProfile) -> float:
-    return simulate_step(row.model_spec, row.training(), row.layout, row.cluster(), profile,
-                         engine=row.engine).step_time_s
+    return rowset.predict(row.row, profile).step_time_s
 
 
 def errors(rows: list[Published], profile: CalibrationProfile) -> list[float]:
@@ -133,9 +118,9 @@ def groups(rows: list[Published]) -> dict[tuple[str, str], list[Published]]:
 
 
 def mfu(row: Published, step_s: float) -> float:
-    tokens = row.training().tokens_per_step
-    flops = row.model_spec.model_flops_per_token(row.seq_len) * tokens / step_s / row.gpus
-    return flops / row.cluster().gpu.peak_flops("bf16")
+    plan = row.row.plan
+    flops = plan.model.model_flops_per_token(plan.training.seq_len) * plan.training.tokens_per_step / step_s
+    return flops / plan.cluster.world_size / plan.cluster.gpu.peak_flops("bf16")
 
 
 def report(profile: CalibrationProfile, rows: list[Published] | None = None) -> dict[tuple[str, str], float]:
@@ -162,7 +147,8 @@ def report(profile: CalibrationProfile, rows: list[Published] | None = None) -> 
 # The fitted parameters: (name, initial value, lower bound, upper bound). The
 # base efficiencies are Megatron-Core + Transformer Engine's (the fastest stack);
 # "eager." names are factors on them for the engines that run eager PyTorch
-# modules. Everything else keeps CalibrationProfile's defaults: the rows barely
+# modules. Everything else keeps what the profile holds (defaults for the host and link terms, the
+# FP8 and MoE fields other fits write): the rows barely
 # move the GEMM knee, host overhead or link terms, and fitting them overfits
 # (the hold-out MAPE of NeMo rose from ~3% to ~14% with layer_overhead_s free).
 FIT_PARAMETERS = (
@@ -209,29 +195,13 @@ def fit(rows: list[Published], base: CalibrationProfile) -> CalibrationProfile:
     return profile_from([float(f"{v:.4g}") for v in result.x], base)  # 4 digits: what the data supports
 
 
-def fit_and_save() -> CalibrationProfile:
-    """Fit on the FIT_MODELS rows only and write the profile: the validation rows stay unseen."""
-    import datetime
-
-    from planner.simulate.calibration import CALIBRATION_DIR
-
-    rows = [r for r in load_rows() if r.in_mape and r.split == "fit"]
-    profile = fit(rows, CalibrationProfile(gpu=GPU)).replace(
-        date=datetime.date.today().isoformat(),
-        source="fitted by bench/accuracy_published.py --fit on published NeMo 24.09 (Megatron-Core) and "
-               "LLM Foundry (PyTorch FSDP) H100 bf16 runs, validation models held out")
-    profile.save(CALIBRATION_DIR / "h100.json")
-    return profile
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", help="profile JSON (default: the shipped H100 profile)")
-    parser.add_argument("--fit", action="store_true", help="refit the H100 profile on the fit rows")
     args = parser.parse_args()
     from topologies.hardware import get_gpu
 
-    profile = fit_and_save() if args.fit else load_calibration(args.calibration, get_gpu(GPU))
+    profile = load_calibration(args.calibration, get_gpu(GPU))
     print(f"profile: {profile.source} ({profile.date})")
     report(profile)
 

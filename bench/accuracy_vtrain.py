@@ -1,23 +1,24 @@
 """Accuracy of the step-time model against measured Megatron-DeepSpeed runs (vTrain data).
 
-The data (../shared/data/vtrain, MIT licence, see its README): measured
+The data (../shared/data/vtrain, MIT licence, see its README; one row file per
+measured step in bench/rows/vtrain): measured
 iteration times of GPT models trained with Megatron-DeepSpeed on A100 nodes,
 1F1B, full activation recomputation, fp16 mixed precision, vocabulary 50,257,
 gradients all-reduced after the backward (no DDP bucketing). Every row is
 simulated with the same calibration profile; nothing is fitted per row.
 
     python bench/accuracy_vtrain.py            # MAPE on both files, worst rows
-    python bench/accuracy_vtrain.py --fit      # refit the A100 profile (hold-out check first)
+    python bench/fit.py a100                   # refit the A100 profile on every row (bench/fit.py)
 
 The cluster is what the publishers state: 8 A100 SXM per node on NVSwitch,
 800 Gbit/s per node between nodes (4 x 200 Gbit/s HDR). The engine is the
-2022 Megatron-DeepSpeed the data was measured with
-(planner.engines.MEGATRON_DEEPSPEED_2022): eager softmax attention, DP
-all-reduce after the backward, not overlapped.
+2022 Megatron-DeepSpeed the data was measured with, `--engine megatron@2022`
+(planner.engines.megatron): eager softmax attention, DP all-reduce after the
+backward, not overlapped.
 
 Its pipeline boundaries are priced as Megatron-LM's (one overlapped transfer per
 direction), although these runs crossed them with DeepSpeed's blocking exchanges
-of tp-split tensors (DEEPSPEED_PIPE_2022, the `deepspeed` engine). On 2026-11-24:
+of tp-split tensors (`--engine deepspeed@0.6`). On 2026-11-24:
 with those traits and this profile, single 7.26% / multi 7.44% MAPE but multi
 bias -6.2%; refitted on them, 7.12% / 6.98% (hold-out 7.07% / 7.23%), but that
 profile (net 0.46, NVLink 0.59, memory 1.0) puts Narayanan's 7.5B row 13.6% and
@@ -28,82 +29,35 @@ so the shipped profile stays fitted with the Megatron-LM pricing.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-from planner.layout import Layout  # noqa: E402
-from planner.model.spec import ModelSpec  # noqa: E402
+import rowset  # noqa: E402
+
+from planner.cli.row import Row  # noqa: E402
 from planner.simulate.calibration import CalibrationProfile, load_calibration  # noqa: E402
-from planner.simulate.step import simulate_step  # noqa: E402
-from planner.training import TrainingSpec  # noqa: E402
-from topologies.cluster import Cluster  # noqa: E402
-from topologies.cluster_load import load_cluster  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data" / "vtrain"
 FILES = ("single", "multi")
 TARGETS = {"single": 0.08, "multi": 0.10}  # MAPE <= 8% on one node, <= 10% across nodes
-VOCAB = 50257
 
 
-@dataclass(frozen=True)
-class Row:
-    gpus: int
-    global_batch: int
-    micro_batch: int
-    hidden: int
-    heads: int
-    layers: int
-    seq_len: int
-    tp: int
-    dp: int
-    pp: int
-    measured_s: float
-
-    def model(self) -> ModelSpec:
-        """Megatron GPT: LayerNorm, learned positions, GELU 4h MLP, biases, tied embeddings, dropout 0.1."""
-        return ModelSpec(name=f"gpt-h{self.hidden}-l{self.layers}", n_layers=self.layers, hidden=self.hidden,
-                         n_heads=self.heads, n_kv_heads=self.heads, head_dim=self.hidden // self.heads,
-                         ffn_hidden=4 * self.hidden, vocab=VOCAB, max_seq_len=self.seq_len, mlp="gelu",
-                         norm="layernorm", position="learned", tie_embeddings=True, bias=True, dropout=0.1)
-
-    def training(self) -> TrainingSpec:
-        return TrainingSpec(seq_len=self.seq_len, global_batch_size=self.global_batch, dtype="fp16",
-                            optimizer="adamw", grad_dtype="fp16")
-
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, dp_replicate=self.dp, micro_batch_size=self.micro_batch,
-                      grad_accum_steps=self.global_batch // (self.dp * self.micro_batch), recompute="full",
-                      pp_schedule="1f1b")
-
-    def cluster(self) -> Cluster:
-        return load_cluster("dgx-a100-80g", self.gpus, {"nics_per_node": "4"})
-
-    def label(self) -> str:
-        return (f"{self.gpus:>3} GPUs h={self.hidden} l={self.layers} B={self.global_batch} mb={self.micro_batch} "
-                f"tp={self.tp} dp={self.dp} pp={self.pp}")
+def load_rows(kind: str) -> list[Row]:
+    """The rows of ground_truth_<kind>.csv (bench/rows/vtrain: one file per measured step, flags as the
+    module docstring states the runs: `--engine megatron@2022 --precision fp16 --recipe grad_dtype=fp16
+    --recompute full --pp-schedule 1f1b --cluster dgx-a100-80g --set nics_per_node=4`)."""
+    return [r for r in rowset.rows("vtrain") if r.bench["file"] == kind]
 
 
-def load_rows(kind: str, data_dir: Path = DATA) -> list[Row]:
-    """Rows of ground_truth_<kind>.csv (UTF-8 with BOM, as published)."""
-    with open(data_dir / f"ground_truth_{kind}.csv", encoding="utf-8-sig", newline="") as f:
-        rows = []
-        for rec in csv.DictReader(f):
-            rows.append(Row(int(rec["# GPUs"]), int(rec["global batch"]), int(rec["micro batch"]),
-                            int(rec["hidden size"]), int(rec["attention heads"]), int(rec["# layers"]),
-                            int(rec["sequence length"]), int(rec["tensor parallelism"]),
-                            int(rec["data parallelism"]), int(rec["pipeline parallelism"]),
-                            float(rec["iteration time (ms)"]) / 1e3))
-    return rows
+def label(row: Row) -> str:
+    return row.bench["label"]
 
 
 def predict(row: Row, profile: CalibrationProfile) -> float:
-    return simulate_step(row.model(), row.training(), row.layout(), row.cluster(), profile,
-                         engine="megatron@2022").step_time_s
+    return rowset.predict(row, profile).step_time_s
 
 
 def errors(rows: list[Row], profile: CalibrationProfile) -> list[float]:
@@ -124,7 +78,7 @@ def report(profile: CalibrationProfile, worst: int = 5) -> dict[str, float]:
         print(f"{kind:>6}: {len(rows):4} rows  MAPE {100 * out[kind]:5.2f}%  (target <= {100 * TARGETS[kind]:.0f}%)  "
               f"bias {100 * sum(errs) / len(errs):+5.2f}%")
         for e, r in sorted(zip(errs, rows, strict=True), key=lambda x: -abs(x[0]))[:worst]:
-            print(f"        {100 * e:+6.1f}%  {r.label()}  measured {r.measured_s:.3f} s")
+            print(f"        {100 * e:+6.1f}%  {label(r)}  measured {r.measured_s:.3f} s")
     return out
 
 
@@ -173,34 +127,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", help="profile JSON (default: the shipped A100 profile)")
     parser.add_argument("--worst", type=int, default=5, help="worst rows to list per file")
-    parser.add_argument("--fit", action="store_true", help="refit the A100 profile: hold-out check, then all rows")
     args = parser.parse_args()
     from topologies.hardware import get_gpu
 
-    if args.fit:
-        profile = fit_and_save(CalibrationProfile(gpu="a100-80g-sxm"))
-    else:
-        profile = load_calibration(args.calibration, get_gpu("a100-80g-sxm"))
+    profile = load_calibration(args.calibration, get_gpu("a100-80g-sxm"))
     print(f"profile: {profile.source} ({profile.date})")
     report(profile, args.worst)
 
-
-def fit_and_save(base: CalibrationProfile) -> CalibrationProfile:
-    """Fit on even rows, report odd rows (hold-out), then fit on all rows and write the profile."""
-    import datetime
-
-    from planner.simulate.calibration import CALIBRATION_DIR
-
-    rows = {kind: load_rows(kind) for kind in FILES}
-    half = fit({k: v[0::2] for k, v in rows.items()}, base)
-    for kind, rs in rows.items():
-        print(f"hold-out {kind}: fitted on even rows MAPE {100 * mape(errors(rs[0::2], half)):.2f}%, "
-              f"odd rows (unseen) {100 * mape(errors(rs[1::2], half)):.2f}%")
-    profile = fit(rows, base).replace(
-        gpu="a100-80g-sxm", date=datetime.date.today().isoformat(),
-        source="fitted by bench/accuracy_vtrain.py --fit on vTrain's Megatron-DeepSpeed A100 measurements")
-    profile.replace(other_bytes=None).save(CALIBRATION_DIR / "a100.json")
-    return profile
 
 
 if __name__ == "__main__":

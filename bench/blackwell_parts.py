@@ -1,6 +1,6 @@
 """How the GB200 fit carries to B200, B300 and GB300: same-recipe pairs, and what is left on Blackwell Ultra.
 
-The GB200 profile (bench/accuracy_dgxc.py --fit --blackwell both) reaches the
+The GB200 profile (bench/fit.py gb200) reaches the
 other Blackwell parts through planner.simulate.calibration.per_sm_transfer:
 the same sustained FLOP/s per SM, not the same share of each part's rated
 peak. This bench prints the evidence and what it leaves unexplained; it

@@ -68,8 +68,8 @@ def paper_rows() -> list[Scored]:
     import accuracy_megatron_papers as bench
 
     rows = bench.load_rows()
-    return [Scored(f"accuracy_megatron_papers.py ({r.source})", r.engine, "a100", False, f"{r.source} {r.id}", e,
-                   False) for r, e in zip(rows, bench.errors(rows), strict=True)]
+    return [Scored(f"accuracy_megatron_papers.py ({r.bench['source']})", r.plan.engine, "a100", False,
+                   f"{r.bench['source']} {r.id}", e, False) for r, e in zip(rows, bench.errors(rows), strict=True)]
 
 
 def published_rows() -> list[Scored]:
@@ -81,7 +81,7 @@ def published_rows() -> list[Scored]:
 
     profile = load_calibration(None, get_gpu("h100-sxm"))
     rows = [r for r in bench.load_rows() if r.in_mape and r.source == "llm-foundry"]
-    return [Scored("accuracy_published.py (llm-foundry)", r.engine, r.cluster().gpu.name, False, r.id, e,
+    return [Scored("accuracy_published.py (llm-foundry)", r.row.plan.engine, r.row.plan.cluster.gpu.name, False, r.id, e,
                    r.split == "fit") for r, e in zip(rows, bench.errors(rows, profile), strict=True)]
 
 

@@ -283,8 +283,8 @@ def validate(model: ModelSpec, cluster: Cluster, training: TrainingSpec, layout:
             raise PlanError(f"ep ({layout.ep}) must divide the number of experts ({model.moe.n_experts})")
         if model.moe.expert_ffn_hidden % layout.etp:
             raise PlanError(f"etp ({layout.etp}) must divide the experts' inner size ({model.moe.expert_ffn_hidden})")
-    if layout.pp > 1 and layout.grad_accum_steps < layout.pp and layout.pp_schedule != "gpipe":
+    if layout.pp_schedule == "interleaved-1f1b" and layout.grad_accum_steps % layout.pp:
         raise PlanError(
-            f"pipeline schedule {layout.pp_schedule} needs at least pp ({layout.pp}) micro-batches per step, "
-            f"got grad_accum_steps {layout.grad_accum_steps}: raise the global batch or lower the micro-batch"
+            f"pipeline schedule interleaved-1f1b runs micro-batches in groups of pp ({layout.pp}), got "
+            f"grad_accum_steps {layout.grad_accum_steps}: raise the global batch or change the micro-batch"
         )

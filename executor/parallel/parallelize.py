@@ -99,10 +99,8 @@ def check_supported(plan: Plan) -> None:
     The rules live in planner.engines so the search never proposes
     a layout this function would refuse.
     """
-    from planner.engines import executor_refusal
-
-    reason = executor_refusal(plan.model, plan.layout, plan.training.dtype, plan.cluster.gpu.kind != "cpu",
-                              plan.training)
+    reason = EXECUTOR.refusal(plan.model, plan.layout, plan.training.dtype, plan.cluster.gpu.kind != "cpu",
+                              plan.training) or EXECUTOR.microbatch_refusal(plan.layout)
     if reason:
         raise PlanError(reason)
     if plan.training.fp8:  # torchao is no dependency: say what to install before any rank starts

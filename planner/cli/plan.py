@@ -29,6 +29,37 @@ def parse_recompute_modules(text: str | None) -> tuple[str, ...] | None:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def plan_request(params: dict) -> PlanRequest:
+    """The PlanRequest of `plan`'s parsed flags (also what a row's flags mean: planner.cli.row)."""
+    from planner.cli.inputs import headroom_fraction
+
+    p = params
+    modules = parse_recompute_modules(p["recompute_modules"])
+    recompute = p["recompute"]
+    if modules is not None and recompute is None:  # as Megatron-Bridge: naming modules selects "selective"
+        recompute = "selective"
+    pins = Pins(tp=p["tp"], pp=p["pp"], dp=p["dp"], dp_shard=p["dp_shard"], cp=p["cp"], zero_stage=p["zero"],
+                micro_batch_size=p["micro_batch"], recompute=recompute, sequence_parallel=p["sequence_parallel"],
+                pp_schedule=p["pp_schedule"], virtual_stages=p["virtual_stages"], ep=p["ep"], etp=p["etp"],
+                recompute_modules=modules, layers_per_stage=parse_counts(p["layers_per_stage"], "--layers-per-stage"),
+                activation_offload_layers=p["activation_offload_layers"])
+    options = TrainingOptions(p["precision"], p["attention"] or "", p["compile_"], p["async_tp"],
+                              tuple(parse_recipe(p["recipe"]).items()))
+    return PlanRequest(p["model"], p["cluster"], tuple(p["overrides"]), p["seq_len"], p["global_batch"], pins,
+                       p["engine"], p["calibration"], p["top"], headroom_fraction(p["headroom_pct"]), options,
+                       p.get("allow_long_context", False))
+
+
+def parse_counts(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """"7,8,8,7" -> (7, 8, 8, 7); a UsageError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected integers separated by commas, e.g. 7,8,8,7") from None
+
+
 def _common(f):
     """Options shared by plan and compare (model, batch, engine, calibration)."""
     for decorator in reversed([
@@ -78,6 +109,12 @@ def _common(f):
 @click.option("--pp-schedule", type=click.Choice(PP_SCHEDULES), default=None, help="Pin the pipeline schedule.")
 @click.option("--virtual-stages", type=POSITIVE, default=None, help="Pin model chunks per pipeline rank.")
 @click.option("--ep", type=POSITIVE, default=None, help="Pin the expert-parallel degree (MoE; within dp_shard x cp x tp).")
+@click.option("--layers-per-stage", "layers_per_stage", default=None, metavar="N,N,...",
+              help="Pin the layers of each pipeline chunk (pp x virtual stages counts, e.g. Megatron's split with "
+                   "fewer layers on the first and last chunks). Default: balanced.")
+@click.option("--activation-offload-layers", "activation_offload_layers", type=click.IntRange(min=0), default=None,
+              help="Layers per chunk whose activations wait in host memory (Megatron-Core's "
+                   "cpu_offloading_num_layers; --engine megatron). Default: 0.")
 @click.option("--etp", type=POSITIVE, default=None, help="Pin the expert tensor-parallel degree (MoE; default 1 or tp).")
 # ---- how the model trains (precision is given, never searched; recompute is searched unless pinned)
 @click.option("--recompute", type=click.Choice(RECOMPUTE_KINDS), default=None,
@@ -109,11 +146,10 @@ def _common(f):
               help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
-def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision, calibration,
-         as_json, tp, pp,
-         dp, dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, etp,
-         recompute, recompute_modules, attention, compile_, async_tp, recipe, top, output, png, headroom_pct, tokens,
-         price):
+def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, calibration, as_json, tp, pp, dp,
+         dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, layers_per_stage,
+         activation_offload_layers, etp, precision, recompute, recompute_modules, attention, compile_, async_tp,
+         recipe, top, output, png, headroom_pct, tokens, price):
     """Find the fastest layout (DP/TP/PP/CP/ZeRO, micro-batch, recompute, schedule) that fits memory.
 
     Any layout flag pins that option; the search fills in the rest. Exit code
@@ -121,7 +157,6 @@ def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_ba
     fit, and what else would fix it. `--gpus auto` or a range answers how many
     GPUs to use instead.
     """
-    from planner.cli.inputs import headroom_fraction
     from planner.search.sweep import parse_gpus, parse_tokens
     from topologies.files import check_output
 
@@ -129,16 +164,7 @@ def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_ba
     check_output(png, "--png", image=True)
     gpu_range = parse_gpus(gpus)
     train_tokens = parse_tokens(tokens) if tokens is not None else None
-    modules = parse_recompute_modules(recompute_modules)
-    if modules is not None and recompute is None:  # as Megatron-Bridge: naming modules selects "selective"
-        recompute = "selective"
-    pins = Pins(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp, zero_stage=zero, micro_batch_size=micro_batch,
-                recompute=recompute, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule,
-                virtual_stages=virtual_stages, ep=ep, etp=etp, recompute_modules=modules)
-    request = PlanRequest(model, cluster, overrides, seq_len, global_batch, pins, engine, calibration, top,
-                          headroom_fraction(headroom_pct),
-                          TrainingOptions(precision, attention or "", compile_, async_tp,
-                                          tuple(parse_recipe(recipe).items())), allow_long_context)
+    request = plan_request(click.get_current_context().params)
     try:
         if gpu_range.is_sweep:
             from planner.cli.sweep import run_sweep

@@ -1,7 +1,10 @@
-"""`meshplan simulate plan.json`: re-simulate a plan, show where the step's time goes, draw it.
+"""`meshplan simulate plan.json | ROW.json`: re-simulate a plan or a published run, show where the step's time goes.
 
 A thin layer over `planner.simulate.step.simulate_step`; the trace and the chart
-come from `planner.simulate.trace` (matplotlib only when --png is given).
+come from `planner.simulate.trace` (matplotlib only when --png is given). A row
+file (planner.cli.row: `meshplan plan` flags and what the run measured, as the
+accuracy benches keep them under bench/rows/) is predicted as every bench
+predicts it (`simulate_row`) and printed next to its measurement.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
                   ("bubble_imbalance", "  of which stage imbalance"), ("optimizer", "optimizer step"))
 
 
-@click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n")
-@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.command(epilog="\b\nExamples:\n  meshplan simulate plan.json\n  meshplan simulate plan.json --trace step.json --png step.png\n  meshplan simulate bench/rows/dgxc/dgxc-v25.02-llama31-70b-64g-bf16.json\n")
+@click.argument("plan_path", metavar="PLAN.json|ROW.json", type=click.Path(dir_okay=False))
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome/Perfetto trace of one step (open it at ui.perfetto.dev).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
@@ -32,7 +35,9 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
 def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calibration: str | None,
              as_json: bool) -> None:
-    """Re-simulate PLAN.json: step time, its breakdown, memory; optionally a trace and a chart of the step."""
+    """Re-simulate PLAN.json, or predict a published run's ROW.json: step time, its breakdown, memory;
+    optionally a trace and a chart of the step."""
+    from planner.cli.row import load_row, row_plan, simulate_row
     from planner.plan import load_plan
     from planner.simulate.calibration import load_calibration
     from planner.simulate.step import simulate_step
@@ -40,14 +45,22 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
 
     check_output(trace_path, "--trace")
     check_output(png_path, "--png", image=True)
-    plan = load_plan(plan_path)
-    cal = load_calibration(calibration, plan.cluster.gpu)
     want_events = bool(trace_path or png_path)
+    row = load_row(plan_path) if _is_row_file(plan_path) else None
+    if row is not None:
+        plan, shipped = row_plan(row)
+        cal = load_calibration(calibration, plan.cluster.gpu) if calibration else shipped
+    else:
+        plan = load_plan(plan_path)
+        cal = load_calibration(calibration, plan.cluster.gpu)
     layout = plan.layout
     # a step of thousands of operations, its trace and its chart take seconds on a large plan
     with Progress("simulate", quiet=as_json or not want_events) as bar:
-        result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
-                               events=want_events)
+        if row is not None:
+            result = simulate_row(row, cal, events=want_events)
+        else:
+            result = simulate_step(plan.model, plan.training, plan.layout, plan.cluster, cal, engine=plan.engine,
+                                   events=want_events)
         timeline = None
         if want_events:
             from planner.simulate.timeline import timeline_of
@@ -69,13 +82,33 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
         if path:
             log(f"wrote {what}{path}")
     prediction = result.prediction()
+    measured = row.measured_s if row is not None else None
     if as_json:
         # plan.json's `prediction` keys at the top, then where it came from and what was written
+        extra = {"row": row.id, "measured_step_time_s": measured, "error": result.step_time_s / measured - 1,
+                 "parallel": plan.layout.to_json(), "engine": plan.engine} if row is not None else {}
         emit_json({**prediction.to_json(),
                    "plan_prediction": plan.prediction.to_json() if plan.prediction else None,
-                   "calibration": cal.source, "trace": trace_path, "png": png_path})
+                   "calibration": cal.source, "trace": trace_path, "png": png_path, **extra})
         return
     _print_human(plan, result, cal)
+    if row is not None:
+        from planner.figures import seconds
+
+        console().print(f"row {row.id}: measured {seconds(measured)} per step ({row.source.get('name', 'source')}); "
+                        f"predicted {seconds(result.step_time_s)} ({100 * (result.step_time_s / measured - 1):+.1f}%)")
+
+
+def _is_row_file(path: str) -> bool:
+    """A published run's row file (planner.cli.row) rather than a plan.json."""
+    import json
+
+    from planner.cli.row import is_row
+
+    try:
+        return is_row(json.loads(open(path, encoding="utf-8").read()))
+    except (OSError, ValueError, RecursionError):
+        return False  # load_plan names what is wrong with it
 
 
 def layout_words(layout) -> str:

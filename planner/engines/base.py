@@ -167,6 +167,18 @@ class Engine:
         """Why this engine cannot run `layout` (one sentence with the values and what to do), or None."""
         return self._common_refusal(model, layout, training)
 
+    def microbatch_refusal(self, layout: Layout) -> str | None:
+        """Why this engine's pipeline cannot run the layout's micro-batches per step (grad_accum_steps), or None.
+        A rule on the whole layout, apart from `refusal`, which the search asks before the micro-batch is chosen
+        (its counts are filtered by planner.search.candidates.pipeline_allows, the same rule)."""
+        from planner.search.candidates import pipeline_allows
+
+        if pipeline_allows(layout, layout.grad_accum_steps, self.pipeline.needs_pp_microbatches):
+            return None
+        return (f"engine {self.label} runs pipeline schedule {layout.pp_schedule} with at least pp ({layout.pp}) "
+                f"micro-batches per step, got grad_accum_steps {layout.grad_accum_steps}: raise the global batch or "
+                "lower the micro-batch")
+
     def model_refusal(self, model: ModelSpec) -> str | None:
         """Why this engine cannot run `model` in any layout (a module it does not build), or None."""
         return None

@@ -160,13 +160,18 @@ class Pipeline:
     # full recomputation also recomputes the model's ends (embedding, tied output layer): DeepSpeed's
     # PipelineModule before 0.5.4 checkpointed every module with parameters (activation_checkpoint_interval)
     recomputes_ends: bool = False
+    # 1F1B-like schedules need at least pp micro-batches a step (torch.distributed.pipelining's schedules
+    # refuse fewer); Megatron's 1F1B warms up min(pp - rank - 1, micro-batches) and DeepSpeed's TrainSchedule
+    # runs any count, with a larger bubble
+    needs_pp_microbatches: bool = False
 
     def __post_init__(self) -> None:
         if self.p2p not in PIPE_P2P:
             raise PlanError(f"Pipeline.p2p must be one of {PIPE_P2P}, got {self.p2p!r}")
 
 
-TORCH_PIPELINING = Pipeline("torch.distributed.pipelining", p2p="overlapped", stage_outputs=True)
+TORCH_PIPELINING = Pipeline("torch.distributed.pipelining", p2p="overlapped", stage_outputs=True,
+                            needs_pp_microbatches=True)
 MEGATRON_PIPELINE = Pipeline("megatron", p2p="overlapped", stage_outputs=False)
 # DeepSpeed's PipelineEngine from 0.5.4 (PartitionedTensor for activations and gradients)
 DEEPSPEED_PIPELINE = Pipeline("deepspeed", p2p="exchange", stage_outputs=False)

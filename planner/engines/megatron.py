@@ -17,7 +17,8 @@ Megatron-Core `core-0.7` to `core-0.16` (NeMo containers 24.05 to 26.02:
 24.05 core-0.7, 24.07 core-0.8, 24.09 core-0.9, 24.12 core-0.10, 25.02
 core-0.11, 25.04 core-0.12, Megatron-Bridge 25.09 core-0.14, 25.11
 core-0.15, 26.02 core-0.16). Each change below names the first of these
-whose tag contains its commit (git merge-base --is-ancestor).
+whose tag contains its commit (git merge-base --is-ancestor), or the patch
+that brought it into that release's branch.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ RELEASES: dict[str, Engine] = build_releases(_BASE, (
            "Transformer Engine's parallel cross entropy", {"loss": Loss("megatron", fused="transformer-engine")}),
     Change("core-0.13", "2659630721 of 2025-04-09 (memory-efficient token permutation, permuted_probs)",
            "the router's probabilities weigh the experts' activation", {"experts": MEGATRON_EXPERTS_PROBS}),
-    Change("core-0.13", "3b141a2471 of 2025-04-05 (--recompute-modules)", "selective recomputation by module",
-           {"recompute_modules": True}),
+    Change("core-0.12", "3b141a2471 of 2025-04-05 (--recompute-modules), in core 0.12.0 through 8d209ba2aa "
+           "(core_r0.12.0 patches for nemo25.04)", "selective recomputation by module", {"recompute_modules": True}),
     Change("core-0.14", "Megatron-Bridge 25.09's comm_overlap.py", "the Bridge's userbuffers configs",
            {"tp_overlap_configs": BRIDGE_UB_CONFIGS}),
 ))

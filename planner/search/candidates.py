@@ -89,6 +89,12 @@ class Pins:
     etp: int | None = None  # expert tensor parallelism (MoE)
     # Megatron-Core's --recompute-modules: on every layout whose recompute is "selective" (Layout.recompute_modules)
     recompute_modules: tuple[str, ...] | None = None
+    # layers of each pipeline chunk (Layout.layers_per_stage: Megatron's --decoder-first/last-pipeline-num-layers
+    # split), for the pinned pp x virtual stages
+    layers_per_stage: tuple[int, ...] | None = None
+    # layers per chunk whose activations wait in host memory (Layout.activation_offload_layers: Megatron-Core's
+    # cpu_offloading_num_layers)
+    activation_offload_layers: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "dp_shard", "cp", "micro_batch_size", "virtual_stages", "ep", "etp"):
@@ -135,6 +141,16 @@ class Pins:
             Layout(pp=2, pp_schedule=sched, virtual_stages=v)  # raises PlanError (exit 2) with the rule
         if self.pp == 1 and ((v or 1) > 1 or sched in ("interleaved-1f1b", "zb-v")):
             raise UsageError("--pp 1 has no pipeline: drop --pp-schedule/--virtual-stages or pin --pp > 1")
+        lps = self.layers_per_stage
+        if lps is not None:
+            chunks = (self.pp or 0) * (v or len(lps) // (self.pp or 1))
+            if self.pp is None or len(lps) != chunks or not lps or min(lps) < 1:
+                raise UsageError(f"--layers-per-stage {','.join(map(str, lps))} gives the layers of each pipeline "
+                                 f"chunk: one count >= 1 per chunk, --pp x virtual stages of them (--pp "
+                                 f"{self.pp or 'not pinned'}, --virtual-stages {v or 'any'}); pin --pp and give a "
+                                 "multiple of it")
+        if self.activation_offload_layers is not None and self.activation_offload_layers < 0:
+            raise UsageError(f"--activation-offload-layers must be >= 0, got {self.activation_offload_layers}")
 
     def pinned(self) -> dict[str, object]:
         """The options the user fixed, by name, for messages and for checking a result."""
@@ -249,14 +265,20 @@ def schedules(pp: int, n_layers: int, pins: Pins) -> tuple[tuple[str, int], ...]
             options = [("interleaved-1f1b", v)] if pp * v <= n_layers else []
     if pins.virtual_stages is not None:
         options = [o for o in options if o[1] == pins.virtual_stages]
+    if pins.layers_per_stage is not None:  # the pinned split fixes the chunks per rank, even or not
+        v = len(pins.layers_per_stage) // pp
+        kinds = ("1f1b", "gpipe") if v == 1 else ("interleaved-1f1b", "zb-v") if v == 2 else ("interleaved-1f1b",)
+        options = [(kind, v) for kind in kinds if pins.pp_schedule in (None, kind)]
     return tuple(options)
 
 
-def pipeline_allows(layout: Layout, grad_accum_steps: int) -> bool:
-    """Whether a schedule can run this many micro-batches (plan.validate's rule, R6, R7)."""
+def pipeline_allows(layout: Layout, grad_accum_steps: int, needs_pp_microbatches: bool = True) -> bool:
+    """Whether a schedule can run this many micro-batches: interleaved 1F1B in groups of pp (plan.validate's
+    rule), and at least pp of them for a 1F1B-like schedule where the engine's pipeline needs it
+    (planner.engines.mechanisms.Pipeline.needs_pp_microbatches; Engine.microbatch_refusal says why)."""
     if layout.pp == 1 or layout.pp_schedule == "gpipe":
         return True
-    if grad_accum_steps < layout.pp:
+    if grad_accum_steps < layout.pp and needs_pp_microbatches:
         return False
     return layout.pp_schedule != "interleaved-1f1b" or grad_accum_steps % layout.pp == 0
 
@@ -277,12 +299,16 @@ class ShapeGroup:
     sequence_parallel: bool
     schedules: tuple[tuple[str, int], ...]
     splits: tuple[tuple[int, int, int, int, int], ...]
+    layers_per_stage: tuple[int, ...] = ()  # pinned (Pins.layers_per_stage), for schedules with as many chunks
+    activation_offload_layers: int = 0  # pinned (Pins.activation_offload_layers)
 
     def layout(self, split: tuple[int, int, int, int, int], schedule: tuple[str, int], offload: str) -> Layout:
         replicate, shard, zero, ep, etp = split
+        lps = self.layers_per_stage if len(self.layers_per_stage) == self.pp * schedule[1] else ()
         return Layout.trusted(tp=self.tp, pp=self.pp, dp_replicate=replicate, dp_shard=shard, cp=self.cp, ep=ep,
                               etp=etp, zero_stage=zero, sequence_parallel=self.sequence_parallel,
-                              pp_schedule=schedule[0], virtual_stages=schedule[1], offload=offload)
+                              pp_schedule=schedule[0], virtual_stages=schedule[1], offload=offload,
+                              layers_per_stage=lps, activation_offload_layers=self.activation_offload_layers)
 
 
 def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
@@ -295,7 +321,8 @@ def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
         splits = tuple((replicate, shard, zero, ep, etp) for replicate, shard, zero in data_parallel_splits(dp, pins, cp)
                        for ep, etp in expert_degrees(model, shard, cp, tp, pins.ep, pins.etp))
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
-            yield ShapeGroup(pp, dp, cp, tp, sp, scheds, splits)
+            yield ShapeGroup(pp, dp, cp, tp, sp, scheds, splits, pins.layers_per_stage or (),
+                             pins.activation_offload_layers or 0)
 
 
 def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str,
@@ -336,6 +363,9 @@ def check_pins(n_gpus: int, model: ModelSpec, seq_len: int, global_batch: int | 
         raise UsageError(f"--etp {pins.etp} must divide the experts' inner size ({model.moe.expert_ffn_hidden})")
     if (pins.ep or 1) * (pins.etp or 1) > n_gpus:
         raise UsageError(f"--ep {pins.ep or 1} x --etp {pins.etp or 1} exceeds the {n_gpus} GPUs")
+    if pins.layers_per_stage is not None and sum(pins.layers_per_stage) != model.n_layers:
+        raise UsageError(f"--layers-per-stage {','.join(map(str, pins.layers_per_stage))} sums to "
+                         f"{sum(pins.layers_per_stage)} layers; {model.name} has {model.n_layers}")
     if pins.cp is not None and seq_len % pins.cp:
         raise UsageError(f"--cp {pins.cp} must divide the sequence length ({seq_len})")
     named = {k: getattr(pins, k) for k in ("pp", "dp", "cp", "tp") if getattr(pins, k) is not None}

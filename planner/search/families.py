@@ -92,6 +92,7 @@ def build_families(ctx, offload: str) -> list[Family]:
             ctx.stats.batch_rejected += batches[dp] is None
         return batches[dp] is not None
 
+    needs_pp = get_engine(ctx.engine).pipeline.needs_pp_microbatches
     out: list[Family] = []
     for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
         if not group.splits:
@@ -102,7 +103,7 @@ def build_families(ctx, offload: str) -> list[Family]:
         for s, schedule in enumerate(group.schedules):
             probe = Layout.trusted(pp=group.pp, pp_schedule=schedule[0], virtual_stages=schedule[1])
             mbs = tuple(mb for mb in ((pinned,) if pinned else divisors(per_replica))
-                        if pipeline_allows(probe, per_replica // mb))
+                        if pipeline_allows(probe, per_replica // mb, needs_pp))
             out.append(Family(index, group, s, schedule, training, per_replica, mbs))
             ctx.stats.shapes += len(group.splits)
     return out

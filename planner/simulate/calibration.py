@@ -4,8 +4,9 @@ The simulator prices work from the GPU's spec sheet (peak FLOP/s, HBM
 bandwidth) and the topology's link figures, scaled by the efficiencies below.
 Each parameter is interpretable on its own and can be measured directly
 (`meshplan calibrate`) or fitted once against published step times
-(`bench/accuracy_vtrain.py --fit` wrote the A100 profile shipped under
-`planner/simulate/calibrations/`, read as package data). No parameter is ever fitted per layout.
+(`bench/fit.py` writes the profiles shipped under `planner/simulate/calibrations/`,
+read as package data, each fitted field with its fit's record in `fits`: the rows,
+the error on them and on held-out rows, the date). No parameter is ever fitted per layout.
 
 How each field enters the time model (see `planner.simulate.compute`):
   GEMM [m,k]x[k,n]:  t = 2mnk / (peak * gemm_efficiency) * (1 + gemm_knee/m + gemm_knee/n + gemm_knee/k)
@@ -66,10 +67,8 @@ How each field enters the time model (see `planner.simulate.compute`):
       describe software rather than silicon from another family's profile
       (`_TRANSFERRED_FACTORS`: the A100 takes the H100's memory-bound factor).
 
-The shipped A100 profile reproduces vTrain's 1,549 measured Megatron-DeepSpeed
-steps with 6.9% (one node) and 7.6% (up to 512 GPUs) mean absolute error; the
-H100 profile reproduces published NeMo and LLM Foundry runs (see
-`bench/accuracy_published.py` for the figures and the hold-out).
+What each shipped profile reproduces, on the rows it was fitted on and on rows it
+never saw, is in its `fits` records and the README's accuracy section.
 """
 
 from __future__ import annotations
@@ -145,6 +144,11 @@ class CalibrationProfile:
     part_sm_rate: dict[str, float] = field(default_factory=dict)
     source: str = "defaults"  # where the numbers come from
     date: str = ""  # when they were measured or fitted (ISO date)
+    # {fit name: record} of the fits that wrote this profile's numbers (bench/fit.py): "fields" (each fitted
+    # field by path, planner.simulate.fit_records, and its value), "rows" (the row ids fitted on, by
+    # bench/rows folder), "error" and "held_out" (MAPE, bias, rows and worst rows), "held_out_rows", "date",
+    # "command". `save` drops a record once one of its fields no longer holds its value.
+    fits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("gpu", "source", "date"):
@@ -191,7 +195,21 @@ class CalibrationProfile:
                 for k, v in self.part_sm_rate.items()):
             raise UsageError(f"calibration: part_sm_rate must map GPU names to factors in [0.5, 2], "
                              f"got {self.part_sm_rate!r}")
+        self._check_fits()
         object.__setattr__(self, "_by_engine", {})  # for_engine's results (simulate_step asks on every call)
+
+    def _check_fits(self) -> None:
+        if not isinstance(self.fits, dict):
+            raise UsageError(f"calibration: fits must map fit names to records, got {self.fits!r}")
+        for name, record in self.fits.items():
+            if not (isinstance(record, dict) and isinstance(record.get("fields"), dict)
+                    and isinstance(record.get("rows"), dict) and isinstance(record.get("date"), str)):
+                raise UsageError(f"calibration: fits[{name!r}] must hold fields (path -> value), rows (folder -> "
+                                 f"row ids) and date, got {record!r}")
+            names = {f.name for f in dataclasses.fields(self)}
+            for path in record["fields"]:
+                if not isinstance(path, str) or path.split(".")[0] not in names:
+                    raise UsageError(f"calibration: fits[{name!r}] names {path!r}, not a profile field")
 
     def _check_engine_factors(self) -> None:
         from planner.engines import ENGINE_NAMES as ENGINES
@@ -249,10 +267,14 @@ class CalibrationProfile:
             raise UsageError(f"malformed calibration profile: {exc}") from None
 
     def save(self, path: str | Path) -> None:
+        """Write the profile; fit records whose fields it no longer holds are dropped (they would lie)."""
+        from planner.simulate.fit_records import holds
         from topologies.files import write_text
         from topologies.terminal import dumps_json
 
-        write_text(path, dumps_json(self.to_json()) + "\n", what="calibration profile")
+        held = {name: record for name, record in self.fits.items() if holds(self, record)}
+        write_text(path, dumps_json(self.replace(fits=held).to_json()) + "\n", what="calibration profile")
+
 
 
 # Defaults for GPU kinds without a measured profile file (literature, not fitted
@@ -305,7 +327,7 @@ def per_sm_transfer(profile: CalibrationProfile, source: GPUSpec, gpu: GPUSpec) 
     Where runs on a part measured a different rate per SM, `part_sm_rate` names
     it: the GB200 profile's Blackwell Ultra factor (gb300, b300), Ultra's
     sustained FLOP/s per SM over Blackwell's, is fitted by
-    bench/blackwell_parts.py on the 25.11 GB300 dense rows and scored on the
+    bench/fit.py blackwell-ultra on the 25.11 GB300 dense rows and scored on the
     rest (no spec sheet gives it: equal dense peaks, HBM and NVLink).
     """
     if source.name == gpu.name or not (source.sm_count and gpu.sm_count):

@@ -131,7 +131,8 @@ def combine(gpu_s: float, host_s: float, exponent: float) -> float:
     """Wall time of a pass whose host issue time overlaps its GPU time: a p-norm of the two."""
     if host_s <= 0.0:
         return gpu_s
-    return (gpu_s**exponent + host_s**exponent) ** (1.0 / exponent)
+    top = max(gpu_s, host_s)  # scaled by the larger term: no overflow for absurd rates (a GPU of 1e-190 FLOP/s)
+    return top * ((gpu_s / top) ** exponent + (host_s / top) ** exponent) ** (1.0 / exponent)
 
 
 @dataclass(frozen=True)

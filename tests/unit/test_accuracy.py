@@ -8,13 +8,11 @@ itself reports 14.7% on the multi-node set). Same evaluation as
 from __future__ import annotations
 
 import pytest
-from conftest import load_bench, shared_data
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    shared_data("data/vtrain/ground_truth_multi.csv")
-    shared_data("data/vtrain/ground_truth_single.csv")
     return load_bench("accuracy_vtrain")
 
 
@@ -24,7 +22,7 @@ def test_mape_meets_the_target(bench, kind):
     from topologies.hardware import get_gpu
 
     profile = load_calibration(None, get_gpu("a100-80g-sxm"))
-    rows = bench.load_rows(kind, shared_data("data/vtrain"))
+    rows = bench.load_rows(kind)
     assert len(rows) == {"single": 1440, "multi": 109}[kind]
     errors = bench.errors(rows, profile)
     assert bench.mape(errors) <= bench.TARGETS[kind]

@@ -8,8 +8,7 @@ H100 7.6%, H200 6.2%, GB200 3.8% (fitted on), B200 3.0%, GB300 5.1% (its
 fitted on; MoE 15.8%, bias -9.5% (GPT-OSS 21.1% with Megatron-Core's unfused
 GLU clamp and expert biases priced and the 25.11 runs' recipes as they ran,
 27.7% without the first two); 6 of 93 rows predicted
-above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/accuracy_dgxc.py
---fit --blackwell both) includes this source's GB200 rows; B200, B300 and
+above the GPU's memory, 9 before the TE fp8 memory rules). The GB200 profile's fit (bench/fit.py gb200) includes this source's GB200 rows; B200, B300 and
 GB300 take it per SM (planner.simulate.calibration.per_sm_transfer), with
 Blackwell Ultra's factor fitted on the 25.11 GB300 dense rows
 (bench/blackwell_parts.py); every B200 and B300 row is held out.
@@ -21,6 +20,8 @@ from dataclasses import replace
 
 import pytest
 from conftest import load_bench
+
+from planner.engines.megatron import BRIDGE_UB_CONFIGS
 
 bench = load_bench("accuracy_holdout")
 
@@ -46,7 +47,7 @@ def test_every_row_cites_its_table_and_release(rows):
             assert rec["release"] in rec["src"] or rec["release"].startswith("2024")
             assert rec["source"] in doc["sources"]
     assert {r.gpu for r in rows} == {"a100", "h100", "h200", "b200", "b300", "gb200", "gb300"}
-    assert {r.engine for r in rows} == {"megatron@core-0.8", "megatron@core-0.14", "megatron@core-0.15",
+    assert {r.engine for r in rows if r.expressible} == {"megatron@core-0.8", "megatron@core-0.14", "megatron@core-0.15",
                                         "megatron@core-0.16", "torchtitan@2024-04", "torchtitan@2025-06"}
 
 
@@ -129,7 +130,7 @@ def test_rows_whose_printed_accumulation_disagrees_are_left_out(rows):
 
 
 def test_moe_rows_run_their_preset_recipe(rows, figures):
-    """Megatron-Bridge MoE presets (bench/bridge_moe_recipes.py): router fusion everywhere, CUDA graphs
+    """Megatron-Bridge MoE presets (bench/rows/holdout/README.md): router fusion everywhere, CUDA graphs
     where the scope takes attention, the expert all-to-all overlap where set; loose pins on the figures."""
     moe = {r.id: r for r in rows if r.moe}
     assert all(r.training.moe_router_fusion for r in moe.values())
@@ -169,7 +170,7 @@ def test_gpt_oss_rows_pay_megatron_cores_unfused_glu_clamp(rows):
 
 def test_gpt_oss_25_11_rows_run_the_presets_of_their_published_runs(rows):
     """The 25.11 table's GPT-OSS GB200/GB300 rows (8192 tokens, GBS 1280) are the runs of Megatron-Bridge branch
-    gaod/r0.2.0_test (bench/bridge_moe_recipes.py): GB200 with the HybridEP flex dispatcher, listed as not
+    gaod/r0.2.0_test (bench/rows/holdout/README.md): GB200 with the HybridEP flex dispatcher, listed as not
     modelled; GB300 with attention + router graphs. Every 25.11 GPT-OSS run predates the performance scripts'
     selective granularity, so none recomputes; 26.02's V2 presets recompute layernorm and moe_act."""
     oss = {r.id: r for r in rows if r.model == "gpt-oss-120b"}
@@ -190,13 +191,17 @@ def test_gpt_oss_25_11_rows_run_the_presets_of_their_published_runs(rows):
 
 def test_bridge_rows_run_the_tp_overlap_their_scripts_set(rows):
     """Megatron-Bridge's Llama 70B/405B performance scripts keep tp_comm_overlap on and pick an fp8 userbuffers
-    config by GPU (BRIDGE_UB_CONFIGS); its Qwen3-235B H100 script turns it off; tp 1 and NeMo 24.07 rows run none."""
+    config by GPU and hidden size (planner.engines.megatron.BRIDGE_UB_CONFIGS; every Blackwell part the b200 one);
+    its Qwen3-235B H100 script turns it off; tp 1 and NeMo 24.07 rows run none."""
     by_id = {r.id: r for r in rows}
+    bridge = dict(BRIDGE_UB_CONFIGS)
     h100 = by_id["mb-26.02-h100-llama3-405b-1024g-fp8"]
-    assert h100.training.async_tp and h100.training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(False, 16384)]
+    assert h100.training.async_tp and h100.training.tp_overlap_cfg == "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192"
     gb300 = by_id["mb-25.11-gb300-llama3-405b-256g-fp8"]
-    assert gb300.training.async_tp and gb300.training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(True, 16384)]
-    assert by_id["mb-26.02-gb200-llama3-70b-64g-mxfp8"].training.tp_overlap_cfg == bench.BRIDGE_UB_CONFIGS[(True, 8192)]
+    assert gb300.training.async_tp and gb300.training.tp_overlap_cfg == "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192"
+    gb200 = by_id["mb-26.02-gb200-llama3-70b-64g-mxfp8"]
+    assert gb200.training.tp_overlap_cfg == "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192"
+    assert {h100.training.tp_overlap_cfg, gb300.training.tp_overlap_cfg, gb200.training.tp_overlap_cfg} <= set(bridge)
     assert not by_id["mb-26.02-h100-qwen3-235b-a22b-256g-fp8"].training.async_tp
     assert not by_id["mb-25.11-gb200-llama3-70b-64g-fp8"].training.async_tp  # tp 1, Megatron FSDP
     assert not any(r.training.async_tp for r in rows if r.training and r.source != "megatron-bridge")

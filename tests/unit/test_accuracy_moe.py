@@ -6,7 +6,7 @@ DeepSeek-V3 on GB200 ~12% fast in every split, ~46% before the host was priced).
 from __future__ import annotations
 
 import pytest
-from conftest import load_bench, shared_data
+from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def bench():
 @pytest.fixture(scope="module")
 def rows(bench):
     # the bench also finds ../../shared (a worktree's checkout); otherwise conftest's rule: fail under CI
-    return bench.load_rows(bench.DATA if bench.DATA.exists() else shared_data("data/published/dgxc.json"))
+    return bench.load_rows()
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_every_row_is_expressible_and_the_contradicting_ones_are_named(bench, ro
     assert len(rows) == 31
     for r in rows:  # bf16 and fp8 (8-bit GEMMs around a bf16 model: TrainingSpec.precision)
         assert not r.why_not, (r.id, r.why_not)
-    assert {r.id for r in rows if r.inconsistent} == set(bench.INCONSISTENT)
+    assert all("half of seq * GBS / step time" in r.inconsistent for r in rows if r.inconsistent)
     assert all("512g" in r.id and r.gpu == "gb200" for r in rows if r.inconsistent)
     assert len(bench.scored(rows)) == 29
 

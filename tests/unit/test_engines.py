@@ -189,3 +189,18 @@ def test_search_runs_on_an_older_release():
     assert result.best is not None
     best = result.best.layout
     assert best.zero_stage == 0 and not best.sequence_parallel and best.recompute in ("none", "full")
+
+
+def test_fewer_micro_batches_than_stages_by_pipeline():
+    """torch.distributed.pipelining (meshplan, torchtitan) refuses 1F1B with fewer micro-batches than stages;
+    Megatron's and DeepSpeed's schedules run them; interleaved 1F1B runs groups of pp on every engine."""
+    short = Layout(pp=4, dp_replicate=4, micro_batch_size=1, grad_accum_steps=2, layers_per_stage=(8, 8, 8, 8))
+    assert "at least pp (4) micro-batches per step, got grad_accum_steps 2" in get_engine("meshplan").microbatch_refusal(short)
+    assert get_engine("torchtitan").microbatch_refusal(short)
+    assert get_engine("megatron").microbatch_refusal(short) is None
+    assert get_engine("deepspeed").microbatch_refusal(short) is None
+    assert get_engine("meshplan").microbatch_refusal(dataclasses.replace(short, grad_accum_steps=4)) is None
+    inter = dataclasses.replace(short, pp_schedule="interleaved-1f1b", virtual_stages=2, grad_accum_steps=6,
+                                layers_per_stage=(4,) * 8)
+    assert get_engine("megatron").microbatch_refusal(inter)  # 6 is not a multiple of pp 4
+    assert get_engine("megatron").microbatch_refusal(dataclasses.replace(inter, grad_accum_steps=8)) is None

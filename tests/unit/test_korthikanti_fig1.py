@@ -40,7 +40,10 @@ from planner.training import TrainingSpec
 from topologies.hardware import get_gpu
 
 PAPERS = load_bench("accuracy_megatron_papers")
-SEQ, VOCAB = PAPERS.SEQ, PAPERS.VOCAB
+# table 3's configurations: the models and degrees of the Korthikanti rows (bench/rows/papers)
+TABLE_3 = sorted((row.plan for row in PAPERS.korthikanti_rows() if row.id.endswith("-full")),
+                 key=lambda plan: plan.model.n_layers)
+SEQ = TABLE_3[0].training.seq_len
 A100_BYTES = 80e9
 MODES = {  # figure 1's bars: (recompute, sequence parallel, per-layer activations over s*b*h)
     "no recompute": ("none", False, lambda t, a, h: 10 + 24 / t + 5 * a * SEQ / (h * t)),
@@ -49,13 +52,13 @@ MODES = {  # figure 1's bars: (recompute, sequence parallel, per-layer activatio
 }
 
 
-def _first_stage(config: tuple, mode: str) -> tuple[float, float, float, float]:
+def _first_stage(plan, mode: str) -> tuple[float, float, float, float]:
     """(estimated activations, paper's activations, estimated model states, paper's model states), bytes."""
-    name, heads, hidden, layers, tp, pp, gpus, batch = config
+    model, tp, pp = plan.model, plan.layout.tp, plan.layout.pp
+    heads, hidden, layers, batch = model.n_heads, model.hidden, model.n_layers, plan.training.global_batch_size
     recompute, sp, per_layer = MODES[mode]
-    model = PAPERS.gpt(name, heads, hidden, layers)
-    layout = Layout(tp=tp, pp=pp, dp_replicate=gpus // (tp * pp), micro_batch_size=1, grad_accum_steps=batch,
-                    recompute=recompute, sequence_parallel=sp, pp_schedule="1f1b")
+    layout = Layout(tp=tp, pp=pp, dp_replicate=plan.cluster.world_size // (tp * pp), micro_batch_size=1,
+                    grad_accum_steps=batch, recompute=recompute, sequence_parallel=sp, pp_schedule="1f1b")
     training = TrainingSpec(seq_len=SEQ, global_batch_size=batch, attention="eager")
     estimate = estimate_memory(model, training, layout, get_gpu("a100-80g-sxm"), "megatron")
     stage, (_, params, in_flight) = estimate.per_stage[0], estimate.stages[0]
@@ -63,14 +66,21 @@ def _first_stage(config: tuple, mode: str) -> tuple[float, float, float, float]:
     activations = in_flight * (params.layers * kept.per_layer + kept.embedding)
     states = stage["params"] + stage["grads"] + stage["optimizer"]
     paper_activations = SEQ * hidden * (layers * per_layer(tp, heads, hidden) + pp / (tp if sp else 1))
-    paper_params = (layers // pp) * (12 * hidden**2 + 13 * hidden) / tp + VOCAB * hidden / tp
+    paper_params = (layers // pp) * (12 * hidden**2 + 13 * hidden) / tp + model.vocab * hidden / tp
     return activations, paper_activations, states, 18 * paper_params
 
 
+def test_table_3_as_the_paper_gives_it():
+    assert [(p.model.n_layers, p.model.hidden, p.model.n_heads, p.layout.tp, p.layout.pp, p.cluster.world_size,
+             p.training.global_batch_size, p.model.vocab, SEQ) for p in TABLE_3] == [
+        (48, 6144, 64, 8, 1, 8, 4, 51200, 2048), (96, 12288, 96, 8, 8, 64, 64, 51200, 2048),
+        (105, 20480, 128, 8, 35, 280, 280, 51200, 2048), (128, 25600, 160, 8, 64, 512, 512, 51200, 2048)]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("config", PAPERS.KORTHIKANTI_TABLE_3, ids=[c[0] for c in PAPERS.KORTHIKANTI_TABLE_3])
-def test_first_stage_memory_matches_the_papers_equations(config, mode):
-    activations, paper_activations, states, paper_states = _first_stage(config, mode)
+@pytest.mark.parametrize("plan", TABLE_3, ids=[p.model.name for p in TABLE_3])
+def test_first_stage_memory_matches_the_papers_equations(plan, mode):
+    activations, paper_activations, states, paper_states = _first_stage(plan, mode)
     assert activations == pytest.approx(paper_activations, rel=0.06)
     assert states == pytest.approx(paper_states, rel=0.06)
 
@@ -78,9 +88,9 @@ def test_first_stage_memory_matches_the_papers_equations(config, mode):
 def test_the_figures_story_holds_on_80_gb():
     """Without recomputation 175B-1T do not fit (530B's and 1T's activations alone exceed the GPU);
     the present work fits every configuration beside its model states."""
-    for config in PAPERS.KORTHIKANTI_TABLE_3:
-        none, _, states, _ = _first_stage(config, "no recompute")
-        present = _first_stage(config, "present work")[0]
-        assert (states + none > A100_BYTES) == (config[0] != "22B")
-        assert (none > A100_BYTES) == (config[0] in ("530B", "1T"))
+    for plan in TABLE_3:
+        none, _, states, _ = _first_stage(plan, "no recompute")
+        present = _first_stage(plan, "present work")[0]
+        assert (states + none > A100_BYTES) == (plan.model.n_layers != 48)  # all but 22B
+        assert (none > A100_BYTES) == (plan.model.n_layers in (105, 128))  # 530B and 1T
         assert states + present < A100_BYTES

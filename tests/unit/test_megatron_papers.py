@@ -219,13 +219,14 @@ def test_mt_nlg_on_deepspeed_2021(papers):
     on deepspeed@0.5.3 with its bf16 gradient fold. 12-14% fast at micro-batch 1 on 2026-11-24 (7-8% at 2),
     short of the 10% target (bench docstring)."""
     rows = papers.mt_nlg_rows()
-    assert [r.engine for r in rows] == ["deepspeed@0.5.3"] * 3
+    assert [r.flags[r.flags.index("--engine") + 1] for r in rows] == ["deepspeed@0.5.3"] * 3
     errors = papers.errors(rows)
     assert all(-0.17 < e < -0.10 for e in errors)
     ds2021 = get_engine("deepspeed@0.5.3")
     unfolded = dataclasses.replace(ds2021, data_parallel=dataclasses.replace(ds2021.data_parallel,
                                                                              bf16_optimizer=False))
-    no_fold = [papers.predict(dataclasses.replace(r, engine=unfolded))[0] / r.measured_s - 1 for r in rows]
+    no_fold = [simulate_step(r.plan.model, r.plan.training, r.plan.layout, r.plan.cluster, engine=unfolded).step_time_s
+               / r.measured_s - 1 for r in rows]  # the same layout without the fold
     assert all(0.05 < e - n < 0.12 for e, n in zip(errors, no_fold, strict=True))  # the fold: 8-10 points at m 1
-    newer = [papers.predict(dataclasses.replace(r, engine="deepspeed@0.6"))[0] / r.measured_s - 1 for r in rows]
+    newer = [papers.predict(papers.with_engine(r, "deepspeed@0.6"))[0] / r.measured_s - 1 for r in rows]
     assert all(e > n for e, n in zip(errors, newer, strict=True))  # the 2021 release is the slower one

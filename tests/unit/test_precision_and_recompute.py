@@ -216,7 +216,7 @@ def test_new_parts_take_their_familys_fitted_profile():
     from planner.simulate.calibration import default_calibration
 
     h100, gb200 = default_calibration(get_gpu("h100-sxm")), default_calibration(get_gpu("gb200"))
-    assert "accuracy_dgxc" in gb200.source and gb200.fp8_gemm_efficiency < 1.0
+    assert "gb200" in gb200.fits and gb200.fp8_gemm_efficiency < 1.0
     for part, family, source in (("h800", h100, "h100-sxm"), ("h200", h100, "h100-sxm"), ("gb300", gb200, "gb200"),
                                  ("b300", gb200, "gb200"), ("b200", gb200, "gb200")):
         gpu, fitted = get_gpu(part), get_gpu(source)
