@@ -62,7 +62,7 @@ def test_row_paths_are_relative_to_the_row_file(tmp_path):
 def test_human_output_names_measured_and_predicted():
     res = invoke_cli("simulate", str(REPO / "bench" / "rows" / "dgxc" / "dgxc-v24.11.1-gpt3-175b-1024g-bf16.json"))
     assert res.code == 0, res.stderr
-    assert "row dgxc-v24.11.1-gpt3-175b-1024g-bf16: measured 9.010 s per step" in res.stdout
+    assert "row dgxc-v24.11.1-gpt3-175b-1024g-bf16: measured 9.01 s per step" in res.stdout
     assert "where the step goes" in res.stdout
 
 
