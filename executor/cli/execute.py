@@ -136,7 +136,8 @@ def _run(plan, plan_path: Path, run_dir: Path, nnodes: int, node_rank: int, rdzv
     from topologies.errors import InterruptedRun
     from topologies.terminal import log
 
-    check_hardware(plan, Found.detect(), nnodes)
+    for note in check_hardware(plan, Found.detect(), nnodes):
+        log(f"execute: {note}")
     source = check_data(plan, flags)
     plan_text = plan_path.read_text()
     if clear:

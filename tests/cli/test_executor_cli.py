@@ -82,21 +82,68 @@ def test_refuses_node_count_and_bad_data(cli, tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def _plan(gpu_cluster: str, gpus: int) -> Plan:
+def _plan(gpu_cluster: str, gpus: int, overrides: dict | None = None) -> Plan:
     spec = load_model("debug")
     layout = with_stage_layers(spec, Layout(dp_replicate=gpus, micro_batch_size=1))
-    return Plan(model=spec, cluster=load_cluster(gpu_cluster, gpus),
+    return Plan(model=spec, cluster=load_cluster(gpu_cluster, gpus, overrides),
                 training=TrainingSpec(seq_len=64, global_batch_size=gpus), layout=layout)
+
+
+H100 = Found(8, int(79.2 * GIB), "NVIDIA H100 80GB HBM3", capability=(9, 0))  # what CUDA reports
 
 
 def test_hardware_checks_name_the_numbers():
     plan = _plan("dgx-h100", 8)
-    check_hardware(plan, Found(8, int(79.2 * GIB), "NVIDIA H100 80GB HBM3"), nnodes=1)  # what CUDA reports
+    assert check_hardware(plan, H100, nnodes=1) == []
     with pytest.raises(UsageError, match="needs 8 GPUs per node .* but this node has 4: re-plan with --gpus 4"):
-        check_hardware(plan, Found(4, 80 * GIB, "H100"), nnodes=1)
-    with pytest.raises(UsageError, match=r"80.0 GiB per GPU but this NVIDIA A100-SXM4-40GB has 39.4 GiB"):
-        check_hardware(plan, Found(8, int(39.4 * GIB), "NVIDIA A100-SXM4-40GB"), nnodes=1)
+        check_hardware(plan, dataclasses.replace(H100, n_devices=4), nnodes=1)
     check_hardware(_plan("cpu", 4), Found(0), nnodes=1)  # CPU ranks run anywhere...
+
+
+def test_another_gpu_model_is_refused_with_both_peaks():
+    """An H100 plan on an A100-80GB: same memory, a third of the peak; MFU would divide by the H100's."""
+    a100 = Found(8, int(79.2 * GIB), "NVIDIA A100-SXM4-80GB", capability=(8, 0))
+    with pytest.raises(UsageError) as err:
+        check_hardware(_plan("dgx-h100", 8), a100, nnodes=1)
+    assert str(err.value) == (
+        "the plan expects h100-sxm (80.0 GiB, compute capability 9.0, bf16 peak 989.4 TFLOP/s) but GPU 0 here is "
+        "NVIDIA A100-SXM4-80GB (compute capability 8.0, 79.2 GiB), the catalog's a100-80g-sxm (bf16 peak 312.0 "
+        "TFLOP/s): the plan's step time, memory and MFU would not hold; re-plan for this GPU with --cluster "
+        "dgx-a100-80g")
+    # the same die with more memory is another plan too (bandwidth, memory): H100 plan on an H200
+    with pytest.raises(UsageError, match="the catalog's h200 .*--cluster dgx-h200"):
+        check_hardware(_plan("dgx-h100", 8), Found(8, int(140.4 * GIB), "NVIDIA H200", capability=(9, 0)), nnodes=1)
+    # the device's name and its compute capability must agree with the catalog
+    with pytest.raises(UsageError, match="reports the name of h100-sxm but compute capability 8.0, not h100-sxm's 9.0"):
+        check_hardware(_plan("dgx-h100", 8), dataclasses.replace(H100, capability=(8, 0)), nnodes=1)
+
+
+def test_uncatalogued_gpu_runs_only_on_the_planned_capability():
+    plan = _plan("dgx-h100", 8)
+    other = Found(8, int(93 * GIB), "NVIDIA Hopper Engineering Sample", capability=(9, 0))
+    notes = check_hardware(plan, other, nnodes=1)
+    assert len(notes) == 1 and "which the catalog does not name; its compute capability is h100-sxm's" in notes[0]
+    with pytest.raises(UsageError, match="does not name and whose compute capability is not 9.0"):
+        check_hardware(plan, dataclasses.replace(other, name="NVIDIA RTX A6000", capability=(8, 6)), nnodes=1)
+
+
+def test_set_modified_plans_say_what_they_expect():
+    """A plan made with `--set gpu_memory_gib=94` names the change when the GPU found has less."""
+    plan = _plan("dgx-h100", 8, {"gpu_memory_gib": "94", "gpu_bf16_tflops": "800"})
+    with pytest.raises(UsageError) as err:
+        check_hardware(plan, H100, nnodes=1)
+    assert str(err.value) == (
+        "the plan expects h100-sxm (94.0 GiB, compute capability 9.0, bf16 peak 800.0 TFLOP/s; by --set "
+        "gpu_memory_gib=94 (catalog 80), gpu_bf16_tflops=800 (catalog 989.4)): 94.0 GiB per GPU, but this NVIDIA "
+        "H100 80GB HBM3 has 79.2 GiB: re-plan for this GPU")
+    assert check_hardware(_plan("dgx-h100", 8, {"gpu_memory_gib": "76"}), H100, nnodes=1) == []
+
+
+def test_every_catalog_gpu_has_a_compute_capability():
+    from topologies.hardware import GPUS
+    from topologies.smi_topo import COMPUTE_CAPABILITY
+
+    assert sorted(COMPUTE_CAPABILITY) == sorted(name for name, gpu in GPUS.items() if gpu.kind == "gpu")
 
 
 def test_cpu_ranks_must_fit_in_host_memory():
