@@ -48,6 +48,52 @@ def test_dry_run_pipeline_modules(cli, tmp_path):
     assert "2 of 4 query heads, 1 of 2 KV heads" in res.stdout
 
 
+def test_dry_run_shows_the_launch_batch_and_memory_like_for_like(cli, tmp_path):
+    """Node 1 of a 2-node plan: its ranks, the c10d rendezvous, its torchrun line, the micro-batching, and
+    rank 0's stored bytes equal to the memory model's params term (parameters + buffers, after TP/PP/ZeRO)."""
+    two = make_plan(tmp_path, "two", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--pp-schedule", "1f1b",
+                    gpus=16)  # cpu cluster: 8 ranks per node
+    res = cli("execute", str(two), "--dry-run", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29500",
+              "--steps", "5", "--out", str(tmp_path / "r"))
+    assert res.code == 0, res.stderr
+    out = res.stdout
+    assert "nodes: 2 x 8 ranks (CPU ranks on gloo) = 16 ranks; this is node 1 (global ranks 8-15)" in out
+    assert re.search(r"rendezvous: c10d at head:29500, run id meshplan-[0-9a-f]{12} ", out)
+    launch = re.search(r"this node would start: torchrun (.*)", out).group(1)
+    assert launch.startswith("--nnodes=2 --nproc-per-node=8 --max-restarts=0 --node-rank=1 --rdzv-backend=c10d "
+                             "--rdzv-endpoint=head:29500 --rdzv-id=meshplan-")
+    assert launch.endswith(f"-m executor.worker {tmp_path / 'r' / 'plan.json'} --steps 5 --seed 0 --log-every 10 "
+                           f"--out {tmp_path / 'r'}")
+    plan = json.loads(two.read_text())["parallel"]
+    dp = 16 // 4
+    assert (f"batch: 8 sequences x 64 tokens = 512 tokens per optimizer step; dp {dp} x {8 // dp} sequences per "
+            f"data-parallel rank = {plan['grad_accum_steps']} micro-batch(es) of 1") in out
+    assert f"pipeline: the 1f1b schedule runs the {plan['grad_accum_steps']} micro-batches through 2 stages" in out
+    assert "hardware: the plan expects 8 CPU ranks per node" in out
+    like = re.search(r"like for like: parameters ([\d.]+) KiB \+ buffers ([\d.]+) KiB = ([\d.]+) KiB built here; "
+                     r"the memory model's params term for this rank: ([\d.]+) KiB \(([+-][\d.]+)%\)", out)
+    assert like, out
+    assert float(like.group(1)) + float(like.group(2)) == pytest.approx(float(like.group(3)), abs=0.1)
+    assert float(like.group(4)) == float(like.group(3)) and float(like.group(5)) == 0.0
+    # a multi-node plan without an endpoint says what every node needs instead of a torchrun line
+    res = cli("execute", str(two), "--dry-run")
+    assert "rendezvous: none given; every node needs --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT" in res.stdout
+    assert "this node would start" not in res.stdout
+
+
+def test_dry_run_gives_the_preflight_verdict_on_this_machine():
+    """A GPU plan's dry run says whether a run here would start, with the refusal execute would print."""
+    from executor.dryrun import hardware_line
+
+    plan = _plan("dgx-h100", 8)
+    assert hardware_line(plan, 1, H100) == ("hardware: the plan expects 8 x h100-sxm (80.0 GiB, compute capability "
+                                            "9.0, bf16 peak 989.4 TFLOP/s) per node; here: NVIDIA H100 80GB HBM3 "
+                                            "(compute capability 9.0, 79.2 GiB); a run here would start")
+    a100 = Found(8, int(79.2 * GIB), "NVIDIA A100-SXM4-80GB", capability=(8, 0))
+    assert "a run here would be refused: the plan expects h100-sxm" in hardware_line(plan, 1, a100)
+    assert "no CUDA device; a run here would be refused" in hardware_line(plan, 1, Found(0))
+
+
 def test_print_launch_uses_the_export_module(cli, tmp_path):
     one = make_plan(tmp_path, "one", "--dp", "4")
     res = cli("execute", str(one), "--print-launch", "torchrun", "--steps", "7", "--out", "runs/x")
