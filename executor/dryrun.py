@@ -186,8 +186,8 @@ def _print_modules(out, plan: Plan, dp_kind: str) -> None:
         t = layout.tp
         out.print(f"tensor parallel {t}{' + sequence parallel' if layout.sequence_parallel else ''}: each rank runs "
                   f"{spec.n_heads // t} of {spec.n_heads} query heads, {spec.n_kv_heads // t} of {spec.n_kv_heads} "
-                  f"KV heads, {spec.ffn_hidden // t} of {spec.ffn_hidden} MLP columns")
-    out.print("data parallel: " + _dp_text(plan, dp_kind))
+                  f"KV heads, {spec.ffn_hidden // t} of {spec.ffn_hidden} MLP columns", soft_wrap=True)
+    out.print("data parallel: " + _dp_text(plan, dp_kind), soft_wrap=True)
     if layout.recompute != "none":
         out.print(f"activation checkpointing: {layout.recompute} (per block)")
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from torchrun_util import TEST_DATA, make_plan
 
 from executor.model import build_model
@@ -229,3 +230,21 @@ def test_refuses_what_the_executor_does_not_run(cli, tmp_path):
     offload.write_text(json.dumps(doc))
     res = cli("execute", str(offload), "--dry-run")
     assert res.code == 2 and "offload 'optimizer' with zero_stage 2" in res.stderr
+
+
+def test_readme_dry_run_example_is_real_output(cli, tmp_path):
+    """The README's `execute --dry-run` block, re-run: every line it shows (host memory aside) is printed."""
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("$ meshplan execute p.json --dry-run\n"):]
+    shown = block[block.index("\n") + 1:block.index("```")].splitlines()
+    res = cli("plan", "--model", "debug", "--cluster", "cpu", "--gpus", "4", "--tp", "2", "--dp", "2", "-o", "p.json",
+              cwd=tmp_path)
+    assert res.code == 0, res.stderr
+    res = cli("execute", "p.json", "--dry-run", cwd=tmp_path)
+    assert res.code == 0, res.stderr
+    printed = res.stdout.splitlines()
+    host = re.compile(r"here: [\d.]+ GiB of host memory available")
+    for line in shown:
+        if line == "...":
+            continue
+        assert host.sub("here: X", line) in [host.sub("here: X", p) for p in printed], line
