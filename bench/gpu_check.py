@@ -168,10 +168,13 @@ def meshplan_argv(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "cli.py"), *args]
 
 
+def _env() -> dict:
+    """This environment with the repository first on PYTHONPATH (a carried torchao's --target kept after it)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def _run(argv: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=_env())
 
 
 def model_file(work: Path, model: str, layers: int | None) -> str:
@@ -232,8 +235,8 @@ def plan_all(cases: list[Case], work: Path, cluster: list[str]) -> None:
         if code:
             case.status = "skipped"
         elif layers < FULL_LAYERS_8B:
-            case.plan["note"] = (f"{layers} of the 32 layers of Llama 3 8B: the memory model fits no more on one of "
-                                 "this GPU with meshplan's recipe")
+            case.plan["note"] = (f"{layers} of the 32 layers of Llama 3 8B: the memory model fits no more on one GPU "
+                                 "of this kind with meshplan's recipe")
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -259,8 +262,7 @@ def run_case(case: Case, work: Path, steps: int, deadline: float) -> None:
     argv = execute_argv(case, work, steps)
     case.commands["execute"] = argv
     start = time.time()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         _, stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
