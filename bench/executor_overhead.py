@@ -9,7 +9,7 @@ no recomputation, on CPU ranks (gloo, OMP_NUM_THREADS = cores / ranks for
 both), in these layouts (`meshplan plan` pinned to each):
 
   ddp      dp 2, ZeRO-0                   DDP, no_sync on all but the last micro-batch
-  fsdp     dp 2, ZeRO-3                   fully_shard per block, then the root
+  fsdp     dp 2, ZeRO-3                   fully_shard: embedding, each block, norm + output, root
   tp2      tp 2, no sequence parallel     DTensor TP: q/k/v, w1, w3 by columns, wo, w2 by rows,
                                           vocabulary-parallel embedding and output, loss_parallel
   tp2_dp2  tp 2 x dp 2, ZeRO-3 (4 ranks)  the same TP, then fully_shard over the dp mesh
@@ -21,10 +21,10 @@ executor's synthetic token source, every step's batch built before the loop
 starts, as a loader off the critical path would) and the hyper-parameters
 (AdamW, the LR schedule, clipping to 1.0, the loss scaled by dp / counted
 targets); the parallelism is written here with torch's own calls, and the
-step is the plain sequence: forward/backward per micro-batch, clip
-(torch.nn.utils.clip_grad_norm_ with foreach where every parameter shares a
-mesh, else per-tensor norms, as the mixed DTensor/plain case requires),
-AdamW, LR step, and the global mean loss read once (one all-reduce and
+step is the plain sequence: forward/backward per micro-batch, clip (a
+foreach norm per mesh, torch.nn.utils.get_total_norm and
+clip_grads_with_norm_, as torchtitan clips), AdamW, LR step, and the global
+mean loss read once (one all-reduce and
 `.item()`, the least a loop logging every step does). Same model, same data,
 same updates: the bench checks that both report the same losses.
 
@@ -248,17 +248,26 @@ def build_minimal(plan):
     if lay.tp > 1:
         tensor_parallel(model, mesh["tp"])
     if lay.dp > 1 and lay.zero_stage >= 2:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=lay.zero_stage == 3)
-        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=lay.zero_stage == 3)
+        fsdp(model, mesh["dp"], lay.zero_stage == 3)
     init_weights(model, spec, 0, torch.device("cpu"))
     if lay.dp > 1 and lay.zero_stage == 0:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     return model, mesh
+
+
+def fsdp(model, dp_mesh, reshard: bool) -> None:
+    """torchtitan's FSDP2 units: the embedding, each block, final norm + output, then the root. The last
+    block and the head are not resharded after forward: their backward comes first."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=reshard)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
 
 
 def keep_stage(model, plan, stage: int):
@@ -381,28 +390,29 @@ def pipeline_step(model, plan, mesh, weight: float):
 
 
 def clip(params, mesh) -> None:
-    """Global L2 norm to 1.0: torch's foreach clip where it can; per-tensor norms over mixed meshes; + pp sum."""
+    """Global L2 norm to 1.0 as torchtitan clips: a foreach norm per mesh (plain tensors apart), one
+    full_tensor each, summed over pipeline stages, then a foreach scale per mesh."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-    grads = [p.grad for p in params if p.grad is not None]
-    meshes = {g.device_mesh if isinstance(g, DTensor) else None for g in grads}
-    if "pp" not in mesh.mesh_dim_names and len(meshes) == 1:
-        clip_grad_norm_(params, 1.0, foreach=True)
-        return
-    if len(meshes) == 1 and None in meshes:
-        norm = get_total_norm(grads, foreach=True)
-    else:
-        norms = [torch.linalg.vector_norm(g) for g in grads]
-        norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n
-                                                     for n in norms]))
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    squared = torch.stack(norms).square().sum()
     if "pp" in mesh.mesh_dim_names:
-        squared = norm ** 2
         dist.all_reduce(squared, group=mesh["pp"].get_group())
-        norm = squared.sqrt()
-    clip_grads_with_norm_(params, 1.0, norm, foreach=len(meshes) == 1)
+    total = squared.sqrt()
+    with implicit_replication():  # the plain total scales DTensor gradients
+        for group in groups.values():
+            clip_grads_with_norm_(group, 1.0, total, foreach=True)
 
 
 if __name__ == "__main__":
