@@ -62,7 +62,7 @@ def _size(n_bytes: float, unit: tuple[str, int] | None = None) -> str:
 
 
 def dry_run(plan: Plan, *, plan_path: Path | None = None, flags: RunFlags | None = None, nnodes: int | None = None,
-            node_rank: int = 0, rdzv_endpoint: str | None = None, found=None) -> None:
+            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0, found=None) -> None:
     """Print the launch, the preflight's verdict, the batch, rank 0's mesh, modules, shards and memory.
 
     `found` (executor.preflight.Found) is this machine's hardware; None detects it.
@@ -75,7 +75,7 @@ def dry_run(plan: Plan, *, plan_path: Path | None = None, flags: RunFlags | None
     out.print(f"dry run: {plan.model.name} on {plan.world_size} ranks; rank 0 built under a fake process group "
               "on the meta device (no communication, no memory, nothing trained)")
     nnodes = plan.cluster.n_nodes if nnodes is None else nnodes
-    for line in launch_lines(plan, plan_path, flags or RunFlags(), nnodes, node_rank, rdzv_endpoint):
+    for line in launch_lines(plan, plan_path, flags or RunFlags(), nnodes, node_rank, rdzv_endpoint, max_restarts):
         out.print(line, soft_wrap=True)
     out.print(hardware_line(plan, nnodes, found), soft_wrap=True)
     for line in batch_lines(plan):
@@ -94,7 +94,7 @@ def dry_run(plan: Plan, *, plan_path: Path | None = None, flags: RunFlags | None
 
 
 def launch_lines(plan: Plan, plan_path: Path | None, flags: RunFlags, nnodes: int, node_rank: int,
-                 rdzv_endpoint: str | None) -> list[str]:
+                 rdzv_endpoint: str | None, max_restarts: int = 0) -> list[str]:
     """Nodes, ranks, the rendezvous and this node's torchrun command (executor.launch builds it)."""
     from executor.launch import run_id, torchrun_argv
 
@@ -114,7 +114,7 @@ def launch_lines(plan: Plan, plan_path: Path | None, flags: RunFlags, nnodes: in
                  f"rendezvous: c10d at {rdzv_endpoint}, run id {rid} (every node derives it from the plan's text)")
     run_dir = Path(flags.out) if flags.out else Path("runs") / (plan_path.stem if plan_path else "plan")
     worker = [str(run_dir / "plan.json"), *flags.replace(out=str(run_dir)).to_argv()]
-    argv = torchrun_argv(per_node, nnodes, node_rank, rdzv_endpoint, 0, rid, worker)
+    argv = torchrun_argv(per_node, nnodes, node_rank, rdzv_endpoint, max_restarts, rid, worker)
     lines.append("this node would start: torchrun " + " ".join(argv))
     return lines
 

@@ -104,7 +104,7 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
         from executor.dryrun import dry_run as run_dry
 
         run_dry(plan, plan_path=Path(plan_path), flags=flags.replace(out=str(run_dir)), nnodes=nnodes,
-                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
         return
     if node_rank == 0:  # other nodes may share node 0's directory; node 0 alone decides what it holds
         from executor.preflight import check_run_dir
