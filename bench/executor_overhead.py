@@ -37,8 +37,16 @@ Interleaving: each round runs every layout once through each, the order of
 the pair alternating between rounds; the first WARMUP_STEPS steps of every
 run are dropped, the others pooled per layout and variant, and the ratio is
 the median executor step over the median minimal step. The load average is
-printed: on a shared host every figure moves with it. The last line lists
-each layout's ratio, e.g. `ratios: ddp 1.02x, fsdp 1.03x`.
+printed: on a shared host every figure moves with it, and separate launches
+see different shares of the cores (wall-time ratios of one layout spread by
++-20% at load averages of 6-13 on 2 cores). So each round also runs an A/B
+in one launch: the executor's own Trainer (executor.train, its `step()`:
+what `step_time_s` clocks) and the minimal loop built side by side in the
+same ranks, taking turns step by step, every step timed in process CPU
+seconds, which waiting for a core does not inflate: the `A/B CPU` column,
+median executor step over median minimal step (--no-ab skips it). The last
+line lists each layout's `meshplan execute` ratio, e.g. `ratios: ddp 1.02x,
+fsdp 1.03x`.
 """
 
 from __future__ import annotations
@@ -106,14 +114,14 @@ def run_executor(plan: Path, ranks: int, steps: int, out: Path) -> tuple[list[fl
     return [r["step_time_s"] for r in rows], [r["loss"] for r in rows]
 
 
-def run_minimal(plan: Path, ranks: int, steps: int, out: Path) -> tuple[list[float], list[float]]:
-    """(step times, losses) of one run of the minimal loop under torchrun."""
+def run_minimal(plan: Path, ranks: int, steps: int, out: Path, ab: bool = False) -> dict:
+    """One run of the minimal loop under torchrun (with the executor's Trainer beside it when `ab`)."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={ranks}", str(Path(__file__).resolve()), "--worker", str(plan),
-                           "--steps", str(steps), "--out", str(out)], capture_output=True, text=True, env=_env(ranks))
+                           "--steps", str(steps), "--out", str(out), *(["--ab"] if ab else [])],
+                          capture_output=True, text=True, env=_env(ranks))
     _check(proc, f"minimal loop {plan.name}")
-    doc = json.loads(out.read_text())
-    return doc["step_time_s"], doc["loss"]
+    return json.loads(out.read_text())
 
 
 def load_average() -> str:
@@ -123,10 +131,11 @@ def load_average() -> str:
         return "?"
 
 
-def compare(layouts: list[str], rounds: int, steps: int, work: Path) -> dict:
+def compare(layouts: list[str], rounds: int, steps: int, work: Path, ab: bool = True) -> dict:
     """Plan every layout, then run the rounds; returns every step time, loss and ratio."""
     plans = {name: make_plan(work, name) for name in layouts}
-    rows = {name: {"executor": [], "minimal": [], "round_ratios": [], "loss_rel_diff": 0.0} for name in layouts}
+    rows = {name: {"executor": [], "minimal": [], "round_ratios": [], "loss_rel_diff": 0.0, "ab_executor_cpu": [],
+                   "ab_minimal_cpu": []} for name in layouts}
     print(f"load average before: {load_average()}", flush=True)
     for r in range(rounds):
         for name in layouts:
@@ -137,8 +146,15 @@ def compare(layouts: list[str], rounds: int, steps: int, work: Path) -> dict:
                 if variant == "executor":
                     got[variant] = run_executor(plans[name], ranks, steps, work / f"{name}.executor.{r}")
                 else:
-                    got[variant] = run_minimal(plans[name], ranks, steps, work / f"{name}.minimal.{r}.json")
+                    doc = run_minimal(plans[name], ranks, steps, work / f"{name}.minimal.{r}.json")
+                    got[variant] = doc["step_time_s"], doc["loss"]
             row = rows[name]
+            if ab:
+                doc = run_minimal(plans[name], ranks, steps, work / f"{name}.ab.{r}.json", ab=True)
+                for variant, key in (("executor", "ab_executor_cpu"), ("minimal", "ab_minimal_cpu")):
+                    row[key].extend((doc["executor"] if variant == "executor" else doc)["cpu_s"][WARMUP_STEPS:])
+                row["loss_rel_diff"] = max(row["loss_rel_diff"], *(
+                    abs(a - b) / abs(b) for a, b in zip(doc["executor"]["loss"], doc["loss"], strict=True)))
             for variant, (times, _) in got.items():
                 row[variant].extend(times[WARMUP_STEPS:])
             ratio = statistics.median(got["executor"][0][WARMUP_STEPS:]) / \
@@ -154,18 +170,21 @@ def compare(layouts: list[str], rounds: int, steps: int, work: Path) -> dict:
         row["executor_s"] = statistics.median(row["executor"])
         row["minimal_s"] = statistics.median(row["minimal"])
         row["ratio"] = row["executor_s"] / row["minimal_s"]
+        if row["ab_minimal_cpu"]:
+            row["ab_cpu_ratio"] = statistics.median(row["ab_executor_cpu"]) / statistics.median(row["ab_minimal_cpu"])
     return {"rows": rows, "rounds": rounds, "steps": steps, "load_average_after": load_average(),
             "cpu_count": os.cpu_count()}
 
 
 def report(result: dict) -> str:
-    lines = [f"{'layout':8s} {'ranks':>5s} {'meshplan s':>11s} {'minimal s':>10s} {'ratio':>7s}  per round    "
-             "losses (max rel diff)"]
+    lines = [f"{'layout':8s} {'ranks':>5s} {'meshplan s':>11s} {'minimal s':>10s} {'ratio':>7s}  {'per round':18s} "
+             f"{'A/B CPU':>8s}  losses (max rel diff)"]
     for name, row in result["rows"].items():
         rounds = " ".join(f"{x:.2f}" for x in row["round_ratios"])
         same = "same" if row["loss_rel_diff"] <= LOSS_RTOL else "DIFFER"
+        ab = f"{row['ab_cpu_ratio']:7.2f}x" if "ab_cpu_ratio" in row else f"{'-':>8s}"
         lines.append(f"{name:8s} {LAYOUTS[name][0]:5d} {row['executor_s']:11.3f} {row['minimal_s']:10.3f} "
-                     f"{row['ratio']:6.2f}x  {rounds:11s}  {same} ({row['loss_rel_diff']:.1e})")
+                     f"{row['ratio']:6.2f}x  {rounds:18s} {ab}  {same} ({row['loss_rel_diff']:.1e})")
     lines.append(f"load average after: {result['load_average_after']} ({result['cpu_count']} cores; medians of "
                  f"{result['rounds']} round(s) x {result['steps'] - WARMUP_STEPS} counted steps)")
     lines.append("ratios: " + ", ".join(f"{name} {row['ratio']:.2f}x" for name, row in result["rows"].items()))
@@ -178,17 +197,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help=f"steps per run (the first {WARMUP_STEPS} are dropped)")
     p.add_argument("--json", default=None, help="write every step time, loss and ratio here")
+    p.add_argument("--no-ab", action="store_true", help="skip the in-process A/B runs (CPU time per step)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ab", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        return minimal_loop(Path(a.worker), a.steps, Path(a.out))
+        return minimal_loop(Path(a.worker), a.steps, Path(a.out), ab=a.ab)
     layouts = [x for x in a.layouts.split(",") if x]
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown or a.steps <= WARMUP_STEPS or a.rounds < 1:
         p.error(f"layouts from {', '.join(LAYOUTS)} (got {unknown}); --steps > {WARMUP_STEPS}; --rounds >= 1")
     with tempfile.TemporaryDirectory(prefix="executor-overhead-") as tmp:
-        result = compare(layouts, a.rounds, a.steps, Path(tmp))
+        result = compare(layouts, a.rounds, a.steps, Path(tmp), ab=not a.no_ab)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     print(report(result))
@@ -197,8 +218,12 @@ def main(argv: list[str] | None = None) -> None:
 # ---- the minimal loop (one torchrun worker) -------------------------------------------------
 
 
-def minimal_loop(plan_path: Path, steps: int, out: Path) -> None:
-    """Train `steps` steps of the plan with torch's own calls; rank 0 writes step times and losses to `out`."""
+def minimal_loop(plan_path: Path, steps: int, out: Path, ab: bool = False) -> None:
+    """Train `steps` steps of the plan with torch's own calls; rank 0 writes step times and losses to `out`.
+
+    ab: the executor's own Trainer is built beside the minimal loop in the same ranks, and the two take
+    turns, one step each (who goes first alternating), each step timed in wall and process CPU seconds.
+    """
     import torch
     import torch.distributed as dist
 
@@ -206,17 +231,47 @@ def minimal_loop(plan_path: Path, steps: int, out: Path) -> None:
 
     dist.init_process_group("gloo")
     plan = load_plan(plan_path)
-    lay, spec = plan.layout, plan.model
     torch.manual_seed(0)
+    minimal = minimal_step(plan, steps)
+    runners = {"minimal": minimal}
+    if ab:
+        from executor.parallel.mesh import build_mesh
+        from executor.train import Trainer
+        from planner.run_flags import RunFlags
+
+        trainer = Trainer(plan, RunFlags(steps=steps, out=str(out.parent)), build_mesh(plan, "cpu"),
+                          torch.device("cpu"))
+        runners["executor"] = lambda: trainer.step()["loss"]
+    got = {name: {"step_time_s": [], "cpu_s": [], "loss": []} for name in runners}
+    for k in range(steps):
+        for name in (list(runners) if k % 2 == 0 else list(runners)[::-1]):
+            dist.barrier()  # every rank starts the step together: a late peer is not this variant's time
+            wall, cpu = time.perf_counter(), time.process_time()
+            loss = runners[name]()
+            got[name]["cpu_s"].append(time.process_time() - cpu)
+            got[name]["step_time_s"].append(time.perf_counter() - wall)
+            got[name]["loss"].append(loss)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({**got["minimal"], "model": plan.model.name,
+                                   **({"executor": got["executor"]} if ab else {})}))
+    dist.destroy_process_group()
+
+
+def minimal_step(plan, steps: int):
+    """A function running the next step of the minimal loop (data prebuilt) and returning its global mean loss."""
+    import torch.distributed as dist
+
+    lay = plan.layout
     model, mesh = build_minimal(plan)
     batches, weight = prebuilt_batches(plan, mesh, steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = optimizer_for(params, plan, steps)
     step_fn = pipeline_step(model, plan, mesh, weight) if lay.pp > 1 else accumulation_step(model, plan, mesh, weight)
-    times, losses = [], []
     world = dist.get_world_size()
-    for inputs, targets in batches:
-        start = time.perf_counter()
+    position = iter(batches)
+
+    def step() -> float:
+        inputs, targets = next(position)
         local_loss = step_fn(inputs, targets)
         clip(params, mesh)
         optimizer.step()
@@ -224,11 +279,9 @@ def minimal_loop(plan_path: Path, steps: int, out: Path) -> None:
         scheduler.step()
         total = local_loss.detach().double() / (world // lay.pp)
         dist.all_reduce(total)
-        losses.append(total.item())
-        times.append(time.perf_counter() - start)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps({"step_time_s": times, "loss": losses, "model": spec.name}))
-    dist.destroy_process_group()
+        return total.item()
+
+    return step
 
 
 def build_minimal(plan):
