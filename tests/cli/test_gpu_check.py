@@ -14,6 +14,7 @@ line; the Makefile target runs the script with .venv's python.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -95,9 +96,10 @@ def test_without_cuda_the_gpu_run_refuses_in_one_line(tmp_path):
 
 
 def test_make_target_runs_the_script_with_the_venv_or_python3():
-    proc = subprocess.run(["make", "-n", "gpu-check", "GPU_CHECK_ARGS=--dry-run"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under `make test`
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "GPU_CHECK_ARGS=--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.strip().splitlines()[-1]
+    (line,) = [x for x in proc.stdout.splitlines() if "bench/gpu_check.py" in x]
     python = ".venv/bin/python" if (REPO / ".venv" / "bin" / "python").exists() else "python3"
     assert line.endswith(f"{python} bench/gpu_check.py --dry-run") and line.startswith(f'PYTHONPATH="{REPO}')
