@@ -43,8 +43,9 @@ see different shares of the cores (wall-time ratios of one layout spread by
 in one launch: the executor's own Trainer (executor.train, its `step()`:
 what `step_time_s` clocks) and the minimal loop built side by side in the
 same ranks, taking turns step by step, every step timed in process CPU
-seconds, which waiting for a core does not inflate: the `A/B CPU` column,
-median executor step over median minimal step (--no-ab skips it). The last
+seconds, which waiting for a core does not inflate, and in wall seconds:
+the `A/B CPU` and `A/B wall` columns, median executor step over median
+minimal step (--no-ab skips them). The last
 line lists each layout's `meshplan execute` ratio, e.g. `ratios: ddp 1.02x,
 fsdp 1.03x`.
 """
@@ -134,8 +135,8 @@ def load_average() -> str:
 def compare(layouts: list[str], rounds: int, steps: int, work: Path, ab: bool = True) -> dict:
     """Plan every layout, then run the rounds; returns every step time, loss and ratio."""
     plans = {name: make_plan(work, name) for name in layouts}
-    rows = {name: {"executor": [], "minimal": [], "round_ratios": [], "loss_rel_diff": 0.0, "ab_executor_cpu": [],
-                   "ab_minimal_cpu": []} for name in layouts}
+    rows = {name: {"executor": [], "minimal": [], "round_ratios": [], "loss_rel_diff": 0.0,
+                   **{f"ab_{v}_{t}": [] for v in ("executor", "minimal") for t in ("cpu", "wall")}} for name in layouts}
     print(f"load average before: {load_average()}", flush=True)
     for r in range(rounds):
         for name in layouts:
@@ -151,8 +152,9 @@ def compare(layouts: list[str], rounds: int, steps: int, work: Path, ab: bool = 
             row = rows[name]
             if ab:
                 doc = run_minimal(plans[name], ranks, steps, work / f"{name}.ab.{r}.json", ab=True)
-                for variant, key in (("executor", "ab_executor_cpu"), ("minimal", "ab_minimal_cpu")):
-                    row[key].extend((doc["executor"] if variant == "executor" else doc)["cpu_s"][WARMUP_STEPS:])
+                for variant, side in (("executor", doc["executor"]), ("minimal", doc)):
+                    row[f"ab_{variant}_cpu"].extend(side["cpu_s"][WARMUP_STEPS:])
+                    row[f"ab_{variant}_wall"].extend(side["step_time_s"][WARMUP_STEPS:])
                 row["loss_rel_diff"] = max(row["loss_rel_diff"], *(
                     abs(a - b) / abs(b) for a, b in zip(doc["executor"]["loss"], doc["loss"], strict=True)))
             for variant, (times, _) in got.items():
@@ -171,18 +173,20 @@ def compare(layouts: list[str], rounds: int, steps: int, work: Path, ab: bool = 
         row["minimal_s"] = statistics.median(row["minimal"])
         row["ratio"] = row["executor_s"] / row["minimal_s"]
         if row["ab_minimal_cpu"]:
-            row["ab_cpu_ratio"] = statistics.median(row["ab_executor_cpu"]) / statistics.median(row["ab_minimal_cpu"])
+            for t in ("cpu", "wall"):
+                row[f"ab_{t}_ratio"] = statistics.median(row[f"ab_executor_{t}"]) / \
+                    statistics.median(row[f"ab_minimal_{t}"])
     return {"rows": rows, "rounds": rounds, "steps": steps, "load_average_after": load_average(),
             "cpu_count": os.cpu_count()}
 
 
 def report(result: dict) -> str:
     lines = [f"{'layout':8s} {'ranks':>5s} {'meshplan s':>11s} {'minimal s':>10s} {'ratio':>7s}  {'per round':18s} "
-             f"{'A/B CPU':>8s}  losses (max rel diff)"]
+             f"{'A/B wall':>8s} {'A/B CPU':>8s}  losses (max rel diff)"]
     for name, row in result["rows"].items():
         rounds = " ".join(f"{x:.2f}" for x in row["round_ratios"])
         same = "same" if row["loss_rel_diff"] <= LOSS_RTOL else "DIFFER"
-        ab = f"{row['ab_cpu_ratio']:7.2f}x" if "ab_cpu_ratio" in row else f"{'-':>8s}"
+        ab = " ".join(f"{row[k]:7.2f}x" if k in row else f"{'-':>8s}" for k in ("ab_wall_ratio", "ab_cpu_ratio"))
         lines.append(f"{name:8s} {LAYOUTS[name][0]:5d} {row['executor_s']:11.3f} {row['minimal_s']:10.3f} "
                      f"{row['ratio']:6.2f}x  {rounds:18s} {ab}  {same} ({row['loss_rel_diff']:.1e})")
     lines.append(f"load average after: {result['load_average_after']} ({result['cpu_count']} cores; medians of "

@@ -35,5 +35,5 @@ def test_minimal_loop_matches_the_executor_and_the_last_line_lists_ratios(tmp_pa
     for a, b in zip(run["executor"], run["minimal"], strict=True):
         assert abs(a - b) <= LOSS_RTOL * abs(b), run
     assert row["loss_rel_diff"] <= LOSS_RTOL  # the A/B's losses included
-    assert row["ratio"] > 0 and row["ab_cpu_ratio"] > 0
+    assert row["ratio"] > 0 and row["ab_cpu_ratio"] > 0 and row["ab_wall_ratio"] > 0
     assert len(row["executor"]) == len(row["minimal"]) == len(row["ab_executor_cpu"]) == STEPS - 2  # 2 of warm-up
