@@ -281,6 +281,8 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
         parallelize_module(block, tp_mesh, block_tp_plan(block, sequence_parallel))
         if hasattr(block.attention, "tp_mesh"):  # MLA's shared rotary key (executor.attention)
             block.attention.tp_mesh = tp_mesh
+    if sequence_parallel and part.tok_embeddings is None:  # a later pipeline stage receives sequence shards
+        part.seq_shards = tp_mesh.size()
     if sequence_parallel and part.tok_embeddings is not None and replicated_embedding and len(part.layers):
         first = next(iter(part.layers.values()))
         parallelize_module(first, tp_mesh, PrepareModuleInput(
