@@ -135,8 +135,8 @@ class MemoryTraits:
     # the router's probabilities weigh the experts' activation (Megatron-Core >= 0.13 TEGroupedMLP, permuted_probs),
     # so the combine only unpermutes and no expert output is kept for it (planner.memory.activations)
     moe_probs_in_experts: bool = False
-    # vocabulary-parallel loss by DTensor's loss_parallel: compute-dtype logits, their fp32 copy and the
-    # log-probabilities saved per local logit, 12 B more in the loss backward (validate-memory, TP x FSDP)
+    # vocabulary-parallel loss by DTensor's loss_parallel as meshplan's executor runs it: the same bytes as
+    # fused_loss_parallel_backward (validate-memory, Llama 3 8B at TP 4 x FSDP 16)
     dtensor_loss_parallel: bool = False
     # vocabulary-parallel loss by DTensor's loss_parallel as torch runs it alone: the fp32 log-probabilities
     # saved (4 B per local logit) and its fused nll_loss + log_softmax backward's three fp32 tensors beside
