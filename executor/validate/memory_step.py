@@ -248,66 +248,29 @@ def _quiet_known_warnings():
 def _balanced_routing():
     """MoE routing with every expert given an equal share of the rows, as the memory model assumes.
 
-    The router's counts decide shapes (`MoE.expert_counts`, `MoE.routed_sizes`,
-    `ExpertGroup.split_sizes`), and fake tensors have no values: each expert
-    gets an equal share of the routed rows, and every ep rank is taken to
-    send this rank what it receives from it.
+    The router's counts decide shapes (`MoE.expert_counts`, `ExpertGroup.split_sizes`), and fake tensors
+    have no values: each expert gets an equal share of the routed rows, and every ep rank is taken to send
+    this rank what it receives from it.
     """
-    import executor.parallel.parallelize as parallelize_module
     from executor.moe import MoE
-    from executor.parallel.expert import ExpertGroup, ExpertParallel
+    from executor.parallel.expert import ExpertGroup
 
     def balanced(rows: int, experts: int) -> list[int]:
         return [rows // experts + (e < rows % experts) for e in range(experts)]
 
     def counts(self, flat: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        return flat  # stands for the counts: its length is the number of routed rows
+        if self.ep is not None:  # the layer's routed rows, for its dispatch below
+            self.ep.routed_rows = flat.numel()
+        return torch.tensor(balanced(flat.numel(), self.n_experts))
 
-    def routed_sizes(self, flat: torch.Tensor) -> list[int]:  # noqa: ANN001
-        return balanced(flat.numel(), self.n_experts)
-
-    def split_sizes(self, flat: torch.Tensor):  # noqa: ANN001, ANN202
+    def split_sizes(self, counts: torch.Tensor):  # noqa: ANN001, ANN202
         # every ep rank routes alike, so this rank receives from each what it sends to each
-        per_expert = balanced(flat.numel(), self.size * self.local_experts)
+        per_expert = balanced(self.routed_rows, self.size * self.local_experts)
         per_rank = [per_expert[r * self.local_experts:(r + 1) * self.local_experts] for r in range(self.size)]
         mine = per_rank[0]
-        return [sum(p) for p in per_rank], [sum(mine)] * self.size, [mine] * self.size
+        return [sum(p) for p in per_rank], [sum(mine)] * self.size, torch.tensor([mine] * self.size)
 
-    shard = ExpertParallel.shard
-
-    def shard_on_cpu(self, part):  # noqa: ANN001, ANN202
-        # the experts FSDP2 leaves alone are plain parameters; Module.to_empty would swap meta ones for CPU
-        # ones, which FakeTensorMode's weak references forbid, so they start as (fake) CPU tensors
-        params = {id(p) for p in shard(self, part)}
-        out = []
-        for module in part.modules():
-            if isinstance(module, MoE):
-                for name in ("w1", "w2", "w3"):
-                    p = getattr(module, name)
-                    if p is not None and id(p) in params:
-                        setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)))
-                        out.append(getattr(module, name))
-        return out
-
-    init = parallelize_module.init_weights
-
-    def init_without_experts(model, *args):  # noqa: ANN001, ANN202
-        # Module.to_empty swaps every fake parameter, which FakeTensorMode's weak references forbid for
-        # plain ones (FSDP2's DTensors swap); the experts are already materialized: keep them out of it
-        held = [(m, name, m._parameters[name]) for m in model.modules() if isinstance(m, MoE)
-                for name in ("w1", "w2", "w3") if m._parameters.get(name) is not None]
-        for m, name, _ in held:
-            m._parameters[name] = None
-        try:
-            init(model, *args)
-        finally:
-            for m, name, p in held:
-                m._parameters[name] = p
-
-    with mock.patch.object(MoE, "expert_counts", counts), mock.patch.object(MoE, "routed_sizes", routed_sizes), \
-            mock.patch.object(ExpertGroup, "split_sizes", split_sizes), \
-            mock.patch.object(ExpertParallel, "shard", shard_on_cpu), \
-            mock.patch.object(parallelize_module, "init_weights", init_without_experts):
+    with mock.patch.object(MoE, "expert_counts", counts), mock.patch.object(ExpertGroup, "split_sizes", split_sizes):
         yield
 
 
@@ -341,7 +304,7 @@ def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
     """
     on_phase = on_phase or (lambda text: None)
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -374,10 +337,7 @@ def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
             if pm.dp_kind == "fsdp":
                 tracker = FSDPMemTracker(pm.parts[0], optimizers[0])
                 tracker.track_inputs((tokens,))
-                # the experts are left out of FSDP2 (executor.parallel.expert): plain parameters its
-                # tracker would not see (its track_external is a no-op), registered as this rank's params
-                for p in pm.expert_params:
-                    tracker._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+
             else:
                 tracker = MemTracker()
                 # ZeroRedundancyOptimizer keeps its shard's state in the wrapped local optimizer

@@ -146,10 +146,10 @@ class MemoryTraits:
     # normalizes an fp32 copy of the input): the copy and the normalized output are saved, 4 + D bytes per
     # element instead of a fused kernel's input (planner.memory.activations.output_activation_bytes)
     eager_final_norm: bool = False
-    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts outside FSDP2's units,
-    # their fp32 weights cast per call and saved for the backward (E x 2-3 h x f_e x D per MoE layer, whatever
-    # ep), int64 routing indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no
-    # separate dispatch buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts as FSDP2 units of
+    # their own sharded over dp_shard x cp / ep (whole over tp, whose ranks all run them), int64 routing
+    # indices kept, and the all-to-all outputs are the saved expert inputs/outputs (no separate dispatch
+    # buffers). Measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
     executor_experts: bool = False
     # torch.distributed.pipelining (meshplan's executor; torchtitan, whose late-2024 torch did the same) keeps each in-flight micro-batch's stage output for
     # its backward and one receive buffer per micro-batch for a non-first stage's input and a non-last

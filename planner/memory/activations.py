@@ -277,8 +277,11 @@ def op_saved_terms(model: ModelSpec, seq_len: int, micro_batch: int, tp: int = 1
     """
     d, h = dtype_bytes, model.hidden
     tokens = seq_len * micro_batch / cp
-    ffn = model.ffn_hidden if model.moe is None else model.moe.top_k * model.moe.expert_ffn_hidden
-    mlp = [("w1", ffn / tp), ("w3", ffn / tp), ("w2", h)] if model.mlp == "swiglu" else [("fc1", ffn / tp), ("fc2", h)]
+    # a MoE layer's experts see top_k rows per token: their second GEMM's output too, before the combine
+    rows = 1 if model.moe is None else model.moe.top_k
+    ffn = model.ffn_hidden if model.moe is None else rows * model.moe.expert_ffn_hidden
+    mlp = [("w1", ffn / tp), ("w3", ffn / tp), ("w2", rows * h)] if model.mlp == "swiglu" else \
+        [("fc1", ffn / tp), ("fc2", rows * h)]
     mms = [("wq", model.q_dim / tp), ("wk", model.kv_dim / tp), ("wv", model.kv_dim / tp), ("wo", h), *mlp]
     terms = {f"mm_{name}": d * width for i, (name, width) in enumerate(mms) if i % 2 == 0}
     if fused_attention:

@@ -343,15 +343,12 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, engin
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
     """What executor.moe keeps per layer beyond the common MoE terms (planner.memory.activations), averaged
-    over the layers: every routed expert's weights cast to the compute dtype (each call casts again, so E
-    copies whatever ep: ep sources x E/ep local experts), and per token the int64 top-k indices, sort order
-    and token map with the fp32 and compute-dtype gate weights and their sum (measured with saved-tensor hooks)."""
+    over the layers: per token the int64 top-k indices, sort order and token map with the fp32 and
+    compute-dtype gate weights and their sum (measured with saved-tensor hooks). The experts' compute-dtype
+    weights are FSDP2's gathered copies, or autocast's (planner.memory.states: the compute copy)."""
     moe = model.moe
     share = model.n_moe_layers / model.n_layers
-    casts = moe.n_experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * moe.expert_ffn_hidden * d \
-        if d < FP32_BYTES else 0
-    routing = tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
-    return share * (casts + routing)
+    return share * tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
 
 
 def default_other_bytes(gpu: GPUSpec) -> int:
@@ -376,8 +373,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     phased = eng.memory.step_phases
     build, phases_of = (meshplan_stage_bytes, step_phases) if phased else (published_stage_bytes, published_phase)
     if phased:
-        build = partial(meshplan_stage_bytes, experts_outside_fsdp=eng.memory.executor_experts,
-                        fp8_all_gather=eng.fp8.fp8_all_gather)
+        build = partial(meshplan_stage_bytes, fp8_all_gather=eng.fp8.fp8_all_gather)
     elif eng.fp8_primary_weights(training):  # ZeRO-3 gathers the blocks' 8-bit parameters
         build = partial(published_stage_bytes, block_gather_bytes=fp8_rowwise_bytes(training.precision))
     params = pipeline_params(model, layout, engine)

@@ -246,12 +246,11 @@ def published_phase(sb: StageBytes, sp: StageParams, acts: Activations, in_fligh
 
 
 def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
-                         states: ModelStates, comm: int, *, experts_outside_fsdp: bool = False,
-                         fp8_all_gather: bool = False) -> StageBytes:
+                         states: ModelStates, comm: int, *, fp8_all_gather: bool = False) -> StageBytes:
     """The executor's buffers and temporaries (module docstring formulas).
 
-    experts_outside_fsdp: meshplan's executor leaves the routed experts out of FSDP2's units
-    (executor.parallel.expert reduces them), so a block unit gathers and reduces without them.
+    A MoE block's units (its dense part, router and shared experts, and its routed experts) are gathered
+    together for its compute: one block unit here.
     fp8_all_gather: FSDP2 gathers the blocks' float8 linear weights in one byte each (torchao's
     enable_fsdp_float8_all_gather, executor.components.float8); norms stay in the compute dtype.
     """
@@ -265,7 +264,7 @@ def meshplan_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layou
     shards = layout.dp_shard * layout.cp  # the executor folds cp into FSDP's group
     grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
-    unit = sp.block - (sp.experts // sp.layers if experts_outside_fsdp and sp.layers else 0)  # a block's FSDP unit
+    unit = sp.block  # a block's FSDP units
     # bytes of one block unit gathered, expressed in compute-dtype elements (float8 weights: 1 byte of d)
     norms = model.norms_per_layer * model.hidden
     gunit = (norms + (unit - norms) / d) if fp8_all_gather and training.fp8 and unit > norms else unit
