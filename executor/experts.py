@@ -19,9 +19,12 @@ CPU: torch implements `_grouped_mm` as a loop of matmuls over the groups,
 exact against per-expert linears (tests/unit/test_experts.py), unpadded.
 
 Fallback: the grouped kernel needs 16-byte aligned strides (the rows' and
-the experts' widths times the element size); a model whose widths are not
-runs one matmul chain per expert over its rows, which needs the counts on
-the host (one sync per call).
+the experts' widths times the element size), and torch's meta function of
+`_grouped_mm`, which torch.compile and FakeTensorMode trace with, takes bf16
+only (its eager kernels take any dtype); a model whose widths are not aligned,
+or a traced non-bf16 step, runs one matmul chain per expert over its rows,
+which needs the counts on the host (one sync per call; a graph break when
+compiled).
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ GROUP_ALIGN_ROWS = 8  # rows per group the CUDA bf16 grouped GEMM is given a mul
 _STRIDE_ALIGN_BYTES = 16  # torch._grouped_mm's requirement on every operand's strides
 
 
-def grouped_mm_fits(hidden: int, ffn: int, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm takes rows of width `hidden` and experts of width `ffn` in `dtype`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return hasattr(torch, "_grouped_mm") and (hidden * size) % _STRIDE_ALIGN_BYTES == 0 \
-        and (ffn * size) % _STRIDE_ALIGN_BYTES == 0
+def grouped_mm_fits(x: torch.Tensor, ffn: int) -> bool:
+    """Whether torch._grouped_mm takes the rows `x` and experts of width `ffn` (module docstring: fallback)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    size = x.element_size()
+    aligned = (x.shape[-1] * size) % _STRIDE_ALIGN_BYTES == 0 and (ffn * size) % _STRIDE_ALIGN_BYTES == 0
+    traced = torch.compiler.is_compiling() or is_fake(x)
+    return hasattr(torch, "_grouped_mm") and aligned and (x.dtype == torch.bfloat16 or not traced)
 
 
 def group_layout(chunks: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor | None, torch.Tensor, int]:
@@ -71,7 +77,7 @@ def grouped_mlp(x: torch.Tensor, chunks: torch.Tensor, w1: torch.Tensor, w2: tor
     x: (rows, h) in arrival order; chunks: (sources, experts) counts (module docstring); w1/w3 (E, f, h),
     w2 (E, h, f) in x's dtype; align: rows per group block, by default GROUP_ALIGN_ROWS on CUDA, else 1.
     """
-    if not grouped_mm_fits(x.shape[-1], w1.shape[1], x.dtype):
+    if not grouped_mm_fits(x, w1.shape[1]):
         return _looped_mlp(x, chunks, w1, w2, w3, act)
     align = align if align is not None else GROUP_ALIGN_ROWS if x.is_cuda else 1
     dest, offsets, buffer_rows = group_layout(chunks, x.shape[0], align)

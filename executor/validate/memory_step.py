@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from planner.plan import Plan
+from topologies.errors import PlanError
 
 MAX_MICRO_BATCHES = 2  # the 2nd carries the 1st's accumulated gradients, as every later one does
 
@@ -317,6 +318,13 @@ def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
         from executor.validate.memory_pipeline import check_emulated
 
         check_emulated(plan)
+    if plan.model.moe is not None and plan.training.dtype != "bf16":
+        raise PlanError(
+            f"validate-memory traces MoE experts in bf16 only (plan dtype {plan.training.dtype}): torch's meta "
+            "function of the experts' grouped GEMM (torch._grouped_mm) takes bf16, and fake tensors have no "
+            "counts to run them one expert at a time; check the plan made with --precision bf16, or measure with "
+            "`meshplan execute`"
+        )
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
     try:
         mesh = build_mesh(plan, "cpu")  # outside FakeTensorMode: meshes hold real rank tensors

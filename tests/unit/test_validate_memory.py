@@ -183,3 +183,17 @@ def test_sharding_propagation_is_not_counted_as_memory(apart):
         assert per_logit == pytest.approx(expected, abs=0.5)
     else:
         assert per_logit >= expected + 4 * tp - 0.5
+
+
+def test_moe_plans_outside_bf16_are_refused_with_the_reason(cli, tmp_path):
+    """torch's meta function of the experts' grouped GEMM takes bf16 only: an fp32 MoE plan is refused, not traced."""
+    from planner.model.load import load_model
+
+    model = load_model("debug-moe")
+    lay = with_stage_layers(model, Layout(dp_shard=4, zero_stage=3, micro_batch_size=1))
+    plan = Plan(model=model, cluster=load_cluster("dgx-h100", 4), layout=lay,
+                training=TrainingSpec(seq_len=64, global_batch_size=4, dtype="fp32"))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    r = cli("validate-memory", str(path))
+    assert r.code == 2 and "bf16 only (plan dtype fp32)" in r.stderr and "Traceback" not in r.stderr
