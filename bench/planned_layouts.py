@@ -11,7 +11,8 @@ here. tests/multiproc/test_planned_layouts.py runs a few of these layouts in CI;
 
     .venv/bin/python bench/planned_layouts.py [--top 5] [--model debug] [--json out.json]
 
-The last line says how many ran and matched, e.g. `planned layouts: 80 of 80 ran and matched`.
+Requests the planner refuses outright (MoE with sequence parallel, MoE with ZeRO-1) are listed with its
+reason. The last line says how many layouts ran and matched, e.g. `planned layouts: 80 of 80 ran and matched`.
 """
 
 from __future__ import annotations
@@ -63,13 +64,22 @@ def describe(plan: Plan) -> str:
             f"mb{lay.micro_batch_size}x{lay.grad_accum_steps} {lay.recompute}{sched}")
 
 
-def distinct_layouts(requests, top: int) -> list[Plan]:
-    """Every distinct layout among the requests' top ones, in request order."""
+def distinct_layouts(requests, top: int) -> tuple[list[Plan], list[str]]:
+    """Every distinct layout among the requests' top ones, in request order, and the requests the planner
+    refused (no layout with those pins runs on meshplan's executor: its typed error, as `meshplan plan` says)."""
+    from topologies.errors import MeshplanError
+
     seen: dict[tuple[str, str], Plan] = {}
+    refused = []
     for model, pins in requests:
-        for plan in planned(model, pins, top):
+        try:
+            plans = planned(model, pins, top)
+        except MeshplanError as err:
+            refused.append(f"{model} {pins}: {str(err).split(': ', 1)[-1][:160]}")
+            continue
+        for plan in plans:
             seen.setdefault((model, json.dumps(plan.layout.to_json(), sort_keys=True)), plan)
-    return list(seen.values())
+    return list(seen.values()), refused
 
 
 def execute(plan: Plan, where: Path) -> tuple[list[dict] | None, str]:
@@ -114,9 +124,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write every layout's result here")
     args = parser.parse_args()
     requests = [(m, p) for m, p in REQUESTS if not args.model or m in args.model]
-    plans = distinct_layouts(requests, args.top)
+    plans, refused = distinct_layouts(requests, args.top)
     refs = references({p.model.name for p in plans})
-    print(f"{len(plans)} distinct layouts from {len(requests)} requests (top {args.top} each)", flush=True)
+    print(f"{len(plans)} distinct layouts from {len(requests)} requests (top {args.top} each); refused by the "
+          f"planner: {len(refused)}", flush=True)
+    for line in refused:
+        print(f"  refused {line}")
     rows, good = [], 0
     with tempfile.TemporaryDirectory(prefix="planned-layouts-") as tmp:
         for i, plan in enumerate(plans):

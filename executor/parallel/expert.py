@@ -93,6 +93,7 @@ class ExpertParallel:
 
         grid = _grid(mesh, layout).permute(0, 2, 4, 1, 3)  # (pp, tp, ep, edp_replicate, edp_shard)
         self.mesh = DeviceMesh(mesh.device_type, grid, mesh_dim_names=EXPERT_MESH_DIMS)
+        self.flat_mesh()  # its group is made here, in one order on every rank
         self.ep = layout.ep
         self.ep_group = self.mesh["ep"].get_group()
         self.ep_rank = self.mesh["ep"].get_local_rank()
@@ -113,7 +114,10 @@ class ExpertParallel:
         return self.mesh["edp_shard"]
 
     def flat_mesh(self):
-        """The experts' whole data-parallel group as one axis (FSDP2's replicate, the reduction under DDP)."""
+        """The experts' whole data-parallel group as one axis (FSDP2's replicate, the reduction under DDP).
+
+        Created once and cached by DeviceMesh; asking again returns the same mesh.
+        """
         return self.mesh["edp_replicate", "edp_shard"]._flatten("edp")
 
     def expert_params(self, parts: list[nn.Module]) -> list[nn.Parameter]:

@@ -72,7 +72,9 @@ interleaving r, r + pp, ...; with zb-v r and 2pp - 1 - r) and their layers,
 the embedding to the holder of chunk 0, the final norm and output layer to the
 holder of the last chunk; with tied embeddings and those on different ranks,
 both hold a copy. EP splits the routed experts by ep (and by t); their ZeRO
-group is min(dp_shard, dp_shard * cp / ep), the ranks that hold the same experts.
+group is min(dp_shard, dp_shard * cp / ep), the ranks that hold the same experts
+(meshplan's executor keeps MoE layers whole over tp and shards its experts over
+dp_shard * cp / ep only under FSDP2: planner.memory.states).
 
 Offload: "optimizer" moves the optimizer states to host memory (and with them
 AdamW's step temporaries); "optimizer+params" also the parameter storage and,
