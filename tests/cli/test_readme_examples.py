@@ -25,7 +25,7 @@ def words(text: str) -> str:
 @pytest.mark.parametrize("command", [
     "meshplan plan --model 13B --gpus 16",
     "meshplan compare --model 70B --gpus 64 --cluster dgx-a100-80g,dgx-h100 --price-per-gpu-hour 1.8,3.0",
-    "meshplan plan --model llama3-8b --gpus 8 --cluster dgx-a100-40g --pp 4",
+    "meshplan plan --model llama3-8b --gpus 8 --cluster dgx-a100-40g --pp 4 --pp-schedule 1f1b",
 ])
 def test_readme_example_is_what_the_cli_prints(cli, command):
     r = cli(*command.split()[1:])
