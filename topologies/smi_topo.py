@@ -241,15 +241,21 @@ def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
     return spec
 
 
-def _run(args: list[str]) -> str:
-    if shutil.which("nvidia-smi") is None:
+def run_gpu_tool(tool: str, args: list[str] | tuple[str, ...]) -> str:
+    """stdout of `tool ARGS` (nvidia-smi or rocm-smi); a HardwareError that says what to do when it is
+    missing or fails."""
+    if shutil.which(tool) is None:
         raise HardwareError("no GPU tools here: neither nvidia-smi nor rocm-smi is on PATH; run this on the GPU "
                             "node, or pass --from-file with saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output")
-    proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        raise HardwareError(f"nvidia-smi {' '.join(args)} failed (exit {proc.returncode}): "
+        raise HardwareError(f"{tool} {' '.join(args)} failed (exit {proc.returncode}): "
                             f"{(proc.stderr or proc.stdout).strip()[:200]}")
     return proc.stdout
+
+
+def _run(args: list[str]) -> str:
+    return run_gpu_tool("nvidia-smi", args)
 
 
 def query_live() -> tuple[str, GPUSpec]:
