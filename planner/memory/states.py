@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.engines import FP32_BYTES, Engine, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
@@ -50,6 +52,52 @@ def _compute_copy(eng: Engine, layout: Layout, sp: StageParams, d: int) -> int:
     return d * sp.head if layout.recompute == "full" else d * (sp.total - sp.uncast)
 
 
+def zero_groups(eng: Engine, zero_stage, shard_ranks, dp_shard, expert_dp_shard):
+    """(ranks that shard the dense model states, ranks that shard the routed experts' states) of a layout;
+    scalars, or numpy arrays of them (`state_floor_bytes`)."""
+    n = np.where(zero_stage >= 1, shard_ranks, dp_shard) if isinstance(zero_stage, np.ndarray) else \
+        (shard_ranks if zero_stage >= 1 else dp_shard)  # ZeRO's group takes in the cp ranks
+    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
+        return n, 1
+    return n, expert_dp_shard
+
+
+def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: int, zero_stage: np.ndarray,
+                      shard_ranks: np.ndarray, dp_shard: np.ndarray, expert_dp_shard: np.ndarray,
+                      offload: str = "none") -> tuple[np.ndarray, np.ndarray]:
+    """Lower bounds of (params + optimizer, grads) of `stage_states` for a stage holding `dense` and `experts`
+    parameters, for many data-parallel splits at once (arrays of ZeRO stage and group sizes), without a Layout.
+
+    The same recipe and groups as stage_states, each sharded term at its exact quotient (stage_states rounds
+    up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split); what stage_states adds beyond
+    the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so are the parameters where
+    8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
+    data-parallel splits whose states cannot fit before it builds them (planner.search.families).
+    """
+    zero_stage = np.asarray(zero_stage)
+    if offload != "none":
+        zeros = np.zeros(zero_stage.shape)
+        return zeros, zeros
+    recipes = [eng.recipe(training.dtype_bytes, training.optimizer, z, DTYPE_BYTES[training.grad_dtype],
+                          training.dtype, DTYPE_BYTES[training.optimizer_dtype]) for z in range(4)]
+    table = np.array([(r.param, r.grad, r.optimizer, r.shard_params, r.shard_grads, r.shard_optimizer)
+                      for r in recipes], dtype=np.float64)[zero_stage]
+    n, expert_shard = zero_groups(eng, zero_stage, np.asarray(shard_ranks), np.asarray(dp_shard),
+                                  np.asarray(expert_dp_shard))
+    sharded = dense / n + experts / np.asarray(expert_shard, dtype=np.float64)
+    whole = float(dense + experts)
+
+    def term(column: int) -> np.ndarray:
+        return table[:, column] * np.where(table[:, column + 3] > 0, sharded, whole)
+
+    params = np.zeros(zero_stage.shape) if eng.fp8_primary_weights(training) else term(0)
+    optimizer = term(2)
+    if eng.data_parallel.zero1_whole_tensors:  # zero1_rank_params: routed experts over their own ZeRO group
+        whole_tensors = dense / n + experts / np.asarray(expert_dp_shard, dtype=np.float64)
+        optimizer = np.where(zero_stage == 1, table[:, 2] * whole_tensors, optimizer)
+    return params + optimizer, term(1)
+
+
 def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,
                  engine: str | Engine, fp8_any_layout: bool = True) -> ModelStates:
     """The model states of one rank of the stage holding `sp` (module docstring table).
@@ -61,10 +109,7 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
                         DTYPE_BYTES[training.grad_dtype], training.dtype, DTYPE_BYTES[training.optimizer_dtype])
     d, total = training.dtype_bytes, sp.total
-    n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
-    expert_shard = sp.expert_shard
-    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
-        expert_shard = 1
+    n, expert_shard = zero_groups(eng, layout.zero_stage, layout.shard_ranks, layout.dp_shard, sp.expert_shard)
 
     def shard(bytes_per_param: int) -> int:
         return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, expert_shard)

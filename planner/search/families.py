@@ -32,6 +32,8 @@ import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, divisors
+from planner.memory.params import pipeline_params
+from planner.memory.states import state_floor_bytes
 from planner.search.bound import ShapeBound
 from planner.search.candidates import ShapeGroup, global_batch_for, pipeline_allows, shape_groups
 from planner.training import TrainingSpec
@@ -62,6 +64,7 @@ class Family:
     per_replica: int
     micro_batches: tuple[int, ...]  # the micro-batch sizes its schedule can run
     shapes: dict[int, Shape | None] = field(default_factory=dict)  # built on demand; None: refused after all
+    states_fit: np.ndarray | None = None  # per member: False where its model states alone cannot fit (a floor)
 
     @property
     def members(self) -> range:
@@ -150,6 +153,26 @@ class FamilyBounds:
                            for grid in terms.grids])[terms.grid]
         return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, tuple(scales.T),
                              micro_batch_size, recompute, np.maximum)
+
+    def states_may_fit(self, fam: Family) -> np.ndarray:
+        """Per member of `fam`: False where a floor of its model states (planner.memory.states.state_floor_bytes,
+        never above `stage_state_floors`' totals) plus the fixed overhead exceeds the capacity, so that no
+        micro-batch or recomputation can make it fit; such members need no Layout, bound or memory check."""
+        if fam.states_fit is None:
+            ctx, g = self.ctx, fam.group
+            splits = np.array(g.splits, dtype=np.int64).reshape(-1, 5)
+            _, shard, zero, ep, etp = splits.T
+            need = np.zeros(len(splits))
+            for grid in self._grids(fam):  # the stages' parameter counts depend on the expert grid only
+                at = (ep == grid[0]) & (etp == grid[1])
+                probe = g.layout(g.splits[int(np.flatnonzero(at)[0])], fam.schedule, self.offload)
+                for sp in set(pipeline_params(ctx.model, probe, ctx.engine)):
+                    states, grads = state_floor_bytes(get_engine(ctx.engine), fam.training, sp.dense, sp.experts,
+                                                      zero[at], shard[at] * g.cp, shard[at],
+                                                      shard[at] * g.cp * g.tp // (ep[at] * etp[at]), self.offload)
+                    need[at] = np.maximum(need[at], states + grads)
+            fam.states_fit = need + ctx.other_bytes <= ctx.capacity_bytes
+        return fam.states_fit
 
     def ask_refusals(self, families: list[Family]) -> None:
         """The engine's refusal of every shape not built yet, for the counts and the reason of an empty search."""
