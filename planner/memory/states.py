@@ -69,9 +69,9 @@ def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: 
     parameters, for many data-parallel splits at once (arrays of ZeRO stage and group sizes), without a Layout.
 
     The same recipe and groups as stage_states, each sharded term at its exact quotient (stage_states rounds
-    up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split); what stage_states adds beyond
-    the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so are the parameters where
-    8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
+    up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split);
+    what stage_states adds beyond the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so
+    are the parameters where 8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
     data-parallel splits whose states cannot fit before it builds them (planner.search.families).
     """
     zero_stage = np.asarray(zero_stage)
