@@ -124,6 +124,34 @@ def _order_interleaved(rank: int, pp: int, v: int, n: int) -> list[tuple[int, in
 _ORDERS = {"gpipe": _order_gpipe, "1f1b": _order_1f1b, "interleaved-1f1b": _order_interleaved}
 
 
+def _rank_arrays(schedule: str, rank: int, pp: int, v: int, n: int) -> np.ndarray:
+    """`_ORDERS[schedule](rank, pp, v, n)` as an (operations, 3) array of (kind, chunk, micro-batch), built with
+    numpy: the compiled orders of a 1T search's deep pipelines hold tens of thousands of operations each."""
+    if schedule == "gpipe":
+        chunks = np.array(rank_chunks("gpipe", pp, v, rank))
+        i = np.repeat(np.arange(n), len(chunks))
+        fwd = np.stack((np.full(len(i), F), np.tile(chunks, n), i), axis=1)
+        bwd = np.stack((np.full(len(i), B), np.tile(chunks[::-1], n), i), axis=1)
+        return np.concatenate((fwd, bwd))
+    if schedule == "1f1b":
+        fc = bc = np.full(n, rank)
+        fm = bm = np.arange(n)
+        warmup = min(pp - rank - 1, n)
+    else:  # interleaved-1f1b: groups of pp micro-batches per chunk (n is a multiple of pp)
+        groups = n // pp
+        mb = (np.arange(groups)[:, None, None] * pp + np.arange(pp)[None, None, :]).repeat(v, axis=1).ravel()
+        fc = np.broadcast_to((rank + np.arange(v) * pp)[None, :, None], (groups, v, pp)).ravel()
+        bc = np.broadcast_to((rank + np.arange(v - 1, -1, -1) * pp)[None, :, None], (groups, v, pp)).ravel()
+        fm = bm = mb
+        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, len(fc))
+    total = len(fc)
+    steady = total - warmup  # one forward, one backward
+    kind = np.concatenate((np.full(warmup, F), np.tile([F, B], steady), np.full(warmup, B)))
+    chunk = np.concatenate((fc[:warmup], np.stack((fc[warmup:], bc[:steady]), axis=1).ravel(), bc[steady:]))
+    micro = np.concatenate((fm[:warmup], np.stack((fm[warmup:], bm[:steady]), axis=1).ravel(), bm[steady:]))
+    return np.stack((kind, chunk, micro), axis=1)
+
+
 def _zbv_rank_order(rank: int, pp: int, n: int) -> list[tuple[int, int, int]]:
     """Rank `rank`'s order under ZB-V as torch.distributed.pipelining's ScheduleZBVZeroBubble runs it.
 
@@ -239,10 +267,15 @@ def _compiled(schedule: str, pp: int, v: int, n: int) -> _Compiled:
     rank is earlier in that rank's own order, so it ends before the
     operation's predecessor there and never delays it.
     """
-    orders = _zbv_orders(pp, n) if schedule == "zb-v" else [_ORDERS[schedule](r, pp, v, n) for r in range(pp)]
-    sizes = [len(o) for o in orders]
-    flat = chain.from_iterable(chain.from_iterable(orders))  # (kind, chunk, micro-batch) of every operation
-    kind, chunk, mb = np.fromiter(flat, dtype=np.int64, count=3 * sum(sizes)).reshape(-1, 3).T
+    if schedule == "zb-v":
+        orders = _zbv_orders(pp, n)
+        sizes = [len(o) for o in orders]
+        flat = chain.from_iterable(chain.from_iterable(orders))  # (kind, chunk, micro-batch) of every operation
+        kind, chunk, mb = np.fromiter(flat, dtype=np.int64, count=3 * sum(sizes)).reshape(-1, 3).T
+    else:
+        arrays = [_rank_arrays(schedule, r, pp, v, n) for r in range(pp)]
+        sizes = [len(a) for a in arrays]
+        kind, chunk, mb = np.concatenate(arrays).astype(np.int64).T
     rank = np.repeat(np.arange(pp), sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     n_chunks, total = pp * v, int(starts[-1])
