@@ -62,7 +62,8 @@ def zero_groups(eng: Engine, zero_stage, shard_ranks, dp_shard, expert_dp_shard)
     return n, expert_dp_shard
 
 
-def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: int, zero_stage: np.ndarray,
+def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: float | np.ndarray,
+                      zero_stage: np.ndarray,
                       shard_ranks: np.ndarray, dp_shard: np.ndarray, expert_dp_shard: np.ndarray,
                       offload: str = "none") -> tuple[np.ndarray, np.ndarray]:
     """Lower bounds of (params + optimizer, grads) of `stage_states` for a stage holding `dense` and `experts`
@@ -78,14 +79,11 @@ def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: 
     if offload != "none":
         zeros = np.zeros(zero_stage.shape)
         return zeros, zeros
-    recipes = [eng.recipe(training.dtype_bytes, training.optimizer, z, DTYPE_BYTES[training.grad_dtype],
-                          training.dtype, DTYPE_BYTES[training.optimizer_dtype]) for z in range(4)]
-    table = np.array([(r.param, r.grad, r.optimizer, r.shard_params, r.shard_grads, r.shard_optimizer)
-                      for r in recipes], dtype=np.float64)[zero_stage]
+    table = _recipe_table(eng, training)[zero_stage]
     n, expert_shard = zero_groups(eng, zero_stage, np.asarray(shard_ranks), np.asarray(dp_shard),
                                   np.asarray(expert_dp_shard))
     sharded = dense / n + experts / np.asarray(expert_shard, dtype=np.float64)
-    whole = float(dense + experts)
+    whole = np.asarray(dense + experts, dtype=np.float64)
 
     def term(column: int) -> np.ndarray:
         return table[:, column] * np.where(table[:, column + 3] > 0, sharded, whole)
@@ -96,6 +94,26 @@ def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: 
         whole_tensors = dense / n + experts / np.asarray(expert_dp_shard, dtype=np.float64)
         optimizer = np.where(zero_stage == 1, table[:, 2] * whole_tensors, optimizer)
     return params + optimizer, term(1)
+
+
+_RECIPE_TABLES: dict[tuple, tuple[Engine, TrainingSpec, np.ndarray]] = {}
+
+
+def _recipe_table(eng: Engine, training: TrainingSpec) -> np.ndarray:
+    """Per ZeRO stage 0-3: the recipe's (param, grad, optimizer bytes, shard params, grads, optimizer), cached
+    on the engine's and the training's identities (checked on a hit)."""
+    key = (id(eng), id(training))
+    hit = _RECIPE_TABLES.get(key)
+    if hit is not None and hit[0] is eng and hit[1] is training:
+        return hit[2]
+    recipes = [eng.recipe(training.dtype_bytes, training.optimizer, z, DTYPE_BYTES[training.grad_dtype],
+                          training.dtype, DTYPE_BYTES[training.optimizer_dtype]) for z in range(4)]
+    table = np.array([(r.param, r.grad, r.optimizer, r.shard_params, r.shard_grads, r.shard_optimizer)
+                      for r in recipes], dtype=np.float64)
+    if len(_RECIPE_TABLES) > 256:
+        _RECIPE_TABLES.clear()
+    _RECIPE_TABLES[key] = (eng, training, table)
+    return table
 
 
 def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,

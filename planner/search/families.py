@@ -157,20 +157,26 @@ class FamilyBounds:
     def states_may_fit(self, fam: Family) -> np.ndarray:
         """Per member of `fam`: False where a floor of its model states (planner.memory.states.state_floor_bytes,
         never above `stage_state_floors`' totals) plus the fixed overhead exceeds the capacity, so that no
-        micro-batch or recomputation can make it fit; such members need no Layout, bound or memory check."""
+        micro-batch or recomputation can make it fit; such members need no Layout, bound or memory check.
+
+        A stage's dense parameters do not depend on the expert grid and its routed experts are split by ep x
+        etp (planner.memory.params), so every member is priced on the stages of one grid (ep = etp = 1): each
+        stage's routed experts over ep x etp, less one parameter per layer that layer_kind_params' rounding
+        may have added."""
         if fam.states_fit is None:
             ctx, g = self.ctx, fam.group
             splits = np.array(g.splits, dtype=np.int64).reshape(-1, 5)
             _, shard, zero, ep, etp = splits.T
+            grid = (ep * etp).astype(np.float64)
+            whole = g.layout(g.splits[0], fam.schedule, self.offload).trusted_replace(ep=1, etp=1)
             need = np.zeros(len(splits))
-            for grid in self._grids(fam):  # the stages' parameter counts depend on the expert grid only
-                at = (ep == grid[0]) & (etp == grid[1])
-                probe = g.layout(g.splits[int(np.flatnonzero(at)[0])], fam.schedule, self.offload)
-                for sp in set(pipeline_params(ctx.model, probe, ctx.engine)):
-                    states, grads = state_floor_bytes(get_engine(ctx.engine), fam.training, sp.dense, sp.experts,
-                                                      zero[at], shard[at] * g.cp, shard[at],
-                                                      shard[at] * g.cp * g.tp // (ep[at] * etp[at]), self.offload)
-                    need[at] = np.maximum(need[at], states + grads)
+            for sp in {id(sp): sp for sp in pipeline_params(ctx.model, whole, ctx.engine)}.values():
+                experts = np.maximum(0.0, sp.experts / grid - (sp.layers + ctx.model.mtp_layers)) if sp.experts \
+                    else np.zeros(len(splits))
+                states, grads = state_floor_bytes(get_engine(ctx.engine), fam.training, sp.dense, experts, zero,
+                                                  shard * g.cp, shard, shard * g.cp * g.tp // (ep * etp),
+                                                  self.offload)
+                need = np.maximum(need, states + grads)
             fam.states_fit = need + ctx.other_bytes <= ctx.capacity_bytes
         return fam.states_fit
 
