@@ -247,18 +247,24 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
     compute = []
     comm_kinds: dict[str, list[float]] = {k: [] for k in LAYER_COMM_KEYS}
     cf, cb = sum(unit.comm_f.values()), sum(unit.comm_b.values())
+    per_layer = [(k, unit.comm_f[k] + unit.comm_b[k]) for k in LAYER_COMM_KEYS]
     for c, layers in enumerate(layout.layers_per_stage):
-        f = layers * unit.f + (ends[0] if c == 0 else 0.0) + (ends[2] if c == n_chunks - 1 else 0.0)
-        b = layers * unit.b + (ends[1] if c == 0 else 0.0) + (ends[3] if c == n_chunks - 1 else 0.0)
+        first, last = c == 0, c == n_chunks - 1
+        f = layers * unit.f + (ends[0] if first else 0.0) + (ends[2] if last else 0.0)
+        b = layers * unit.b + (ends[1] if first else 0.0) + (ends[3] if last else 0.0)
         w = layers * unit.w if split_w else 0.0
         durations[F].append(f)
         durations[B].append(b - w)
         durations[W].append(w)
-        at_end = {k: (sum(v[:2]) if c == 0 else 0.0) + (sum(v[2:]) if c == n_chunks - 1 else 0.0)
-                  for k, v in ends_comm.items()}
-        compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
-        for k in LAYER_COMM_KEYS:
-            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]) + at_end.get(k, 0.0))
+        if first or last:  # the embedding's and output layer's exposed communication
+            at_end = {k: (sum(v[:2]) if first else 0.0) + (sum(v[2:]) if last else 0.0) for k, v in ends_comm.items()}
+            compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
+            for k, one in per_layer:
+                comm_kinds[k].append(layers * one + at_end.get(k, 0.0))
+        else:
+            compute.append(f + b - layers * (cf + cb))
+            for k, one in per_layer:
+                comm_kinds[k].append(layers * one)
     return durations, compute, comm_kinds
 
 
@@ -278,12 +284,16 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
     split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
     part, gathers = (size / layout.tp, comm.time_s("all_gather", size, ("tp",))) if split else (size, 0.0)
     whole_grads = pipe_p2p == "exchange-whole-grads"
-    times = []
+    times, by_pair = [], {}  # interleaved and V schedules cross the same pair of ranks at several boundaries
     for c in range(layout.pp * layout.virtual_stages - 1):
-        t = comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1])
-        if pipe_p2p != "overlapped" and t > 0:
-            act = comm.pair_time_s(part, ("pp",), owner[c], owner[c + 1])
-            t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+        pair = (owner[c], owner[c + 1])
+        t = by_pair.get(pair)
+        if t is None:
+            t = comm.pair_time_s(size, ("pp",), *pair)
+            if pipe_p2p != "overlapped" and t > 0:
+                act = comm.pair_time_s(part, ("pp",), *pair)
+                t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+            by_pair[pair] = t
         times.append(t)
     return [t + comm_overhead_s if t > 0 else 0.0 for t in times + [0.0]]
 
