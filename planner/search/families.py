@@ -34,7 +34,7 @@ from planner.engines import get_engine
 from planner.layout import Layout, divisors
 from planner.memory.params import pipeline_params
 from planner.memory.states import state_floor_bytes
-from planner.search.bound import ShapeBound
+from planner.search.bound import OVERLAPPED_SCHEDULES, ShapeBound
 from planner.search.candidates import ShapeGroup, global_batch_for, pipeline_allows, shape_groups
 from planner.training import TrainingSpec
 
@@ -95,9 +95,11 @@ def build_families(ctx, offload: str) -> list[Family]:
             ctx.stats.batch_rejected += batches[dp] is None
         return batches[dp] is not None
 
-    needs_pp = get_engine(ctx.engine).pipeline.needs_pp_microbatches
+    engine = get_engine(ctx.engine)
+    needs_pp, overlapped = engine.pipeline.needs_pp_microbatches, "dualpipev" in engine.pp_schedules
     out: list[Family] = []
-    for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
+    for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok,
+                                               overlapped)):
         if not group.splits:
             continue
         training = ctx.training(batches[group.dp])
@@ -151,7 +153,8 @@ class FamilyBounds:
         units = np.array([self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids])[terms.grid]
         scales = np.array([self.bound.host_scale(self._probe(fam, grid, recompute), fam.training)
                            for grid in terms.grids])[terms.grid]
-        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, tuple(scales.T),
+        expert_s = terms.expert_s * 0.0 if fam.schedule[0] in OVERLAPPED_SCHEDULES else terms.expert_s
+        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), expert_s, tuple(scales.T),
                              micro_batch_size, recompute, np.maximum)
 
     def states_may_fit(self, fam: Family) -> np.ndarray:

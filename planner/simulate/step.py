@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
-from planner.layout import Layout, recomputed_fraction
+from planner.layout import V_SCHEDULES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
@@ -268,6 +268,23 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
     return durations, compute, comm_kinds
 
 
+def _overlapped_passes(layout: Layout, unit: _Unit, durations: list[list[float]], already_hidden: bool
+                       ) -> list[list[float]]:
+    """durations with DualPipeV's overlapped passes (planner.simulate.pipeline FO, BO) appended: a forward run
+    beside another micro-batch's backward hides its expert all-to-alls under that backward's compute, and the
+    backward its own under the forward's (DeepSeek-V3 report section 3.2.1; deepseek-ai/DualPipe's
+    overlapped_forward_backward). Per layer that is what moe_a2a_overlap prices on every pass, so under that
+    recipe option (already_hidden) the overlapped passes cost what the others do."""
+    if already_hidden:
+        return [*durations[:3], list(durations[F]), list(durations[B])]
+    ep_f, ep_b = unit.comm_f.get("ep_comm", 0.0), unit.comm_b.get("ep_comm", 0.0)
+    compute_f, compute_b = unit.f - sum(unit.comm_f.values()), unit.b - sum(unit.comm_b.values())
+    hidden_f, hidden_b = ep_f - max(0.0, ep_f - compute_b), ep_b - max(0.0, ep_b - compute_f)
+    layers = layout.layers_per_stage
+    return [*durations[:3], [f - n * hidden_f for f, n in zip(durations[F], layers, strict=True)],
+            [b - n * hidden_b for b, n in zip(durations[B], layers, strict=True)]]
+
+
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
          comm_overhead_s: float, pipe_p2p: str = "overlapped") -> list[float]:
     """Lag across each chunk boundary c -> c + 1 (activations forward, gradients back).
@@ -365,7 +382,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
         raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
-    split_w = layout.pp_schedule == "zb-v"
+    split_w = layout.pp_schedule in V_SCHEDULES
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, eng)
     ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
     if eng.pipeline.recomputes_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
@@ -377,11 +394,16 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     add_grad_fold(model, training, layout, cluster, cal, eng, durations, compute)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, eng.pipeline.p2p)
     n = layout.grad_accum_steps
+    overlapped = layout.pp_schedule == "dualpipev"
+    if overlapped:
+        durations = _overlapped_passes(layout, unit, durations, training.moe_a2a_overlap)
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     plain_f = durations[F]
     if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
-        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
+        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations[:3], compute,
                                                        comm_kinds)
+        if overlapped:
+            durations = _overlapped_passes(layout, unit, durations, training.moe_a2a_overlap)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     overlap_dp = eng.data_parallel.overlaps_backward
     tails, seen = [], {}  # ranks holding equal parameters (one shared StageParams) with equal last backwards
@@ -398,6 +420,8 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown = {"compute": n * sum(compute[c] for c in mine),
                  **{k: n * sum(comm_kinds[k][c] for c in mine) for k in LAYER_COMM_KEYS},
                  **tails[r]}
+    if overlapped:  # what the F&B pairs hid of the expert all-to-alls the chunks' passes carry
+        breakdown["ep_comm"] -= n * sum(durations[k][c] for k in (F, B, W) for c in mine) - pipe.rank_busy_s[r]
     breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
@@ -408,7 +432,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     if events:
         scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
         step_events = step_events_of(layout, pipe, (unit.comm_f, unit.comm_b), ends_comm, scale, p2p, tails)
-    ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations))
+    ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations[:3]))
     return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events,
                       (ran, tuple(p2p)))
 
