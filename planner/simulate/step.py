@@ -81,8 +81,8 @@ class StepResult:
     memory: MemoryEstimate
     critical_stage: int  # pipeline rank that finishes last
     events: StepEvents | None = field(default=None, compare=False)
-    # what the pipeline schedule ran: durations[kind][chunk] (F, B, W; W only under zb-v) and the p2p time of
-    # each chunk boundary (planner.simulate.pipeline.simulate_pipeline's inputs)
+    # what the pipeline schedule ran: durations[kind][chunk] (F, B, W, W only under the V schedules; FO, BO under
+    # dualpipev) and the p2p time of each chunk boundary (planner.simulate.pipeline.simulate_pipeline's inputs)
     pipeline_inputs: tuple[tuple[tuple[float, ...], ...], tuple[float, ...]] | None = field(
         default=None, compare=False, repr=False)
 
@@ -432,7 +432,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     if events:
         scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
         step_events = step_events_of(layout, pipe, (unit.comm_f, unit.comm_b), ends_comm, scale, p2p, tails)
-    ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations[:3]))
+    ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations))
     return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events,
                       (ran, tuple(p2p)))
 

@@ -138,3 +138,21 @@ def test_the_search_proposes_it_only_for_engines_that_run_it():
     assert all(s.layout.grad_accum_steps >= 8 for s in found.ranked)
     refused = search(model, cluster, 4096, 2048, pins=pins, engine="megatron", top_k=3)
     assert not refused.ranked and "dualpipev" in refused.stats.unsupported_reason
+
+
+def test_deepseek_v3_production_row_runs_dualpipev():
+    """bench/rows/production/deepseek-v3-2048-h800.json (2,048 H800, PP 16 x EP 64, DualPipe) goes through
+    `meshplan simulate`'s path with its DualPipeV schedule, and stated with ZB-V instead (the same V placement
+    without the overlapped passes) it is predicted slower: the overlap is what the schedule adds."""
+    import dataclasses
+    from pathlib import Path
+
+    from planner.cli.row import load_row, simulate_row
+
+    row = load_row(Path(__file__).resolve().parents[2] / "bench" / "rows" / "production" / "deepseek-v3-2048-h800.json")
+    assert row.plan.layout.pp_schedule == "dualpipev" and row.plan.layout.pp == 16 and row.plan.layout.ep == 64
+    flags = list(row.flags)
+    flags[flags.index("dualpipev")] = "zb-v"
+    zbv_row = dataclasses.replace(row, id=row.id + "-zbv", flags=tuple(flags))
+    assert zbv_row.plan.layout.pp_schedule == "zb-v"
+    assert simulate_row(row).step_time_s < simulate_row(zbv_row).step_time_s
