@@ -156,3 +156,12 @@ def test_deepseek_v3_production_row_runs_dualpipev():
     zbv_row = dataclasses.replace(row, id=row.id + "-zbv", flags=tuple(flags))
     assert zbv_row.plan.layout.pp_schedule == "zb-v"
     assert simulate_row(row).step_time_s < simulate_row(zbv_row).step_time_s
+
+
+def test_torchtitan_export_names_torchs_schedule():
+    """The torchtitan export writes pipeline_parallel_schedule by the names torch's get_schedule_class knows."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from planner.export.torchtitan import SCHEDULES
+
+    assert get_schedule_class(SCHEDULES["dualpipev"]) is ScheduleDualPipeV
