@@ -52,24 +52,15 @@ def _compute_copy(eng: Engine, layout: Layout, sp: StageParams, d: int) -> int:
     return d * sp.head if layout.recompute == "full" else d * (sp.total - sp.uncast)
 
 
-def zero_groups(eng: Engine, zero_stage, shard_ranks, dp_shard, expert_dp_shard):
-    """(ranks that shard the dense model states, ranks that shard the routed experts' states) of a layout;
-    scalars, or numpy arrays of them (`state_floor_bytes`)."""
-    n = np.where(zero_stage >= 1, shard_ranks, dp_shard) if isinstance(zero_stage, np.ndarray) else \
-        (shard_ranks if zero_stage >= 1 else dp_shard)  # ZeRO's group takes in the cp ranks
-    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
-        return n, 1
-    return n, expert_dp_shard
-
-
 def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: float | np.ndarray,
-                      zero_stage: np.ndarray,
-                      shard_ranks: np.ndarray, dp_shard: np.ndarray, expert_dp_shard: np.ndarray,
-                      offload: str = "none") -> tuple[np.ndarray, np.ndarray]:
+                      zero_stage: np.ndarray, shard_ranks: np.ndarray, dp_shard: np.ndarray,
+                      expert_dp_shard: np.ndarray, ep: np.ndarray, offload: str = "none"
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """Lower bounds of (params + optimizer, grads) of `stage_states` for a stage holding `dense` and `experts`
     parameters, for many data-parallel splits at once (arrays of ZeRO stage and group sizes), without a Layout.
 
-    The same recipe and groups as stage_states, each sharded term at its exact quotient (stage_states rounds
+    The same recipe and groups as stage_states (the executor's experts over the most ranks it may shard them
+    over), each sharded term at its exact quotient (stage_states rounds
     up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split);
     what stage_states adds beyond the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so
     are the parameters where 8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
@@ -80,8 +71,11 @@ def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: 
         zeros = np.zeros(zero_stage.shape)
         return zeros, zeros
     table = _recipe_table(eng, training)[zero_stage]
-    n, expert_shard = zero_groups(eng, zero_stage, np.asarray(shard_ranks), np.asarray(dp_shard),
-                                  np.asarray(expert_dp_shard))
+    shard_ranks, expert_dp_shard = np.asarray(shard_ranks), np.asarray(expert_dp_shard)
+    n = np.where(zero_stage >= 1, shard_ranks, np.asarray(dp_shard))  # ZeRO's group takes in the cp ranks
+    expert_shard = expert_dp_shard
+    if eng.experts.executor_experts:  # the executor's E / ep experts: sharded over at most dp_shard x cp / ep
+        expert_shard = np.maximum(1, shard_ranks // np.asarray(ep))
     sharded = dense / n + experts / np.asarray(expert_shard, dtype=np.float64)
     whole = np.asarray(dense + experts, dtype=np.float64)
 
@@ -127,7 +121,10 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
                         DTYPE_BYTES[training.grad_dtype], training.dtype, DTYPE_BYTES[training.optimizer_dtype])
     d, total = training.dtype_bytes, sp.total
-    n, expert_shard = zero_groups(eng, layout.zero_stage, layout.shard_ranks, layout.dp_shard, sp.expert_shard)
+    n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
+    expert_shard = sp.expert_shard
+    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
+        expert_shard = 1
 
     def shard(bytes_per_param: int) -> int:
         return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, expert_shard)

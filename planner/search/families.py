@@ -177,7 +177,7 @@ class FamilyBounds:
                 experts = np.maximum(0.0, sp.experts / grid - (sp.layers + ctx.model.mtp_layers)) if sp.experts \
                     else np.zeros(len(splits))
                 states, grads = state_floor_bytes(get_engine(ctx.engine), fam.training, sp.dense, experts, zero,
-                                                  shard * g.cp, shard, shard * g.cp * g.tp // (ep * etp),
+                                                  shard * g.cp, shard, shard * g.cp * g.tp // (ep * etp), ep,
                                                   self.offload)
                 need = np.maximum(need, states + grads)
             fam.states_fit = need + ctx.other_bytes <= ctx.capacity_bytes
