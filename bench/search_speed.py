@@ -22,6 +22,11 @@ shared machine the wall time also counts other processes' turns on the core).
    the whole command from process start to output.
 2. `meshplan plan --model 13B --gpus 16` from process start to output, and
    the import check: torch must never be imported on the planning path.
+
+The processes run with Python's bytecode cache written (as `pip install`
+leaves it, or any earlier run from a checkout), even where the environment
+sets PYTHONDONTWRITEBYTECODE; `--cold-bytecode` times every process compiling
+every module from source instead (about 0.1 s more per command).
 """
 
 from __future__ import annotations
@@ -47,6 +52,23 @@ SEARCHES = {  # name -> (model, engine, global batch or 0 for plan's default): t
     "dense 1T HF config": (HF_1T, "meshplan", 8192),
     "Kimi-K2": ("kimi-k2", "megatron", 0),
 }
+
+
+def _child_env(cold_bytecode: bool) -> dict[str, str]:
+    """The runs' environment: Python's bytecode cache in place, as after `pip install` (which compiles it) or
+    any earlier run from a checkout; with --cold-bytecode every run compiles every module from source."""
+    env = dict(os.environ)
+    if cold_bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        return env
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def _compile_bytecode() -> None:
+    """Write the bytecode of the repository's packages once (__pycache__ is git-ignored)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "planner", "topologies", "cli.py"],
+                   cwd=REPO, check=True, env=_child_env(False))
 
 
 def _one_core() -> None:
@@ -78,6 +100,9 @@ def _stats(values: list[float]) -> str:
     return f"best {min(values):.2f} s, median {statistics.median(values):.2f} s"
 
 
+ENV: dict[str, str] = dict(os.environ)  # set by main: _child_env
+
+
 def time_search(label: str, runs: int) -> None:
     """search_once in `runs` fresh processes on one core."""
     model_name, engine, batch = SEARCHES[label]
@@ -85,7 +110,7 @@ def time_search(label: str, runs: int) -> None:
     for _ in range(runs):
         proc = subprocess.run([sys.executable, __file__, "--child", model_name, "--child-engine", engine,
                                "--child-batch", str(batch)],
-                              capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO)
+                              capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO, env=ENV)
         if proc.returncode != 0:
             raise SystemExit(f"search failed: {proc.stderr}")
         rows.append(proc.stdout.strip().split("\t"))
@@ -103,7 +128,7 @@ def time_cli(argv: list[str], runs: int) -> None:
     for _ in range(runs):
         before = os.times()
         started = time.perf_counter()
-        proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO)
+        proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=_one_core, cwd=REPO, env=ENV)
         walls.append(time.perf_counter() - started)
         after = os.times()
         cpus.append(after.children_user + after.children_system - before.children_user - before.children_system)
@@ -114,7 +139,7 @@ def time_cli(argv: list[str], runs: int) -> None:
 
 
 def imports_13b() -> None:
-    proc = subprocess.run([sys.executable, "-X", "importtime", *PLAN_13B[1:]], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-X", "importtime", *PLAN_13B[1:]], capture_output=True, text=True, env=ENV,
                           cwd=REPO)
     rows = [line.split("|") for line in proc.stderr.splitlines()
             if line.startswith("import time:") and line.split("|")[1].strip().isdigit()]
@@ -129,6 +154,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 16,384-GPU searches")
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per figure")
+    parser.add_argument("--cold-bytecode", action="store_true",
+                        help="no bytecode cache: every process compiles every module from source")
     parser.add_argument("--child", metavar="MODEL", help=argparse.SUPPRESS)  # one fresh search process
     parser.add_argument("--child-engine", default="megatron", help=argparse.SUPPRESS)
     parser.add_argument("--child-batch", type=int, default=0, help=argparse.SUPPRESS)
@@ -136,7 +163,12 @@ def main() -> None:
     if args.child:
         search_once(args.child, args.child_engine, args.child_batch)
         return
-    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    ENV.clear()
+    ENV.update(_child_env(args.cold_bytecode))
+    if not args.cold_bytecode:
+        _compile_bytecode()
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores; "
+          f"bytecode {'compiled by every process' if args.cold_bytecode else 'cached, as after pip install'}")
     if not args.quick:
         for label, (model_name, engine, batch) in SEARCHES.items():
             time_search(label, args.runs)

@@ -50,7 +50,10 @@ RECOMPUTE_KINDS = ("none", "selective", "op", "full")
 # "selective" and no modules named, Megatron's default ["core_attn"] (SELECTIVE_DEFAULT_MODULES).
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 SELECTIVE_DEFAULT_MODULES = ("core_attn",)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "dualpipev")
+# schedules of two chunks per rank in a V (rank r holds chunks r and 2 pp - 1 - r): ZB-V (Qi et al. 2024) and
+# DualPipeV (DeepSeek-V3's DualPipe cut in half: deepseek-ai/DualPipe, torch's ScheduleDualPipeV)
+V_SCHEDULES = ("zb-v", "dualpipev")
 OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
 # No degree, micro-batch or accumulation count is larger than 2^24 in a real run.
 MAX_DEGREE = 1 << 24
@@ -83,8 +86,8 @@ class Layout:
     grad_accum_steps: int = 1  # micro-batches per optimizer step per replica
     recompute: str = "none"  # activation recomputation: none | selective | op | full
     sequence_parallel: bool = False  # shard norms/dropout along the sequence over tp
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-v
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zb-v: 2)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-v | dualpipev
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: >= 2; zb-v, dualpipev: 2)
     offload: str = "none"  # none | optimizer | optimizer+params (to host memory)
     layers_per_stage: tuple[int, ...] = field(default=())  # per (virtual) stage, pp*virtual_stages entries
     # full recomputation of only the first N layers of every model chunk (Megatron's
@@ -138,8 +141,9 @@ class Layout:
             raise PlanError(f"layout: offload must be one of {OFFLOAD_KINDS}, got {self.offload!r}")
         if self.pp_schedule == "interleaved-1f1b" and self.virtual_stages < 2:
             raise PlanError(f"layout: interleaved-1f1b needs virtual_stages >= 2, got {self.virtual_stages}")
-        if self.pp_schedule == "zb-v" and self.virtual_stages != 2:
-            raise PlanError(f"layout: zb-v uses exactly 2 virtual stages per rank, got {self.virtual_stages}")
+        if self.pp_schedule in V_SCHEDULES and self.virtual_stages != 2:
+            raise PlanError(f"layout: {self.pp_schedule} uses exactly 2 virtual stages per rank, got "
+                            f"{self.virtual_stages}")
         if self.pp_schedule in ("gpipe", "1f1b") and self.virtual_stages != 1:
             raise PlanError(f"layout: {self.pp_schedule} uses 1 virtual stage, got {self.virtual_stages}")
         if self.sequence_parallel and self.tp == 1:
@@ -346,11 +350,11 @@ def rank_chunks(schedule: str, pp: int, virtual_stages: int, rank: int) -> tuple
     """Model chunks (pipeline stages, 0-based in model order) that pipeline rank `rank` holds, in execution order.
 
     1f1b / gpipe: r; interleaved-1f1b: r, r + pp, ..., r + (v-1)*pp (looped);
-    zb-v: r and 2*pp - 1 - r (the V shape: rank 0 holds the first and the last
+    zb-v, dualpipev: r and 2*pp - 1 - r (the V shape: rank 0 holds the first and the last
     chunk). The memory model, the simulator and the executor's stage builder
     all ask this one function.
     """
-    if schedule == "zb-v":
+    if schedule in V_SCHEDULES:
         return (rank, 2 * pp - 1 - rank)
     return tuple(rank + i * pp for i in range(virtual_stages))
 

@@ -159,7 +159,10 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 def read_cluster_source(name_or_path: str) -> dict[str, Any]:
     """The raw keys of a preset (by name) or a TOML file (by path), plus its name."""
-    path = Path(name_or_path).expanduser()
+    try:
+        path = Path(name_or_path).expanduser()
+    except RuntimeError:  # "~name" of a user that does not exist: not a file, so a preset name (or an error)
+        path = Path(name_or_path)
     if name_or_path.endswith(".toml") or path.is_file():
         data = dict(_read_toml(str(path)))
         data.setdefault("name", path.stem)

@@ -19,7 +19,7 @@ from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
-SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "zb-v": "zb-v"}
+SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "zb-v": "zb-v", "dualpipev": "dpv"}
 
 
 def parse_recompute_modules(text: str | None) -> tuple[str, ...] | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.layout import V_SCHEDULES
 from topologies.errors import MeshplanError, UsageError
 
 ROW_VERSION = 1
@@ -150,7 +151,7 @@ def _pinned_layout(request, model, cluster, training):
     if any(v is None for v in needed.values()):
         return None
     shard = p.dp_shard if p.zero_stage else 1
-    v = p.virtual_stages or (2 if p.pp_schedule == "zb-v" else 1)
+    v = p.virtual_stages or (2 if p.pp_schedule in V_SCHEDULES else 1)
     lps = p.layers_per_stage or (balanced_layers(model.n_layers, p.pp * v) if p.pp * v <= model.n_layers else ())
     return Layout(tp=p.tp, pp=p.pp, dp_replicate=p.dp // shard, dp_shard=shard, cp=p.cp, ep=p.ep or 1,
                   etp=p.etp or 1, zero_stage=p.zero_stage, micro_batch_size=p.micro_batch_size,

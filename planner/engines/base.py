@@ -73,8 +73,9 @@ class Engine:
     # selective recomputation of named modules (Layout.recompute_modules: Megatron-Core's --recompute-modules)
     recompute_modules: bool = False
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # data-parallel sharding the engine implements
-    # pipeline schedules it runs with pp > 1 (torch.distributed.pipelining has all four; Megatron-Core's
-    # get_forward_backward_func 1F1B with or without interleaving; DeepSpeed's PipelineEngine its TrainSchedule)
+    # pipeline schedules it runs with pp > 1 (torch.distributed.pipelining has all four, and DualPipeV from torch
+    # 2.9, which only torchtitan runs here; Megatron-Core's get_forward_backward_func 1F1B with or without
+    # interleaving; DeepSpeed's PipelineEngine its TrainSchedule)
     pp_schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
     # the highest ZeRO stage it runs with pp > 1 (DeepSpeed's PipelineEngine asserts ZeRO < 2)
     pipeline_zero_max: int = 3
@@ -175,6 +176,9 @@ class Engine:
 
         if pipeline_allows(layout, layout.grad_accum_steps, self.pipeline.needs_pp_microbatches):
             return None
+        if layout.pp_schedule == "dualpipev":
+            return (f"dualpipev runs at least 2 x pp ({2 * layout.pp}) micro-batches per step (DualPipeV asserts it), "
+                    f"got grad_accum_steps {layout.grad_accum_steps}: raise the global batch or lower the micro-batch")
         return (f"engine {self.label} runs pipeline schedule {layout.pp_schedule} with at least pp ({layout.pp}) "
                 f"micro-batches per step, got grad_accum_steps {layout.grad_accum_steps}: raise the global batch or "
                 "lower the micro-batch")
@@ -201,9 +205,10 @@ class Engine:
             return (f"{who} does not offload activations to the host (activation_offload_layers "
                     f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
         if layout.pp > 1 and layout.pp_schedule not in self.pp_schedules:
+            runs = "torchtitan@2025-10 or newer" if layout.pp_schedule == "dualpipev" else "meshplan or torchtitan"
             return (f"{who} pipelines with {', '.join(self.pp_schedules)} only, got pp_schedule "
                     f"{layout.pp_schedule!r} (pp {layout.pp}); pin --pp-schedule {self.pp_schedules[-1]} or plan "
-                    "with --engine meshplan or torchtitan")
+                    f"with --engine {runs}")
         if layout.pp > 1 and layout.zero_stage > self.pipeline_zero_max:
             return (f"{who} runs ZeRO 0-{self.pipeline_zero_max} with pipeline parallelism, got "
                     f"ZeRO-{layout.zero_stage} with pp {layout.pp}; pin --zero {self.pipeline_zero_max} or --pp 1")

@@ -60,6 +60,11 @@ class MeshplanEngine(Engine):
 
     def refusal(self, model: ModelSpec, layout: Layout, dtype: str, on_gpu: bool,
                 training: TrainingSpec | None = None) -> str | None:
+        if layout.pp > 1 and layout.pp_schedule == "dualpipev":
+            return ("meshplan's executor does not run DualPipeV (pp_schedule 'dualpipev'): its overlapped "
+                    "forward-backward passes need a model-specific overlap of one micro-batch's expert all-to-alls "
+                    "with another's compute, which executor.parallel does not build; plan with --pp-schedule zb-v, "
+                    "or with --engine torchtitan@2025-10 or newer and export the layout")
         return self._common_refusal(model, layout, training) or \
             executor_refusal(model, layout, dtype, on_gpu, training)
 

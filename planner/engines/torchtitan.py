@@ -111,6 +111,10 @@ RELEASES: dict[str, Engine] = build_releases(_BASE, (
            {"loss": Loss("torch-loss-parallel", fused="compile")}),
     Change("2025-10", "0b44d4c of 2025-06-16 (#1303, support AMP for DDP / single-device training; in v0.1.0)",
            "torch.autocast for DDP and single-device runs", {"dp_impl": "ddp-amp"}),
+    Change("2025-10", "torch 2.9's torch.distributed.pipelining.ScheduleDualPipeV, which "
+           "--parallelism.pipeline_parallel_schedule DualPipeV picks (get_schedule_class)",
+           "DualPipeV: the V placement in DeepSeek's order, forward and backward passes of two micro-batches "
+           "overlapped", {"pp_schedules": ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "dualpipev")}),
     Change("2026-02", "ff0829c10 of 2026-01-27 (#2259, GQA without kv repeats)",
            "SDPA takes GQA's K/V without repeating them to the query heads",
            {"model_code": ModelCode("torchtitan.models.llama3", eager_final_norm=True)}),

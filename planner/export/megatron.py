@@ -116,9 +116,9 @@ def _pipeline_args(plan: Plan, notes: list[str], version: tuple[int, ...]) -> li
         return []
     if lay.pp_schedule == "gpipe":
         notes.append("pp_schedule gpipe: Megatron has no GPipe schedule; it runs 1F1B (same bubble, less memory)")
-    if lay.pp_schedule == "zb-v":
-        notes.append("pp_schedule zb-v: Megatron has no ZB-V schedule; exported as interleaved 1F1B with the same "
-                     "2 chunks per rank (chunk k on rank k % pp instead of the V placement)")
+    if lay.pp_schedule in ("zb-v", "dualpipev"):
+        notes.append(f"pp_schedule {lay.pp_schedule}: Megatron has no such schedule; exported as interleaved 1F1B "
+                     "with the same 2 chunks per rank (chunk k on rank k % pp instead of the V placement)")
     counts = stage_layers(plan)
     if len(set(counts)) == 1:
         return [("--num-layers-per-virtual-pipeline-stage", str(counts[0]))] if lay.virtual_stages > 1 else []

@@ -46,7 +46,8 @@ from planner.layout import Layout, stage_ranges
 from planner.plan import Plan
 
 # meshplan pp_schedule -> torch.distributed.pipelining schedule name (get_schedule_class)
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zb-v": "ZBVZeroBubble"}
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
+             "dualpipev": "DualPipeV"}
 # meshplan dtype -> training.mixed_precision_param (torchtitan accepts bfloat16 or float32)
 PARAM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # llama3 flavors torchtitan registers: (hidden, layers, heads, kv heads, vocab) -> (flavor, first release, 0.3 config)

@@ -147,7 +147,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from planner.engines import Engine, fp8_rowwise_bytes, get_engine
-from planner.layout import Layout, recomputed_fraction, selective_modules
+from planner.layout import V_SCHEDULES, Layout, recomputed_fraction, selective_modules
 from planner.memory.activations import (
     FP32_BYTES,
     embedding_dropout_bytes,
@@ -374,7 +374,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: 
     if eng.pipeline.stage_outputs and layout.pp > 1:  # the residual stream: fp32 under autocast
         stage_output = s * b / cp * model.hidden * (FP32_BYTES if autocast else d) / (t if seq_par else 1)
     boundary = None  # zb-v: planner.memory.phases' own rule
-    if layout.pp_schedule != "zb-v":  # first rank, a middle one, the last rank
+    if layout.pp_schedule not in V_SCHEDULES:  # first rank, a middle one, the last rank
         m, v, sched = layout.grad_accum_steps, layout.virtual_stages, layout.pp_schedule
         alive = first_stage_alive(sched, layout.pp, m, v)
         boundary = tuple(boundary_buffers(sched, layout.pp, m, v, first=first, last=last, first_alive=alive)

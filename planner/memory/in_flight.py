@@ -47,6 +47,11 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
       min(2 pp, 2m, m + 1 + r) chunks of half its layers, so pp micro-batches'
       worth once m >= 2 pp - 1 (the V shape matches 1F1B's first stage, Qi et
       al. 2024), less on the low ranks of a short step.
+    dualpipev (planner.simulate.pipeline._dualpipev_rank_order): every rank runs
+      2 pp chunk forwards before its first backward and keeps that count through
+      the steady state, where the forward of an F&B pair runs before its backward
+      frees a chunk: 2 pp + 1 chunks of half its layers, the reference's PP + 1
+      stages' activations for PP = 2 pp stages (deepseek-ai/DualPipe README).
     """
     m = grad_accum_steps
     if pp == 1:
@@ -61,6 +66,8 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
         return chunks / v
     if schedule == "zb-v":
         return min(2 * pp, 2 * m, m + 1 + rank) / 2
+    if schedule == "dualpipev":
+        return min(2 * pp + 1, 2 * m) / 2
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 

@@ -115,7 +115,7 @@ class Activations(NamedTuple):
     # once; 0: as many as its layers' (planner.memory.in_flight.output_in_flight)
     output_flight: float = 0.0
     # stage outputs and receive buffers kept, in stage outputs, on (the first rank, a middle one, the last rank)
-    # (planner.memory.boundary.boundary_buffers); None under zb-v
+    # (planner.memory.boundary.boundary_buffers); None under the V schedules (zb-v, dualpipev)
     boundary: tuple[float, float, float] | None = (0.0, 0.0, 0.0)
 
 
@@ -171,7 +171,7 @@ def step_phases(sb: StageBytes, sp: StageParams, acts: Activations, in_flight: f
         (in_flight * acts.embedding if sp.has_embedding else 0.0)
     if acts.boundary is not None:  # torch.distributed.pipelining's stage outputs and receive buffers
         kept += acts.boundary[0 if sp.has_embedding else 2 if sp.has_output else 1] * acts.stage_output
-    elif not sp.has_output:  # zb-v: each in-flight micro-batch's output, and the output gradient received for one
+    elif not sp.has_output:  # V schedules: each in-flight micro-batch's output, and the output gradient received for one
         kept += (in_flight + 1) * acts.stage_output
     out = (acts.output_flight or in_flight) * (acts.output + acts.logits_saved) if sp.has_output else 0.0
     fwd = sb.params + sb.copy

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.engines import FP32_BYTES, Engine, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
@@ -48,6 +50,64 @@ def _compute_copy(eng: Engine, layout: Layout, sp: StageParams, d: int) -> int:
         return d * sp.total
     # autocast: full recomputation casts the blocks' weights again in the backward; the head's copy stays
     return d * sp.head if layout.recompute == "full" else d * (sp.total - sp.uncast)
+
+
+def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: float | np.ndarray,
+                      zero_stage: np.ndarray, shard_ranks: np.ndarray, dp_shard: np.ndarray,
+                      expert_dp_shard: np.ndarray, ep: np.ndarray, offload: str = "none"
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Lower bounds of (params + optimizer, grads) of `stage_states` for a stage holding `dense` and `experts`
+    parameters, for many data-parallel splits at once (arrays of ZeRO stage and group sizes), without a Layout.
+
+    The same recipe and groups as stage_states (the executor's experts over the most ranks it may shard them
+    over), each sharded term at its exact quotient (stage_states rounds
+    up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split);
+    what stage_states adds beyond the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so
+    are the parameters where 8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
+    data-parallel splits whose states cannot fit before it builds them (planner.search.families).
+    """
+    zero_stage = np.asarray(zero_stage)
+    if offload != "none":
+        zeros = np.zeros(zero_stage.shape)
+        return zeros, zeros
+    table = _recipe_table(eng, training)[zero_stage]
+    shard_ranks, expert_dp_shard = np.asarray(shard_ranks), np.asarray(expert_dp_shard)
+    n = np.where(zero_stage >= 1, shard_ranks, np.asarray(dp_shard))  # ZeRO's group takes in the cp ranks
+    expert_shard = expert_dp_shard
+    if eng.experts.executor_experts:  # the executor's E / ep experts: sharded over at most dp_shard x cp / ep
+        expert_shard = np.maximum(1, shard_ranks // np.asarray(ep))
+    sharded = dense / n + experts / np.asarray(expert_shard, dtype=np.float64)
+    whole = np.asarray(dense + experts, dtype=np.float64)
+
+    def term(column: int) -> np.ndarray:
+        return table[:, column] * np.where(table[:, column + 3] > 0, sharded, whole)
+
+    params = np.zeros(zero_stage.shape) if eng.fp8_primary_weights(training) else term(0)
+    optimizer = term(2)
+    if eng.data_parallel.zero1_whole_tensors:  # zero1_rank_params: routed experts over their own ZeRO group
+        whole_tensors = dense / n + experts / np.asarray(expert_dp_shard, dtype=np.float64)
+        optimizer = np.where(zero_stage == 1, table[:, 2] * whole_tensors, optimizer)
+    return params + optimizer, term(1)
+
+
+_RECIPE_TABLES: dict[tuple, tuple[Engine, TrainingSpec, np.ndarray]] = {}
+
+
+def _recipe_table(eng: Engine, training: TrainingSpec) -> np.ndarray:
+    """Per ZeRO stage 0-3: the recipe's (param, grad, optimizer bytes, shard params, grads, optimizer), cached
+    on the engine's and the training's identities (checked on a hit)."""
+    key = (id(eng), id(training))
+    hit = _RECIPE_TABLES.get(key)
+    if hit is not None and hit[0] is eng and hit[1] is training:
+        return hit[2]
+    recipes = [eng.recipe(training.dtype_bytes, training.optimizer, z, DTYPE_BYTES[training.grad_dtype],
+                          training.dtype, DTYPE_BYTES[training.optimizer_dtype]) for z in range(4)]
+    table = np.array([(r.param, r.grad, r.optimizer, r.shard_params, r.shard_grads, r.shard_optimizer)
+                      for r in recipes], dtype=np.float64)
+    if len(_RECIPE_TABLES) > 256:
+        _RECIPE_TABLES.clear()
+    _RECIPE_TABLES[key] = (eng, training, table)
+    return table
 
 
 def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,

@@ -64,15 +64,12 @@ def bubble_split(ctx: Context, training: TrainingSpec, layout: Layout) -> Bubble
     """The critical rank's pipeline idle time split as the module docstring says; None without a pipeline."""
     if layout.pp == 1:
         return None
-    result = simulate_step(ctx.model, training, layout, ctx.cluster, ctx.calibration, ctx.engine, events=True)
-    events = result.events
+    result = simulate_step(ctx.model, training, layout, ctx.cluster, ctx.calibration, ctx.engine)
+    durations, p2p_s = result.pipeline_inputs
     n_chunks = layout.pp * layout.virtual_stages
-    durations = [[0.0] * n_chunks for _ in range(3)]
-    for op in events.ops:
-        durations[op.kind][op.chunk] = op.end_s - op.start_s
     mean = [[sum(row) / n_chunks] * n_chunks for row in durations]
     balanced = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, layout.grad_accum_steps,
-                                 mean, list(events.p2p_s))
+                                 mean, list(p2p_s))
     last = max(range(layout.pp), key=lambda r: balanced.rank_end_s[r])
     schedule = balanced.rank_end_s[last] - balanced.rank_busy_s[last]
     bubble = result.time_breakdown_s.get("bubble", 0.0)

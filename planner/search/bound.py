@@ -35,7 +35,8 @@ with the same work differ only in start_r, so one rank per kind is enough.
 
 MoE: the expert all-to-alls (and etp gathers) of a micro-batch of one
 sequence are added to every layer pass: exposed in the simulated step too,
-and never shorter at a larger micro-batch. Routed experts' gradients are
+and never shorter at a larger micro-batch (except under DualPipeV, whose
+overlapped passes hide them: left out there). Routed experts' gradients are
 reduced (and under ZeRO-1/2 gathered) over the expert data-parallel groups,
 priced as the simulator prices them.
 
@@ -83,6 +84,9 @@ from topologies.cluster import Cluster
 
 # schedules whose last operation on rank r is chunk r's backward of the last micro-batch (module docstring)
 CHAIN_BACK_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# schedules whose passes may run beside another micro-batch's and hide their expert all-to-alls there
+# (planner.simulate.pipeline's FO and BO): their bound leaves the expert communication out
+OVERLAPPED_SCHEDULES = ("dualpipev",)
 
 
 @lru_cache(maxsize=4096)
@@ -171,8 +175,10 @@ class StepBound:
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
                                              for held, below, emb, out, low, sp in self._rank_kinds(shape))
+        expert_s = 0.0 if shape.pp_schedule in OVERLAPPED_SCHEDULES else self.expert(shape_key, shape.ep, shape.etp,
+                                                                                       training)
         return ShapeBound(self, shape, training, self.fsdp(shape.zero_stage, shape.ep, shape.etp, shape_key, training),
-                          kinds, self.expert(shape_key, shape.ep, shape.etp, training))
+                          kinds, expert_s)
 
     def relaxed(self, units: tuple[float, float, float, float], fsdp: tuple[float, float], expert_s: float,
                 host_scale: tuple[float, float], training: TrainingSpec, micro_batch_size: int,

@@ -139,7 +139,7 @@ class Pins:
         v, sched = self.virtual_stages, self.pp_schedule
         if v is not None and sched is not None:
             Layout(pp=2, pp_schedule=sched, virtual_stages=v)  # raises PlanError (exit 2) with the rule
-        if self.pp == 1 and ((v or 1) > 1 or sched in ("interleaved-1f1b", "zb-v")):
+        if self.pp == 1 and ((v or 1) > 1 or sched in ("interleaved-1f1b", "zb-v", "dualpipev")):
             raise UsageError("--pp 1 has no pipeline: drop --pp-schedule/--virtual-stages or pin --pp > 1")
         lps = self.layers_per_stage
         if lps is not None:
@@ -245,8 +245,9 @@ def sequence_parallel_options(tp: int, cp: int, seq_len: int, pins: Pins) -> tup
     return options
 
 
-def schedules(pp: int, n_layers: int, pins: Pins) -> tuple[tuple[str, int], ...]:
-    """(pp_schedule, virtual_stages) pairs for a pipeline depth, under R2 and R7."""
+def schedules(pp: int, n_layers: int, pins: Pins, overlapped: bool = False) -> tuple[tuple[str, int], ...]:
+    """(pp_schedule, virtual_stages) pairs for a pipeline depth, under R2 and R7; DualPipeV where `overlapped`
+    (the engine runs it: Engine.pp_schedules) or pinned."""
     if pp == 1:
         if pins.pp_schedule not in (None, "gpipe", "1f1b") or pins.virtual_stages not in (None, 1):
             return ()
@@ -258,6 +259,8 @@ def schedules(pp: int, n_layers: int, pins: Pins) -> tuple[tuple[str, int], ...]
         options.append(("interleaved-1f1b", 2))
     if 2 * pp <= n_layers:
         options.append(("zb-v", 2))
+        if overlapped or pins.pp_schedule == "dualpipev":
+            options.append(("dualpipev", 2))
     if pins.pp_schedule is not None:
         options = [o for o in options if o[0] == pins.pp_schedule]
         if pins.pp_schedule == "interleaved-1f1b" and pins.virtual_stages is not None:
@@ -267,8 +270,10 @@ def schedules(pp: int, n_layers: int, pins: Pins) -> tuple[tuple[str, int], ...]
         options = [o for o in options if o[1] == pins.virtual_stages]
     if pins.layers_per_stage is not None:  # the pinned split fixes the chunks per rank, even or not
         v = len(pins.layers_per_stage) // pp
-        kinds = ("1f1b", "gpipe") if v == 1 else ("interleaved-1f1b", "zb-v") if v == 2 else ("interleaved-1f1b",)
-        options = [(kind, v) for kind in kinds if pins.pp_schedule in (None, kind)]
+        kinds = ("1f1b", "gpipe") if v == 1 else ("interleaved-1f1b", "zb-v", "dualpipev") if v == 2 \
+            else ("interleaved-1f1b",)
+        options = [(kind, v) for kind in kinds if pins.pp_schedule in (None, kind)
+                   and (kind != "dualpipev" or overlapped or pins.pp_schedule == kind)]
     return tuple(options)
 
 
@@ -280,6 +285,8 @@ def pipeline_allows(layout: Layout, grad_accum_steps: int, needs_pp_microbatches
         return True
     if grad_accum_steps < layout.pp and needs_pp_microbatches:
         return False
+    if layout.pp_schedule == "dualpipev":  # DualPipeV asserts 2 pp micro-batches (both implementations)
+        return grad_accum_steps >= 2 * layout.pp
     return layout.pp_schedule != "interleaved-1f1b" or grad_accum_steps % layout.pp == 0
 
 
@@ -312,12 +319,12 @@ class ShapeGroup:
 
 
 def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
-                 dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[ShapeGroup]:
-    """The groups of `shapes`, in its order, for the dp that `dp_ok` accepts."""
+                 dp_ok: Callable[[int], bool] = lambda dp: True, overlapped: bool = False) -> Iterator[ShapeGroup]:
+    """The groups of `shapes`, in its order, for the dp that `dp_ok` accepts (DualPipeV where `overlapped`)."""
     for pp, dp, cp, tp in mesh_degrees(n_gpus, model, seq_len, pins):
         if not dp_ok(dp):
             continue
-        scheds = schedules(pp, model.n_layers, pins)
+        scheds = schedules(pp, model.n_layers, pins, overlapped)
         splits = tuple((replicate, shard, zero, ep, etp) for replicate, shard, zero in data_parallel_splits(dp, pins, cp)
                        for ep, etp in expert_degrees(model, shard, cp, tp, pins.ep, pins.etp))
         for sp in sequence_parallel_options(tp, cp, seq_len, pins):
@@ -326,9 +333,10 @@ def shape_groups(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins,
 
 
 def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str,
-           dp_ok: Callable[[int], bool] = lambda dp: True) -> Iterator[Layout]:
-    """Every shape (leaf-free Layout, micro_batch_size 1) the search considers, for the dp that `dp_ok` accepts."""
-    for group in shape_groups(n_gpus, model, seq_len, pins, dp_ok):
+           dp_ok: Callable[[int], bool] = lambda dp: True, overlapped: bool = False) -> Iterator[Layout]:
+    """Every shape (leaf-free Layout, micro_batch_size 1) the search considers, for the dp that `dp_ok` accepts
+    (with DualPipeV where `overlapped`: the engine runs it)."""
+    for group in shape_groups(n_gpus, model, seq_len, pins, dp_ok, overlapped):
         for split in group.splits:
             for schedule in group.schedules:
                 yield group.layout(split, schedule, offload)

@@ -32,7 +32,9 @@ import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, divisors
-from planner.search.bound import ShapeBound
+from planner.memory.params import pipeline_params
+from planner.memory.states import state_floor_bytes
+from planner.search.bound import OVERLAPPED_SCHEDULES, ShapeBound
 from planner.search.candidates import ShapeGroup, global_batch_for, pipeline_allows, shape_groups
 from planner.training import TrainingSpec
 
@@ -62,6 +64,7 @@ class Family:
     per_replica: int
     micro_batches: tuple[int, ...]  # the micro-batch sizes its schedule can run
     shapes: dict[int, Shape | None] = field(default_factory=dict)  # built on demand; None: refused after all
+    states_fit: np.ndarray | None = None  # per member: False where its model states alone cannot fit (a floor)
 
     @property
     def members(self) -> range:
@@ -92,9 +95,11 @@ def build_families(ctx, offload: str) -> list[Family]:
             ctx.stats.batch_rejected += batches[dp] is None
         return batches[dp] is not None
 
-    needs_pp = get_engine(ctx.engine).pipeline.needs_pp_microbatches
+    engine = get_engine(ctx.engine)
+    needs_pp, overlapped = engine.pipeline.needs_pp_microbatches, "dualpipev" in engine.pp_schedules
     out: list[Family] = []
-    for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok)):
+    for index, group in enumerate(shape_groups(ctx.cluster.world_size, ctx.model, ctx.seq_len, ctx.pins, dp_ok,
+                                               overlapped)):
         if not group.splits:
             continue
         training = ctx.training(batches[group.dp])
@@ -148,8 +153,35 @@ class FamilyBounds:
         units = np.array([self._unit(fam, grid, micro_batch_size, recompute) for grid in terms.grids])[terms.grid]
         scales = np.array([self.bound.host_scale(self._probe(fam, grid, recompute), fam.training)
                            for grid in terms.grids])[terms.grid]
-        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), terms.expert_s, tuple(scales.T),
+        expert_s = terms.expert_s * 0.0 if fam.schedule[0] in OVERLAPPED_SCHEDULES else terms.expert_s
+        return self._relaxed(fam, tuple(units.T), (terms.ag, terms.ag_rs), expert_s, tuple(scales.T),
                              micro_batch_size, recompute, np.maximum)
+
+    def states_may_fit(self, fam: Family) -> np.ndarray:
+        """Per member of `fam`: False where a floor of its model states (planner.memory.states.state_floor_bytes,
+        never above `stage_state_floors`' totals) plus the fixed overhead exceeds the capacity, so that no
+        micro-batch or recomputation can make it fit; such members need no Layout, bound or memory check.
+
+        A stage's dense parameters do not depend on the expert grid and its routed experts are split by ep x
+        etp (planner.memory.params), so every member is priced on the stages of one grid (ep = etp = 1): each
+        stage's routed experts over ep x etp, less one parameter per layer that layer_kind_params' rounding
+        may have added."""
+        if fam.states_fit is None:
+            ctx, g = self.ctx, fam.group
+            splits = np.array(g.splits, dtype=np.int64).reshape(-1, 5)
+            _, shard, zero, ep, etp = splits.T
+            grid = (ep * etp).astype(np.float64)
+            whole = g.layout(g.splits[0], fam.schedule, self.offload).trusted_replace(ep=1, etp=1)
+            need = np.zeros(len(splits))
+            for sp in {id(sp): sp for sp in pipeline_params(ctx.model, whole, ctx.engine)}.values():
+                experts = np.maximum(0.0, sp.experts / grid - (sp.layers + ctx.model.mtp_layers)) if sp.experts \
+                    else np.zeros(len(splits))
+                states, grads = state_floor_bytes(get_engine(ctx.engine), fam.training, sp.dense, experts, zero,
+                                                  shard * g.cp, shard, shard * g.cp * g.tp // (ep * etp), ep,
+                                                  self.offload)
+                need = np.maximum(need, states + grads)
+            fam.states_fit = need + ctx.other_bytes <= ctx.capacity_bytes
+        return fam.states_fit
 
     def ask_refusals(self, families: list[Family]) -> None:
         """The engine's refusal of every shape not built yet, for the counts and the reason of an empty search."""

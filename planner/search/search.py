@@ -31,6 +31,7 @@ a layout whose dp does not divide ~1M tokens rounds the batch, see
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,10 @@ class _Context:
     recipe: dict[str, bool] = field(default_factory=dict)  # TrainingSpec's recipe options (plan --recipe)
     stats: SearchStats = field(default_factory=SearchStats)
     near_miss: NearMiss | None = None
+    # True: every memory check that fails is made in full and kept as a miss, so that `near_miss` is the
+    # closest layout of all (what an infeasible search reports); False, the first pass: layouts that
+    # a floor shows cannot fit are dropped unmeasured (they cannot change what fits, nor the ranking)
+    exact_misses: bool = False
     _trainings: dict[int, TrainingSpec] = field(default_factory=dict)
 
     @property
@@ -209,6 +214,10 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     offload = offload_option(ctx.pins)
     families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
     ranked = _branch_and_bound(ctx, families, bounds, top_k)
+    if not ranked and ctx.stats.shapes:  # again, measuring every miss: the closest layout the error names
+        ctx = dataclasses.replace(ctx, stats=SearchStats(), near_miss=None, exact_misses=True, _trainings={})
+        families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
+        ranked = _branch_and_bound(ctx, families, bounds, top_k)
     if not ranked:  # the counts and the refusal the error names
         bounds.ask_refusals(families)
     ctx.stats.elapsed_s = time.perf_counter() - started
@@ -272,6 +281,10 @@ def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBound
             # its members in bound order behind one queue entry (a cursor), which holds the next one's bound
             member_bounds = bounds.members(fam, mb, levels_of(fam.group.pp, fam.schedule[1])[0])
             order = np.argsort(member_bounds, kind="stable")
+            if not ctx.exact_misses:  # members whose model states cannot fit are never built
+                order = order[bounds.states_may_fit(fam)[order]]
+                if not len(order):
+                    continue
             serial += 1
             heapq.heappush(queue, (float(member_bounds[order[0]]), (-1, serial), _MEMBER,
                                    (fam, mb, order.tolist(), member_bounds[order].tolist(), 0)))
@@ -331,11 +344,11 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
             micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
             **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ())))
         # a floor of the peak first (planner.memory.estimate.peak_floor_bytes): what cannot fit by its
-        # states and kept activations alone, and cannot come closer than the nearest miss so far (whose
-        # figure the infeasibility message names), is never estimated in full
-        if ctx.near_miss is not None:
+        # states and kept activations alone is never estimated in full (measuring every miss, only
+        # what cannot come closer than the nearest miss so far, whose figure the infeasibility message names)
+        if ctx.near_miss is not None or not ctx.exact_misses:
             floor = peak_floor_bytes(ctx.model, sh.training, layout, ctx.engine, ctx.other_bytes, sh.state_floors)
-            if floor > ctx.capacity_bytes and floor >= ctx.near_miss.needed_bytes:
+            if floor > ctx.capacity_bytes and (not ctx.exact_misses or floor >= ctx.near_miss.needed_bytes):
                 ctx.stats.floor_pruned += 1
                 level += 1
                 continue

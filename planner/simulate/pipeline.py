@@ -25,6 +25,18 @@ Schedules:
                    ScheduleZBVZeroBubble runs (`_zbv_rank_order`), which is
                    what `meshplan execute` runs; tests/unit/test_schedule_torch.py
                    compares every rank's order with torch's pipeline_order.
+  dualpipev        the same V, in DualPipeV's order (DeepSeek-V3's DualPipe cut
+                   in half: deepseek-ai/DualPipe dualpipev.py, torch's
+                   ScheduleDualPipeV; `_dualpipev_rank_order`): in its steady
+                   state the forward of one micro-batch runs overlapped with
+                   the backward of another (F&B), each pass's expert
+                   all-to-alls under the other's compute. Those passes are
+                   the kinds FO and BO, priced without what the overlap hides
+                   (planner.simulate.step); their dependencies are F's and
+                   B's. At least 2 pp micro-batches (both implementations
+                   assert it). Bubble (pp - 1)(F&B + B - 3W) in chunk passes,
+                   the reference's (PP/2 - 1)(F&B + B - 3W) for PP = 2 pp
+                   stages.
 
 Every order is compiled once per (schedule, pp, v, n) into a topological list
 (each rank's order merged so that every input comes before its consumer), in
@@ -45,6 +57,10 @@ from topologies.errors import PlanError
 
 F, B, W = 0, 1, 2
 KIND_NAMES = ("F", "B", "W")
+# DualPipeV's overlapped passes: a forward (FO) and an input-gradient backward (BO) run as one F&B pair;
+# durations[FO], durations[BO] price them, and they depend, and show in events, as F and B
+FO, BO = 3, 4
+BASE_KIND = (F, B, W, F, B)
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,34 @@ def _order_interleaved(rank: int, pp: int, v: int, n: int) -> list[tuple[int, in
 _ORDERS = {"gpipe": _order_gpipe, "1f1b": _order_1f1b, "interleaved-1f1b": _order_interleaved}
 
 
+def _rank_arrays(schedule: str, rank: int, pp: int, v: int, n: int) -> np.ndarray:
+    """`_ORDERS[schedule](rank, pp, v, n)` as an (operations, 3) array of (kind, chunk, micro-batch), built with
+    numpy: the compiled orders of a 1T search's deep pipelines hold tens of thousands of operations each."""
+    if schedule == "gpipe":
+        chunks = np.array(rank_chunks("gpipe", pp, v, rank))
+        i = np.repeat(np.arange(n), len(chunks))
+        fwd = np.stack((np.full(len(i), F), np.tile(chunks, n), i), axis=1)
+        bwd = np.stack((np.full(len(i), B), np.tile(chunks[::-1], n), i), axis=1)
+        return np.concatenate((fwd, bwd))
+    if schedule == "1f1b":
+        fc = bc = np.full(n, rank)
+        fm = bm = np.arange(n)
+        warmup = min(pp - rank - 1, n)
+    else:  # interleaved-1f1b: groups of pp micro-batches per chunk (n is a multiple of pp)
+        groups = n // pp
+        mb = (np.arange(groups)[:, None, None] * pp + np.arange(pp)[None, None, :]).repeat(v, axis=1).ravel()
+        fc = np.broadcast_to((rank + np.arange(v) * pp)[None, :, None], (groups, v, pp)).ravel()
+        bc = np.broadcast_to((rank + np.arange(v - 1, -1, -1) * pp)[None, :, None], (groups, v, pp)).ravel()
+        fm = bm = mb
+        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, len(fc))
+    total = len(fc)
+    steady = total - warmup  # one forward, one backward
+    kind = np.concatenate((np.full(warmup, F), np.tile([F, B], steady), np.full(warmup, B)))
+    chunk = np.concatenate((fc[:warmup], np.stack((fc[warmup:], bc[:steady]), axis=1).ravel(), bc[steady:]))
+    micro = np.concatenate((fm[:warmup], np.stack((fm[warmup:], bm[:steady]), axis=1).ravel(), bm[steady:]))
+    return np.stack((kind, chunk, micro), axis=1)
+
+
 def _zbv_rank_order(rank: int, pp: int, n: int) -> list[tuple[int, int, int]]:
     """Rank `rank`'s order under ZB-V as torch.distributed.pipelining's ScheduleZBVZeroBubble runs it.
 
@@ -188,12 +232,91 @@ def _zbv_orders(pp: int, n: int) -> list[list[tuple[int, int, int]]]:
     return [_zbv_rank_order(r, pp, n) for r in range(pp)]
 
 
+def _dualpipev_rank_order(rank: int, pp: int, n: int) -> list[tuple[int, int, int]]:
+    """Rank `rank`'s order under DualPipeV (deepseek-ai/DualPipe's DualPipeV.step, torch's ScheduleDualPipeV).
+
+    Chunk `down` = rank, `up` = 2 pp - 1 - rank; n >= 2 pp micro-batches. A
+    full backward is B then its W; a zero-bubble one (B only) queues its W,
+    which a later W step pops, oldest first. Steps:
+      1. 2 (pp - rank - 1) forwards of `down`;
+      2. rank + 1 pairs: forward `down`, forward `up`;
+      3. pp - rank - 1 triples: zero-bubble B of `up`, a queued W, forward `up`;
+      4. n - 2 pp + rank + 1 pairs of F&B: forward `down` with the backward of
+         `up`, then forward `up` with the backward of `down` (the last rank runs
+         its first forward `down` and backward `up` without overlap);
+      5. pp - rank - 1 pairs: backward `up`, then forward `up` with backward `down`;
+      6. rank + 1 pairs: backward `up`, backward `down`, zero-bubble from the middle
+         pair on (from its `up` backward on odd ranks, its `down` one on even ranks);
+      7. pp - rank - 1 pairs: a queued W, zero-bubble backward `down`;
+      8. rank + 1 queued Ws.
+    """
+    down, up = rank, 2 * pp - 1 - rank
+    count = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
+    queue: list[tuple[int, int]] = []
+    order: list[tuple[int, int, int]] = []
+
+    def forward(chunk: int, kind: int = F) -> None:
+        order.append((kind, chunk, count[F, chunk]))
+        count[F, chunk] += 1
+
+    def backward(chunk: int, zero_bubble: bool = False, kind: int = B) -> None:
+        i = count[B, chunk]
+        order.append((kind, chunk, i))
+        count[B, chunk] += 1
+        if zero_bubble:
+            queue.append((chunk, i))
+        else:
+            order.append((W, chunk, i))
+
+    def weights() -> None:
+        if queue:
+            chunk, i = queue.pop(0)
+            order.append((W, chunk, i))
+
+    def overlapped(forward_chunk: int, backward_chunk: int) -> None:
+        forward(forward_chunk, FO)
+        backward(backward_chunk, kind=BO)
+
+    for _ in range(2 * (pp - rank - 1)):
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(pp - rank - 1):
+        backward(up, True)
+        weights()
+        forward(up)
+    for i in range(n - 2 * pp + rank + 1):
+        if i == 0 and rank == pp - 1:
+            forward(down)
+            backward(up)
+        else:
+            overlapped(down, up)
+        overlapped(up, down)
+    for _ in range(pp - rank - 1):
+        backward(up)
+        overlapped(up, down)
+    zero_bubble = False
+    for i in range(rank + 1):
+        zero_bubble = zero_bubble or (i == (rank + 1) // 2 and rank % 2 == 1)
+        backward(up, zero_bubble)
+        zero_bubble = zero_bubble or (i == (rank + 1) // 2 and rank % 2 == 0)
+        backward(down, zero_bubble)
+    for _ in range(pp - rank - 1):
+        weights()
+        backward(down, True)
+    for _ in range(rank + 1):
+        weights()
+    return order
+
+
 @dataclass(frozen=True)
 class _Compiled:
     """A fixed schedule in topological order, as flat arrays."""
 
     rank: np.ndarray
-    kind: np.ndarray
+    kind: np.ndarray  # F, B or W (DualPipeV's FO and BO as F and B)
+    duration_kind: np.ndarray  # the row of the durations that prices it (FO, BO: their own)
     chunk: np.ndarray
     micro_batch: np.ndarray
     prev: list[int]  # 1 + index of the previous operation on the same rank (0: none)
@@ -239,10 +362,16 @@ def _compiled(schedule: str, pp: int, v: int, n: int) -> _Compiled:
     rank is earlier in that rank's own order, so it ends before the
     operation's predecessor there and never delays it.
     """
-    orders = _zbv_orders(pp, n) if schedule == "zb-v" else [_ORDERS[schedule](r, pp, v, n) for r in range(pp)]
-    sizes = [len(o) for o in orders]
-    flat = chain.from_iterable(chain.from_iterable(orders))  # (kind, chunk, micro-batch) of every operation
-    kind, chunk, mb = np.fromiter(flat, dtype=np.int64, count=3 * sum(sizes)).reshape(-1, 3).T
+    if schedule in ("zb-v", "dualpipev"):
+        orders = _zbv_orders(pp, n) if schedule == "zb-v" else [_dualpipev_rank_order(r, pp, n) for r in range(pp)]
+        sizes = [len(o) for o in orders]
+        flat = chain.from_iterable(chain.from_iterable(orders))  # (kind, chunk, micro-batch) of every operation
+        kind, chunk, mb = np.fromiter(flat, dtype=np.int64, count=3 * sum(sizes)).reshape(-1, 3).T
+    else:
+        arrays = [_rank_arrays(schedule, r, pp, v, n) for r in range(pp)]
+        sizes = [len(a) for a in arrays]
+        kind, chunk, mb = np.concatenate(arrays).astype(np.int64).T
+    priced, kind = kind, np.array(BASE_KIND, dtype=np.int64)[kind]
     rank = np.repeat(np.arange(pp), sizes)
     starts = np.concatenate(([0], np.cumsum(sizes)))
     n_chunks, total = pp * v, int(starts[-1])
@@ -263,7 +392,7 @@ def _compiled(schedule: str, pp: int, v: int, n: int) -> _Compiled:
     prev = np.where(np.arange(total) == starts[rank], total, np.arange(total) - 1)
     boundary = np.where(remote, np.minimum(chunk, src), -1)
     kind, mb = kind[order], mb[order]
-    return _Compiled(rank[order], kind, chunk[order], mb, position[prev[order]].tolist(),
+    return _Compiled(rank[order], kind, priced[order], chunk[order], mb, position[prev[order]].tolist(),
                      position[dep[order]].tolist(), boundary[order], np.flatnonzero((kind != F) & (mb == n - 1)))
 
 
@@ -275,7 +404,7 @@ def _run_fixed(schedule: str, pp: int, v: int, n: int, durations: list[list[floa
     itself runs as a Python loop (about 0.1 us per operation).
     """
     sched = _compiled(schedule, pp, v, n)
-    dur = np.asarray(durations, dtype=float)[sched.kind, sched.chunk]
+    dur = np.asarray(durations, dtype=float)[sched.duration_kind, sched.chunk]
     lag = np.append(np.asarray(p2p_s, dtype=float), 0.0)[sched.boundary]
     end = [0.0]  # end[0] is the sentinel for "none"; operation i ends at end[i + 1]
     append = end.append
@@ -299,9 +428,9 @@ def simulate_pipeline(schedule: str, pp: int, v: int, n_micro: int, durations: l
                       p2p_s: list[float], events: bool = False) -> PipelineResult:
     """Time one step's forward and backward passes over the pipeline.
 
-    durations[kind][chunk] is the time of one operation (F, B, W) of a chunk
-    for one micro-batch; for schedules without a W phase, B must already
-    include the weight gradients and durations[W] is ignored. p2p_s[c] is the
+    durations[kind][chunk] is the time of one operation (F, B, W; and FO, BO
+    under dualpipev) of a chunk for one micro-batch; for schedules without a W
+    phase, B must already include the weight gradients and durations[W] is ignored. p2p_s[c] is the
     transfer time across the boundary between chunk c and c + 1.
     """
     if n_micro < 1:
@@ -309,8 +438,11 @@ def simulate_pipeline(schedule: str, pp: int, v: int, n_micro: int, durations: l
     if schedule == "interleaved-1f1b" and n_micro % pp:
         raise PlanError(f"interleaved-1f1b runs micro-batches in groups of pp ({pp}); {n_micro} micro-batches "
                         "per step is not a multiple: change the micro-batch size or the global batch")
-    if schedule not in (*_ORDERS, "zb-v"):
-        raise PlanError(f"unknown pipeline schedule {schedule!r}; known: {sorted((*_ORDERS, 'zb-v'))}")
+    if schedule not in (*_ORDERS, "zb-v", "dualpipev"):
+        raise PlanError(f"unknown pipeline schedule {schedule!r}; known: {sorted((*_ORDERS, 'zb-v', 'dualpipev'))}")
+    if schedule == "dualpipev" and n_micro < 2 * pp:
+        raise PlanError(f"dualpipev runs at least 2 x pp ({2 * pp}) micro-batches per step, got {n_micro}: "
+                        "lower the micro-batch size or raise the global batch")
     if events:
         return _run_fixed(schedule, pp, v, n_micro, durations, p2p_s, events)
     # a search simulates many layouts whose pipelines run the same durations (data-parallel splits and ZeRO

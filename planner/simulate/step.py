@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
-from planner.layout import Layout, recomputed_fraction
+from planner.layout import V_SCHEDULES, Layout, recomputed_fraction
 from planner.memory.estimate import MemoryEstimate, estimate_memory
 from planner.memory.params import StageParams, layer_params_split, pipeline_params
 from planner.model.spec import ModelSpec
@@ -81,6 +81,10 @@ class StepResult:
     memory: MemoryEstimate
     critical_stage: int  # pipeline rank that finishes last
     events: StepEvents | None = field(default=None, compare=False)
+    # what the pipeline schedule ran: durations[kind][chunk] (F, B, W, W only under the V schedules; FO, BO under
+    # dualpipev) and the p2p time of each chunk boundary (planner.simulate.pipeline.simulate_pipeline's inputs)
+    pipeline_inputs: tuple[tuple[tuple[float, ...], ...], tuple[float, ...]] | None = field(
+        default=None, compare=False, repr=False)
 
     def prediction(self) -> Prediction:
         return Prediction(
@@ -243,19 +247,42 @@ def _chunk_durations(layout: Layout, unit: _Unit, ends: tuple[float, float, floa
     compute = []
     comm_kinds: dict[str, list[float]] = {k: [] for k in LAYER_COMM_KEYS}
     cf, cb = sum(unit.comm_f.values()), sum(unit.comm_b.values())
+    per_layer = [(k, unit.comm_f[k] + unit.comm_b[k]) for k in LAYER_COMM_KEYS]
     for c, layers in enumerate(layout.layers_per_stage):
-        f = layers * unit.f + (ends[0] if c == 0 else 0.0) + (ends[2] if c == n_chunks - 1 else 0.0)
-        b = layers * unit.b + (ends[1] if c == 0 else 0.0) + (ends[3] if c == n_chunks - 1 else 0.0)
+        first, last = c == 0, c == n_chunks - 1
+        f = layers * unit.f + (ends[0] if first else 0.0) + (ends[2] if last else 0.0)
+        b = layers * unit.b + (ends[1] if first else 0.0) + (ends[3] if last else 0.0)
         w = layers * unit.w if split_w else 0.0
         durations[F].append(f)
         durations[B].append(b - w)
         durations[W].append(w)
-        at_end = {k: (sum(v[:2]) if c == 0 else 0.0) + (sum(v[2:]) if c == n_chunks - 1 else 0.0)
-                  for k, v in ends_comm.items()}
-        compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
-        for k in LAYER_COMM_KEYS:
-            comm_kinds[k].append(layers * (unit.comm_f[k] + unit.comm_b[k]) + at_end.get(k, 0.0))
+        if first or last:  # the embedding's and output layer's exposed communication
+            at_end = {k: (sum(v[:2]) if first else 0.0) + (sum(v[2:]) if last else 0.0) for k, v in ends_comm.items()}
+            compute.append(f + b - layers * (cf + cb) - sum(at_end.values()))
+            for k, one in per_layer:
+                comm_kinds[k].append(layers * one + at_end.get(k, 0.0))
+        else:
+            compute.append(f + b - layers * (cf + cb))
+            for k, one in per_layer:
+                comm_kinds[k].append(layers * one)
     return durations, compute, comm_kinds
+
+
+def _overlapped_passes(layout: Layout, unit: _Unit, durations: list[list[float]], already_hidden: bool
+                       ) -> list[list[float]]:
+    """durations with DualPipeV's overlapped passes (planner.simulate.pipeline FO, BO) appended: a forward run
+    beside another micro-batch's backward hides its expert all-to-alls under that backward's compute, and the
+    backward its own under the forward's (DeepSeek-V3 report section 3.2.1; deepseek-ai/DualPipe's
+    overlapped_forward_backward). Per layer that is what moe_a2a_overlap prices on every pass, so under that
+    recipe option (already_hidden) the overlapped passes cost what the others do."""
+    if already_hidden:
+        return [*durations[:3], list(durations[F]), list(durations[B])]
+    ep_f, ep_b = unit.comm_f.get("ep_comm", 0.0), unit.comm_b.get("ep_comm", 0.0)
+    compute_f, compute_b = unit.f - sum(unit.comm_f.values()), unit.b - sum(unit.comm_b.values())
+    hidden_f, hidden_b = ep_f - max(0.0, ep_f - compute_b), ep_b - max(0.0, ep_b - compute_f)
+    layers = layout.layers_per_stage
+    return [*durations[:3], [f - n * hidden_f for f, n in zip(durations[F], layers, strict=True)],
+            [b - n * hidden_b for b, n in zip(durations[B], layers, strict=True)]]
 
 
 def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
@@ -274,12 +301,16 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
     split = pipe_p2p != "overlapped" and layout.tp > 1 and not layout.sequence_parallel
     part, gathers = (size / layout.tp, comm.time_s("all_gather", size, ("tp",))) if split else (size, 0.0)
     whole_grads = pipe_p2p == "exchange-whole-grads"
-    times = []
+    times, by_pair = [], {}  # interleaved and V schedules cross the same pair of ranks at several boundaries
     for c in range(layout.pp * layout.virtual_stages - 1):
-        t = comm.pair_time_s(size, ("pp",), owner[c], owner[c + 1])
-        if pipe_p2p != "overlapped" and t > 0:
-            act = comm.pair_time_s(part, ("pp",), owner[c], owner[c + 1])
-            t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+        pair = (owner[c], owner[c + 1])
+        t = by_pair.get(pair)
+        if t is None:
+            t = comm.pair_time_s(size, ("pp",), *pair)
+            if pipe_p2p != "overlapped" and t > 0:
+                act = comm.pair_time_s(part, ("pp",), *pair)
+                t = act + (t if whole_grads else act) + comm_overhead_s + gathers * (1.0 if whole_grads else 1.5)
+            by_pair[pair] = t
         times.append(t)
     return [t + comm_overhead_s if t > 0 else 0.0 for t in times + [0.0]]
 
@@ -351,7 +382,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
         raise PlanError(f"layout has {layout.world_size} ranks, cluster {cluster.name!r} {cluster.world_size} GPUs")
     peak = cluster.gpu.peak_flops(training.dtype)
     comm = StepComm(cluster, layout, cal)
-    split_w = layout.pp_schedule == "zb-v"
+    split_w = layout.pp_schedule in V_SCHEDULES
     unit = _layer_unit(model, training, layout, comm, peak, cluster, cal, eng)
     ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
     if eng.pipeline.recomputes_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
@@ -363,11 +394,16 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     add_grad_fold(model, training, layout, cluster, cal, eng, durations, compute)
     p2p = _p2p(model, training, layout, comm, cal.collective_overhead_s, eng.pipeline.p2p)
     n = layout.grad_accum_steps
+    overlapped = layout.pp_schedule == "dualpipev"
+    if overlapped:
+        durations = _overlapped_passes(layout, unit, durations, training.moe_a2a_overlap)
     pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     plain_f = durations[F]
     if cal.solo_speedup > 1.0 and layout.pp > 1:  # ranks sharing cores: a stage whose peers idle runs faster
-        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations, compute,
+        durations, compute, comm_kinds = solo_repriced(layout, cal.solo_speedup, n, p2p, durations[:3], compute,
                                                        comm_kinds)
+        if overlapped:
+            durations = _overlapped_passes(layout, unit, durations, training.moe_a2a_overlap)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
     overlap_dp = eng.data_parallel.overlaps_backward
     tails, seen = [], {}  # ranks holding equal parameters (one shared StageParams) with equal last backwards
@@ -384,6 +420,8 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown = {"compute": n * sum(compute[c] for c in mine),
                  **{k: n * sum(comm_kinds[k][c] for c in mine) for k in LAYER_COMM_KEYS},
                  **tails[r]}
+    if overlapped:  # what the F&B pairs hid of the expert all-to-alls the chunks' passes carry
+        breakdown["ep_comm"] -= n * sum(durations[k][c] for k in (F, B, W) for c in mine) - pipe.rank_busy_s[r]
     breakdown["bubble"] = pipe.rank_end_s[r] - pipe.rank_busy_s[r]
     exposed = (*LAYER_COMM_KEYS, "dp_comm", "param_gather", "embedding_sync")
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
@@ -394,7 +432,9 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     if events:
         scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
         step_events = step_events_of(layout, pipe, (unit.comm_f, unit.comm_b), ends_comm, scale, p2p, tails)
-    return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events)
+    ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations))
+    return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events,
+                      (ran, tuple(p2p)))
 
 
 def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,

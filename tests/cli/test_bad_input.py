@@ -69,6 +69,13 @@ def test_plan_flags(model, gpus, cluster, extra):
     assert_clean_failure(invoke(*argv))
 
 
+def test_cluster_of_an_unknown_users_home():
+    """`--cluster ~0` (the home of a user that does not exist: pathlib cannot expand it) is an unknown cluster
+    name, exit 2 with the presets listed, not a traceback (found by test_plan_flags)."""
+    r = invoke("plan", "--model", "llama2-7b", "--gpus", "1", "--cluster", "~0")
+    assert r.code == 2 and "unknown cluster '~0'" in r.stdout + r.stderr
+
+
 @FAST
 @given(name=names, verb=st.sampled_from(["show", "list", "lsit", ""]))
 def test_models_flags(name, verb):

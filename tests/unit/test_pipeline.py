@@ -143,3 +143,22 @@ def test_every_operation_starts_as_soon_as_its_rank_and_input_allow(schedule, v)
                 ready = max(ready, end[(op.kind, src, op.micro_batch)] + lag)
             assert op.start_s == pytest.approx(ready, abs=1e-12)
             previous_end[op.rank] = op.end_s
+
+
+def test_array_orders_are_the_listed_orders():
+    """_compiled builds GPipe, 1F1B and interleaved 1F1B orders with numpy (`_rank_arrays`); they are the
+    per-rank lists of `_ORDERS` operation by operation, warm-up, steady state and cool-down."""
+    from planner.simulate.pipeline import _ORDERS, _rank_arrays
+
+    checked = 0
+    for schedule, virtual in (("gpipe", (1, 2)), ("1f1b", (1,)), ("interleaved-1f1b", (2, 3, 4))):
+        for pp in (1, 2, 3, 4, 8):
+            for v in virtual:
+                for n in range(1, 3 * pp + 2):
+                    if schedule == "interleaved-1f1b" and n % pp:
+                        continue
+                    for rank in range(pp):
+                        listed = [list(op) for op in _ORDERS[schedule](rank, pp, v, n)]
+                        assert _rank_arrays(schedule, rank, pp, v, n).tolist() == listed, (schedule, pp, v, n, rank)
+                        checked += 1
+    assert checked > 300

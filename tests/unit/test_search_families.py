@@ -51,7 +51,9 @@ def _levels(model, layout, engine):
 def _leaves(model, cluster, training, engine, pins):
     """(enumeration position, shape, micro-batch) of every candidate the engine accepts."""
     eng = get_engine(engine)
-    for i, shape in enumerate(shapes(cluster.world_size, model, training.seq_len, pins, "none")):
+    overlapped = "dualpipev" in eng.pp_schedules  # the search proposes DualPipeV to the engines that run it
+    for i, shape in enumerate(shapes(cluster.world_size, model, training.seq_len, pins, "none",
+                                     overlapped=overlapped)):
         if training.global_batch_size % shape.dp or eng.refusal(model, shape, training.dtype, True, training):
             continue
         per = training.global_batch_size // shape.dp

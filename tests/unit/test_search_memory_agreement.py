@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 import planner.search.search as search_module
-from planner.engines import ENGINE_NAMES
+from planner.engines import ENGINE_NAMES, get_engine
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.plan import with_stage_layers
@@ -118,3 +118,39 @@ def test_the_memory_floor_is_never_above_the_estimate(model_name, gpus, engine, 
     result = search_module.search(model, load_cluster("dgx-h100", gpus), min(model.max_seq_len, 4096), engine=engine)
     assert result.ranked and len(ratios) > 50
     assert max(ratios) > 0.8  # tight where it matters: near the GPU's capacity
+
+
+@pytest.mark.parametrize("model_name,gpus,engine,seq", [
+    ("405B", 128, "meshplan", 4096), ("70B", 32, "megatron", 4096), ("70B", 32, "deepspeed", 4096),
+    ("8B", 8, "torchtitan@2025-10", 8192), ("mixtral-8x7b", 16, "meshplan", 4096),
+    ("kimi-k2", 256, "megatron", 4096)])
+def test_the_state_floor_of_every_member_is_never_above_its_model_states(model_name, gpus, engine, seq):
+    """The search drops the members of a family whose model states cannot fit (FamilyBounds.states_may_fit,
+    from planner.memory.states.state_floor_bytes) before it builds them: each dropped member's exact model
+    states (stage_state_floors, what the search's own check reads) do not fit either, and the floor drops
+    some members, so it is not idle."""
+    from planner.memory.estimate import stage_state_floors
+    from planner.search.bound import StepBound
+    from planner.search.families import FamilyBounds, build_families
+    from planner.search.search import _Context
+    from planner.simulate.calibration import load_calibration
+
+    model, cluster = load_model(model_name), load_cluster("dgx-h100", gpus)
+    calibration = load_calibration(None, cluster.gpu)
+    ctx = _Context(model=model, cluster=cluster, seq_len=seq, target_batch=gpus * 4, batch_fixed=False,
+                   pins=Pins(), engine=engine, calibration=calibration,
+                   bound=StepBound(model, cluster, calibration, engine))
+    families, bounds = build_families(ctx, "none"), FamilyBounds(ctx, "none")
+    dropped = kept = 0
+    for fam in families[::max(1, len(families) // 40)]:
+        fits = bounds.states_may_fit(fam)
+        for j, may in enumerate(fits.tolist()):
+            layout = fam.group.layout(fam.group.splits[j], fam.schedule, "none")
+            if get_engine(engine).refusal(model, layout, "bf16", True, fam.training):
+                continue  # never built, never memory-checked
+            exact = max(t for _, _, t in stage_state_floors(model, fam.training, layout, engine).values())
+            if not may:
+                dropped += 1
+                assert exact + ctx.other_bytes > ctx.capacity_bytes, layout
+            kept += may
+    assert dropped > 0 and kept > 0
