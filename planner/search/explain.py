@@ -77,7 +77,9 @@ def short(layout: Layout) -> str:
     dp = f"dp{layout.dp}" if not layout.hsdp else f"dp{layout.dp_replicate}x{layout.dp_shard}"
     text = f"tp{layout.tp} pp{layout.pp} {dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
     text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
-    text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
+    text += f" Z{layout.zero_stage}" + ({"optimizer": "+off-opt", "optimizer+params": "+off-params"}
+                                        .get(layout.offload, ""))
+    text += f" mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
         text += f" rc-{recompute_label(layout)}"
     if layout.pp > 1:

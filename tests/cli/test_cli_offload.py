@@ -86,3 +86,9 @@ def test_compare_with_offload():
     rows = json.loads(res.stdout)["variants"]
     assert len(rows) == 2 and all(r["feasible"] and r["parallel"]["offload"] == "optimizer+params" for r in rows)
     assert all(r["prediction"]["offload"]["host_memory_per_node_bytes"] > 0 for r in rows)
+
+
+def test_sweep_names_the_offload_it_needs():
+    res = invoke_cli("plan", "--model", "8B", "--cluster", "rtx4090-pcie", "--gpus", "2-4", "--offload", "auto")
+    assert res.code == 0, res.stderr
+    assert "Z3+off-params" in res.stdout
