@@ -89,6 +89,15 @@ def test_compare_with_offload():
 
 
 def test_sweep_names_the_offload_it_needs():
-    res = invoke_cli("plan", "--model", "8B", "--cluster", "rtx4090-pcie", "--gpus", "2-4", "--offload", "auto")
+    from planner.layout import Layout
+    from planner.search.explain import short
+
+    res = invoke_cli("plan", "--model", "8B", "--cluster", "rtx4090-pcie", "--gpus", "2-4", "--offload", "auto",
+                     "--json")
     assert res.code == 0, res.stderr
-    assert "Z3+off-params" in res.stdout
+    points = json.loads(res.stdout)["points"]
+    assert [p["gpus"] for p in points] == [2, 4]
+    assert all(p["fits"] and p["parallel"]["offload"] == "optimizer+params" for p in points)
+    # the table's compact names (planner.search.explain.short) carry it
+    assert "Z3+off-params" in short(Layout(dp_shard=4, zero_stage=3, offload="optimizer+params"))
+    assert "+off" not in short(Layout(dp_shard=4, zero_stage=3))
