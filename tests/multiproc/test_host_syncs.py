@@ -14,7 +14,7 @@ Two assertions:
   update and the peak memory of the metrics record) and two in the stop
   check at the step boundary; under
   expert parallelism also the token counts of each MoE layer's all-to-all
-  (three `.tolist()` per MoE layer and micro-batch). A new read anywhere in
+  (one `.tolist()` per MoE layer and micro-batch). A new read anywhere in
   the loop fails here, naming its site;
 - the target: no read on a step that logs nothing (loss and norms reduced on
   device and read on logging steps only). Marked xfail(strict=True): the
@@ -52,7 +52,7 @@ STEP_READS = Counter({
 })
 # the agreed stop request and whether an async checkpoint finished, at every step boundary but the last
 STOP_READ = Counter({"executor/resilience/keeper.py boundary .item()": 2})
-EP_SPLIT_SIZES = "executor/parallel/expert.py split_sizes .tolist()"  # send, receive, per-peer counts
+EP_SPLIT_SIZES = "executor/parallel/expert.py split_sizes .tolist()"  # the all-to-all split sizes, one read per MoE layer
 
 
 def _run(tmp_path: Path, name: str) -> tuple[Path, list[dict]]:
@@ -79,7 +79,7 @@ def _expected(plan_path: Path, step: int) -> Counter:
     plan = load_plan(plan_path)
     want = STEP_READS + (STOP_READ if step < STEPS else Counter())
     if plan.model.moe is not None and plan.layout.ep > 1:
-        want[EP_SPLIT_SIZES] = 3 * plan.model.n_moe_layers * plan.layout.grad_accum_steps
+        want[EP_SPLIT_SIZES] = plan.model.n_moe_layers * plan.layout.grad_accum_steps
     return want
 
 
