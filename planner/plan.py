@@ -28,6 +28,17 @@ optional key "search": {"pins": the options pinned on the command line,
 `execute --replan` can search again for other GPU counts with the same pins
 (where still valid). Plans without it load unchanged and re-plan unpinned.
 
+`parallel.offload` ("none", "optimizer", "optimizer+params": `plan --offload
+none|optimizer|params`, "auto" searched and resolved to one of them) keeps its
+values from before; a plan that offloads also records, in the optional
+`prediction.offload` (planner.simulate.offload.offload_summary): kind,
+host_link, host_link_gbytes_per_s (one GPU's share per direction),
+down_bytes / up_bytes (what one rank moves over its host link per step),
+host_optimizer_s, parameter_upload_s, host_memory_per_node_bytes and
+host_memory_capacity_bytes. The cluster's host fields (host_memory_bytes,
+host_memory_gbytes_per_s, host_cores; 0 = not stated) are optional: older
+plans load with 0.
+
 Every number is resolved: no "auto". Loading a plan never executes code: it is
 plain JSON, checked key by key, and every inconsistency is a PlanError that
 names the values and says what to do.

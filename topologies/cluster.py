@@ -60,12 +60,18 @@ class Cluster:
     gpu_links: tuple[tuple[str, ...], ...] = ()  # detected `nvidia-smi topo -m` labels; () = derive
     gpu_nic_links: tuple[tuple[str, ...], ...] = ()  # detected GPU x NIC labels; () = derive
     gpus_per_tray: int = 0  # rack-scale NVLink domains: GPUs per compute tray (0: the node is one box)
+    # The node's host: what CPU offload prices (planner.simulate.offload). 0: not stated, and then a plan
+    # that offloads is refused with the --set keys to state them. Per node (a rack-scale domain: all its trays).
+    host_memory_bytes: int = 0  # DRAM (LPDDR5X on Grace) of the node, bytes
+    host_memory_gbytes_per_s: float = 0.0  # its theoretical peak bandwidth (channels x rate x 8 B), 1e9 B/s
+    host_cores: int = 0  # CPU cores of the node, all sockets
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "n_nodes", "nodes_per_leaf", "gpus_per_pcie_switch"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 1, got {getattr(self, key)!r}")
-        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node", "gpus_per_tray"):
+        for key in ("gpus_per_pcie_root", "gpus_per_numa_node", "nics_per_node", "gpus_per_tray", "host_memory_bytes",
+                    "host_cores"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise TopologyError(f"cluster {self.name!r}: {key} must be an integer >= 0, got {getattr(self, key)!r}")
         if self.gpus_per_node > MAX_GPUS_PER_NODE or self.nics_per_node > MAX_GPUS_PER_NODE:
@@ -92,10 +98,13 @@ class Cluster:
             )
         if self.nvlink_bridge_pairs and self.gpu.nvlink_links == 0:
             raise TopologyError(f"cluster {self.name!r}: nvlink_bridge_pairs needs NVLink, {self.gpu.name} has none")
-        for key in ("nic_gbit_per_s", "inter_node_oversubscription"):
+        for key in ("nic_gbit_per_s", "inter_node_oversubscription", "host_memory_gbytes_per_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < float("inf"):
                 raise TopologyError(f"cluster {self.name!r}: {key} must be a finite number, got {value!r}")
+        if self.host_memory_gbytes_per_s < 0:
+            raise TopologyError(f"cluster {self.name!r}: host_memory_gbytes_per_s must be >= 0, got "
+                                f"{self.host_memory_gbytes_per_s}")
         if self.nic_gbit_per_s <= 0 or self.inter_node_oversubscription < 1:
             raise TopologyError(
                 f"cluster {self.name!r}: nic_gbit_per_s must be > 0 (got {self.nic_gbit_per_s}) and "
@@ -172,12 +181,14 @@ class Cluster:
             links = tuple(row[:n_gpus] for row in self.gpu_links[:n_gpus])
             nics = self.nics_per_node * n_gpus // per if self.gpus_per_tray else self.nics_per_node
             return dataclasses.replace(self, gpus_per_node=n_gpus, n_nodes=1, gpu_links=links,
-                                       gpu_nic_links=self.gpu_nic_links[:n_gpus], nics_per_node=nics)
+                                       gpu_nic_links=self.gpu_nic_links[:n_gpus], nics_per_node=nics,
+                                       **self._host_share(n_gpus))
         if n_gpus % per and self.gpus_per_tray:
             domain = _partial_domain(n_gpus, per, self.gpus_per_tray)
             if domain:
                 return dataclasses.replace(self, gpus_per_node=domain, n_nodes=n_gpus // domain,
-                                           nics_per_node=self.nics_per_node * domain // per)
+                                           nics_per_node=self.nics_per_node * domain // per,
+                                           **self._host_share(domain))
         if n_gpus % per:
             lower, upper = n_gpus // per * per, -(-n_gpus // per) * per
             raise TopologyError(
@@ -185,6 +196,16 @@ class Cluster:
                 f"use 1-{per} (one node) or a multiple of {per}: {lower} or {upper}"
             )
         return dataclasses.replace(self, n_nodes=n_gpus // per)
+
+    def _host_share(self, n_gpus: int) -> dict[str, Any]:
+        """The host of n_gpus of a node: all of it in one box (the GPUs left idle leave theirs to the others);
+        on a rack-scale domain (gpus_per_tray) only the trays those GPUs sit in, each tray its own CPUs."""
+        if not self.gpus_per_tray:
+            return {}
+        trays, total = -(-n_gpus // self.gpus_per_tray), self.gpus_per_node // self.gpus_per_tray or 1
+        return {"host_memory_bytes": self.host_memory_bytes * trays // total,
+                "host_memory_gbytes_per_s": self.host_memory_gbytes_per_s * trays / total,
+                "host_cores": self.host_cores * trays // total}
 
     def with_nodes(self, n_nodes: int, gpus_per_node: int) -> Cluster:
         """This cluster as n_nodes nodes of gpus_per_node GPUs: what a job has after losing (or regaining)

@@ -78,6 +78,11 @@ CLUSTER_KEYS: dict[str, Callable[[Any], Any]] = {
     "nic_gbit_per_s": _as_float, "inter_node_oversubscription": _as_float, "nodes_per_leaf": _as_int,
     "gpus_per_pcie_switch": _as_int, "gpus_per_pcie_root": _as_int, "gpus_per_numa_node": _as_int,
     "nvlink_bridge_pairs": _as_bool, "description": str, "name": str, "gpus_per_tray": _as_int,
+    "host_memory_gbytes_per_s": _as_float, "host_cores": _as_int,
+}
+# Cluster fields typed in another unit than they are kept in: key -> (Cluster field, parser to the field's unit).
+HOST_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "host_memory_gib": ("host_memory_bytes", lambda v: _gib_to_bytes(v)),
 }
 # GPU what-ifs: key -> (GPUSpec field, parser that also converts to the field's unit).
 GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -90,7 +95,7 @@ GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "xgmi_link_gbytes_per_s": ("xgmi_link_gbytes_per_s", _as_float),
     **{f"gpu_{d}_tflops": (f"{d}_flops", lambda v: _as_float(v) * TFLOPS) for d in ("fp32", "tf32", "bf16", "fp16", "fp8")},
 }
-SETTABLE_KEYS: tuple[str, ...] = ("gpu", *CLUSTER_KEYS, *GPU_KEYS)
+SETTABLE_KEYS: tuple[str, ...] = ("gpu", *CLUSTER_KEYS, *HOST_KEYS, *GPU_KEYS)
 # GPUSpec field -> the unit a --set value is written in (the inverse of GPU_KEYS' parsers)
 _GPU_FIELD_UNITS: dict[str, tuple[str, float]] = {
     "memory_bytes": ("gpu_memory_gib", GIB), **{f"{d}_flops": (f"gpu_{d}_tflops", TFLOPS)
@@ -214,6 +219,12 @@ def build_cluster(data: dict[str, Any]) -> Cluster:
                 kwargs[key] = parse(data[key])
             except (TypeError, ValueError) as exc:
                 raise _bad(key, data[key], str(exc)) from None
+    for key, (field, parse) in HOST_KEYS.items():
+        if key in data:
+            try:
+                kwargs[field] = parse(data[key])
+            except (TypeError, ValueError) as exc:
+                raise _bad(key, data[key], str(exc)) from None
     for key in MATRIX_KEYS:
         kwargs[key] = tuple(tuple(str(x) for x in row) for row in data.get(key) or ())
     if "gpus_per_node" not in kwargs:
@@ -271,6 +282,9 @@ def write_cluster_toml(cluster: Cluster, path: str) -> None:
         value = getattr(cluster, key)
         if key in ("name", "gpus_per_node", "description") or value != getattr(defaults, key):
             lines.append(f"{key} = {_toml_value(value)}")
+    for key, (field, _) in HOST_KEYS.items():
+        if getattr(cluster, field):
+            lines.append(f"{key} = {_toml_value(getattr(cluster, field) / GIB)}")
     for key in MATRIX_KEYS:
         rows = getattr(cluster, key)
         if rows:

@@ -71,10 +71,13 @@ class GPUSpec:
     # (no switch: a pair of GPUs gets one link, a collective over k GPUs k - 1 of them at once).
     xgmi_links: int = 0
     xgmi_link_gbytes_per_s: float = 0.0  # one xGMI link, per direction; 0: no xGMI
+    # NVLink-C2C to the Grace CPU (GB200, GB300): the host link of the superchip, per direction, shared by
+    # the GPUs of one Grace (Cluster.gpus_per_numa_node); 0: the host link is PCIe x16 of `pcie_gen`
+    c2c_gbytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("memory_bytes", "memory_gbytes_per_s", "fp32_flops", "tf32_flops", "bf16_flops", "fp16_flops",
-                    "fp8_flops", "nvlink_gbytes_per_s", "exp_per_s", "xgmi_link_gbytes_per_s"):
+                    "fp8_flops", "nvlink_gbytes_per_s", "exp_per_s", "xgmi_link_gbytes_per_s", "c2c_gbytes_per_s"):
             value = getattr(self, key)
             # NaN passes every comparison below and would price a link or a GEMM as free
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
@@ -207,17 +210,18 @@ GPUS: dict[str, GPUSpec] = {
         # NVIDIA GB200 NVL72 datasheet, divided by its 72 GPUs: 360 PF FP8/FP6*, 180 PF BF16/FP16*,
         # 90 PF TF32* (sparse, halved: 2.5 PF bf16, 5 PF fp8 per GPU); 13.4 TB HBM3e at 576 TB/s
         # (186 GB at 8 TB/s per GPU); 5,760 FP32 TFLOP/s (80 per GPU); NVLink5 130 TB/s for the rack
-        # (1.8 TB/s bidirectional per GPU, 18 links). Its Grace host link is NVLink-C2C; PCIe Gen6
-        # to the ConnectX-7/8 NICs.
+        # (1.8 TB/s bidirectional per GPU, 18 links). Its Grace host link is NVLink-C2C (900 GB/s
+        # bidirectional per Grace and its two GPUs: 450 per direction); PCIe Gen6 to the ConnectX-7/8 NICs.
         _gpu("gb200", 186 * GB, 8000, 80, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6, c2c_gbytes_per_s=450,
              exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP, fp8_any_layout=True, sm_count=148),
         # NVIDIA GB300 NVL72 datasheet, divided by 72: 360 PF FP8*, 180 PF BF16/FP16* (sparse,
         # halved: 2.5 PF bf16, 5 PF fp8 per GPU; Blackwell Ultra raises FP4, not FP8); 20 TB
         # HBM3e at 576 TB/s (288 GB at 8 TB/s per GPU); FP32 6 PF (83 per GPU); NVLink5 1.8 TB/s
-        # bidirectional per GPU; ConnectX-8 800 Gbit/s per GPU (PCIe Gen6).
+        # bidirectional per GPU; ConnectX-8 800 Gbit/s per GPU (PCIe Gen6); Grace host link NVLink-C2C,
+        # 900 GB/s bidirectional per Grace (GB300 NVL72 datasheet), 450 per direction.
         _gpu("gb300", 288 * GB, 8000, 83, 1250, 2500, 2500, fp8=5000, mxfp8=5000,
-             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6,
+             nvlink_gbytes_per_s=900, nvlink_links=18, nvlink_gen=5, pcie_gen=6, c2c_gbytes_per_s=450,
              exp_per_s=2500 * TFLOPS / BLACKWELL_BF16_FLOPS_PER_EXP * BLACKWELL_ULTRA_SFU_SPEEDUP, fp8_any_layout=True, sm_count=160),
         # NVIDIA DGX B300 datasheet, divided by its 8 GPUs: 72 PF FP8 training* (sparse, halved:
         # 4.5 PF fp8, 2.25 PF bf16 per GPU, as B200), 2.3 TB HBM3e (288 GB per GPU) at 8 TB/s

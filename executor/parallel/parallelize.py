@@ -184,8 +184,7 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
         if compile:
             apply_compile(part)
         if dp_kind == "fsdp":
-            apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none" and
-                       mesh.device_type == "cuda", experts=experts)
+            apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none", experts=experts)
         elif dp_kind == "replicate":
             apply_replicate(part, mesh, dtype, experts=experts)
     return parts, stages, dp_kind, experts
@@ -351,6 +350,16 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return shard_mesh(mesh)
 
 
+def offload_policy(offload: bool, device_type: str):
+    """FSDP2's CPUOffloadPolicy for Layout.offload "optimizer+params": sharded parameters, their gradients and
+    the optimizer step on the host, each unit's shard copied to the device before its all-gather. Pinned
+    host memory on CUDA (asynchronous copies); on CPU ranks unpinned (pinning needs an accelerator), where
+    the policy's code paths (gradients moved to the host shard, the step over host shards) still run."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
+
+
 def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.dtype,
                offload: bool = False, experts: ExpertParallel | None = None) -> None:
     """fully_shard the embeddings, each block, final norm + output, then the part as root (torchtitan's units).
@@ -363,10 +372,10 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     after). A tied embedding/output weight cannot sit in two units: then both
     stay with the root. A MoE block has two more units (`_moe_units`).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=zero_stage == 3, mp_policy=_mp_policy(dtype),
-                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+                  offload_policy=offload_policy(offload, mesh.device_type))
     tied = getattr(part, "spec", None) is not None and part.spec.tie_embeddings
     if not tied and part.tok_embeddings is not None:
         embeddings = [m for m in (part.tok_embeddings, part.pos_embeddings) if m is not None]

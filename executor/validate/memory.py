@@ -35,6 +35,9 @@ Tracker categories -> plan.json categories:
                 ZeRO-3, and DDP's bucket buffers (Other: allocated by the C++
                 reducer outside any dispatch mode, registered as same-size
                 stand-ins so the tracker counts them)
+Under parameter offload (FSDP2's CPUOffloadPolicy) the sharded parameters, their gradients and the
+optimizer state are host memory: the peak compared is the GPU's (the tracked total less those, at the
+moment it is largest), and the host's share is reported beside it.
 Attribution can differ while totals agree (autocast's bf16 weight copies are
 "Activation" to the tracker and "params" to the model): the 10% criterion is
 on the peak.
@@ -64,7 +67,7 @@ def tracked_categories(raw: dict[str, int], zero_stage: int) -> dict[str, int]:
     """The tracker's peak snapshot (category name -> bytes) in plan.json categories."""
     out = dict.fromkeys(TENSOR_CATEGORIES, 0)
     for name, value in raw.items():
-        if name == "Total":
+        if name in ("Total", "Host"):
             continue
         if name == "Unsharded Param":
             out["params" if zero_stage == 2 else "comm_buffers"] += value
@@ -103,8 +106,21 @@ def compare(plan: Plan, rank: int, raw: dict[str, int]) -> dict[str, Any]:
         "error": (pred_peak - tracked_peak) / tracked_peak if tracked_peak else None,
         "by_category": {c: {"predicted": predicted[c], "tracked": tracked[c], "difference": predicted[c] - tracked[c]}
                         for c in TENSOR_CATEGORIES},
-        "tracker_categories": {k: v for k, v in raw.items() if k != "Total"},
+        "tracker_categories": {k: v for k, v in raw.items() if k not in ("Total", "Host")},
+        **(_host(plan, stage, raw["Host"]) if "Host" in raw else {}),
     }
+
+
+def _host(plan: Plan, stage: int, tracked: int) -> dict[str, Any]:
+    """Under parameter offload: the host's share at the GPU's peak (sharded parameters, gradients and optimizer
+    state, executor.validate.memory_step.HOST_CATEGORIES) next to the memory model's host bytes."""
+    from planner.memory.params import pipeline_params
+    from planner.memory.states import stage_states
+
+    sp = pipeline_params(plan.model, plan.layout, plan.engine)[stage]
+    predicted = stage_states(plan.model, plan.training, plan.layout, sp, plan.engine).host
+    return {"host": {"predicted_bytes": predicted, "tracked_bytes": tracked,
+                     "note": "tracked at the GPU's peak: the gradients reduced so far"}}
 
 
 def validate_plan(plan: Plan, ranks: list[int] | None = None, progress=None) -> dict[str, Any]:

@@ -298,6 +298,40 @@ def _peak_snapshot(tracker) -> dict[str, int]:  # noqa: ANN001
     return out
 
 
+# What FSDP2's CPUOffloadPolicy keeps in host memory (the tracker's categories): the sharded fp32 parameters,
+# their gradients once reduced, and the optimizer's state. On CPU ranks every tensor is on the one device.
+HOST_CATEGORIES = ("Sharded Param", "Sharded Grad", "Optstate", "OptState")
+
+
+def _track_device_peak(tracker) -> dict[str, int]:  # noqa: ANN001
+    """Follow, beside the tracker's own peak, the moment the GPU's share is largest under parameter offload.
+
+    validate-memory runs on CPU, where the offloaded categories and the GPU's sit on one device, and the
+    tracker's peak (of their sum) can fall on the optimizer step, when the GPU is nearly empty. At every
+    update of its peak statistics the snapshot is split: the GPU's part is the total less HOST_CATEGORIES,
+    the host's part is reported as "Host"; the returned dict (filled during the step) holds the categories
+    at the GPU's peak, its "Total" the GPU's bytes."""
+    peak: dict[str, int] = {}
+    update = tracker._update_peak_stats
+
+    def split(peak_state) -> None:  # noqa: ANN001
+        update(peak_state)
+        snap: dict[str, int] = {}
+        for dev_snap in tracker._curr_mem_snap.values():
+            for key, value in dev_snap.items():
+                name = getattr(key, "value", key)
+                snap[name] = snap.get(name, 0) + int(value)
+        host = sum(v for k, v in snap.items() if k in HOST_CATEGORIES)
+        device = snap.get("Total", 0) - host
+        if device > peak.get("Total", -1):
+            peak.clear()
+            peak.update({k: v for k, v in snap.items() if k not in HOST_CATEGORIES and k != "Total"})
+            peak["Total"], peak["Host"] = device, host
+
+    tracker._update_peak_stats = split
+    return peak
+
+
 def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
     """PyTorch's tracker's peak for `rank` over one steady-state step of the plan (see module docstring).
 
@@ -351,10 +385,11 @@ def tracked_peak(plan: Plan, rank: int, on_phase=None) -> dict[str, int]:
                 # ZeroRedundancyOptimizer keeps its shard's state in the wrapped local optimizer
                 tracker.track_external(*pm.parts, *(getattr(o, "optim", o) for o in optimizers))
             stand_ins = _instrument_ddp(pm.runners[0], grad_flat(mesh).get_group(), tracker) if pm.dp_kind == "ddp" else {}
+            device_peak = _track_device_peak(tracker) if plan.layout.offload != "none" else None
             on_phase("tracking one training step")
             with tracker, _quiet_known_warnings():
                 _train_step(plan, pm, optimizers, mesh, tokens, tracker, dtype)
             del stand_ins  # the bucket stand-ins were alive until the backward started
-            return _peak_snapshot(tracker)
+            return dict(device_peak) if device_peak is not None else _peak_snapshot(tracker)
     finally:
         dist.destroy_process_group()

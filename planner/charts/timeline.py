@@ -40,7 +40,7 @@ LANE_LABELS = {"TP": "TP", "CP": "CP", "EP": "EP a2a", "FSDP": "FSDP", "offload"
 LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("bubble", "bubble (idle)"),
           ("optimizer", "optimizer"), ("TP", "TP comm (exposed)"), ("CP", "CP comm (exposed)"),
           ("EP", "EP all-to-all (exposed)"), ("FSDP", "FSDP gather/scatter (exposed)"),
-          ("offload", "host->GPU weights"), ("PP", "PP send"), ("DP", "DP reduce / gather"))
+          ("offload", "host link copies"), ("PP", "PP send"), ("DP", "DP reduce / gather"))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from topologies.errors import InfeasibleError, UsageError
 from topologies.terminal import console, emit_json
 
 POSITIVE = click.IntRange(min=1)
+OFFLOAD_CHOICES = ("none", "optimizer", "params", "auto")
 SCHEDULE_SHORT = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "int", "zb-v": "zb-v", "dualpipev": "dpv"}
 
 
@@ -42,12 +43,36 @@ def plan_request(params: dict) -> PlanRequest:
                 micro_batch_size=p["micro_batch"], recompute=recompute, sequence_parallel=p["sequence_parallel"],
                 pp_schedule=p["pp_schedule"], virtual_stages=p["virtual_stages"], ep=p["ep"], etp=p["etp"],
                 recompute_modules=modules, layers_per_stage=parse_counts(p["layers_per_stage"], "--layers-per-stage"),
-                activation_offload_layers=p["activation_offload_layers"])
+                activation_offload_layers=p["activation_offload_layers"], offload=offload_pin(p.get("offload")))
     options = TrainingOptions(p["precision"], p["attention"] or "", p["compile_"], p["async_tp"],
                               tuple(parse_recipe(p["recipe"]).items()))
     return PlanRequest(p["model"], p["cluster"], tuple(p["overrides"]), p["seq_len"], p["global_batch"], pins,
                        p["engine"], p["calibration"], p["top"], headroom_fraction(p["headroom_pct"]), options,
                        p.get("allow_long_context", False))
+
+
+def offload_pin(name: str | None) -> str | None:
+    """--offload VALUE -> Pins.offload: "params" is Layout.offload "optimizer+params"; auto stays auto."""
+    from planner.simulate.offload import offload_kind
+
+    return None if name is None else name if name == "auto" else offload_kind(name)
+
+
+OFFLOAD_SHORT = {"none": "-", "optimizer": "opt", "optimizer+params": "params"}
+
+
+def offload_words(summary: dict | None) -> str:
+    """One line on an offloading layout's host: its memory, the bytes its link moves, the host's step."""
+    if not summary:
+        return ""
+    gib, gb = 2**30, 1e9
+    return (f"Host ({summary['kind']} offloaded): {summary['host_memory_per_node_bytes'] / gib:.1f} GiB of "
+            f"{summary['host_memory_capacity_bytes'] / gib:.0f} usable per node; per GPU and step "
+            f"{sig(summary['down_bytes'] / gb)} GB down and {sig(summary['up_bytes'] / gb)} GB up its "
+            f"{summary['host_link']} ({sig(summary['host_link_gbytes_per_s'])} GB/s per direction, shared), "
+            f"optimizer step on the host {sig(summary['host_optimizer_s'])} s"
+            + (f", then {sig(summary['parameter_upload_s'])} s to copy the weights back"
+               if summary["parameter_upload_s"] else "") + ".")
 
 
 def parse_counts(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -88,6 +113,11 @@ def _common(f):
                           "Blackwell) around a bf16 model. GPUs without bf16 (T4, V100): fp16."),
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="Calibration profile JSON (default: the shipped profile of the cluster's GPU)."),
+        click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default=None,
+                     help="Model state in pinned host memory: optimizer (fp32 weights and Adam moments, the step on "
+                          "the host), params (the parameters too: FSDP2 CPUOffloadPolicy, DeepSpeed offload_param), "
+                          "auto (searched). Priced by the host link, the host's optimizer step and its RAM (cluster "
+                          "keys host_memory_gib, host_memory_gbytes_per_s, host_cores). Default: none."),
         click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout."),
     ]):
         f = decorator(f)
@@ -146,7 +176,8 @@ def _common(f):
               help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
-def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, calibration, as_json, tp, pp, dp,
+def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, calibration, offload, as_json,
+         tp, pp, dp,
          dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, layers_per_stage,
          activation_offload_layers, etp, precision, recompute, recompute_modules, attention, compile_, async_tp,
          recipe, top, output, png, headroom_pct, tokens, price):
@@ -206,7 +237,7 @@ def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_ba
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a bar chart of tokens/s (and cost) per variant.")
 def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision,
-            calibration, as_json, what_if, price_per_gpu_hour, png):
+            calibration, offload, as_json, what_if, price_per_gpu_hour, png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
     from planner.search.sweep import parse_gpus
@@ -225,7 +256,7 @@ def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, globa
     with Progress("compare", unit="variants", quiet=as_json) as bar:
         rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                                 price_per_gpu_hour, precision=precision,
-                                allow_long_context=allow_long_context, progress=bar)
+                                allow_long_context=allow_long_context, progress=bar, offload=offload_pin(offload))
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:
@@ -262,8 +293,9 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)
-    for col in ("tp", "pp", "dp", *(("cp",) if with_cp else ()), "ZeRO", "mb x acc", "recomp", "sched",
-                "step s", "tok/s", "MFU", "GiB"):
+    with_offload = any(x.layout.offload != "none" for x in result.ranked)
+    for col in ("tp", "pp", "dp", *(("cp",) if with_cp else ()), "ZeRO", *(("offload",) if with_offload else ()),
+                "mb x acc", "recomp", "sched", "step s", "tok/s", "MFU", "GiB"):
         table.add_column(col, justify="left" if col in ("recomp", "sched") else "right", no_wrap=True)
     for s in result.ranked:
         lay, r = s.layout, s.result
@@ -272,11 +304,15 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
             f"v{lay.virtual_stages}" if lay.pp_schedule == "interleaved-1f1b" else "")
         table.add_row(f"{lay.tp}{'sp' if lay.sequence_parallel else ''}", str(lay.pp), dp,
                       *((str(lay.cp),) if with_cp else ()), str(lay.zero_stage),
+                      *((OFFLOAD_SHORT[lay.offload],) if with_offload else ()),
                       f"{lay.micro_batch_size}x{lay.grad_accum_steps}", recompute_label(lay), sched,
                       sig(r.step_time_s), si(r.tokens_per_s), percent(r.mfu), sig(r.memory.peak_bytes / 2**30))
     out.print(table)
     for sentence in the_plan.explanation:
         out.print(sentence)
+    host = offload_words(result.best.result.offload)
+    if host:
+        out.print(host)
     s = result.stats
     out.print(f"[dim]search: {s.shapes} shapes, {s.candidates} candidates, {s.memory_checks} memory checks, "
               f"{s.simulated} simulated in {s.elapsed_s:.2f} s[/]")

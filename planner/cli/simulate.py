@@ -16,7 +16,7 @@ from topologies.terminal import Progress, console, emit_json, log
 # The order the breakdown is shown in; the unindented rows sum to the step time.
 BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communication"), ("tp_comm", "  of which TP"),
                   ("cp_comm", "  of which CP"), ("ep_comm", "  of which EP"), ("fsdp_comm", "  of which FSDP gathers"),
-                  ("offload_comm", "  of which host->GPU weight copies"), ("dp_comm", "  of which DP reduction"),
+                  ("offload_comm", "  of which host link copies (offload)"), ("dp_comm", "  of which DP reduction"),
                   ("param_gather", "  of which parameter gather"),
                   ("embedding_sync", "  of which tied-embedding sync"), ("bubble", "pipeline bubble"),
                   ("bubble_schedule", "  of which the schedule's warm-up/cool-down"),
@@ -32,9 +32,12 @@ BREAKDOWN_ROWS = (("compute", "compute"), ("exposed_comm", "exposed communicatio
                    "communication, the first and last micro-batches drawn, the steady state folded.")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None,
               help="Calibration profile JSON (default: the shipped profile of the plan's GPU).")
+@click.option("--offload", type=click.Choice(("none", "optimizer", "params")), default=None,
+              help="Re-simulate the plan with this model state in host memory instead of its own (what-if; "
+                   "the engine must run it, the node's RAM must hold it).")
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON on stdout.")
 def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calibration: str | None,
-             as_json: bool) -> None:
+             offload: str | None, as_json: bool) -> None:
     """Re-simulate PLAN.json, or predict a published run's ROW.json: step time, its breakdown, memory;
     optionally a trace and a chart of the step."""
     from planner.cli.row import load_row, row_plan, simulate_row
@@ -53,6 +56,8 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
     else:
         plan = load_plan(plan_path)
         cal = load_calibration(calibration, plan.cluster.gpu)
+    if offload is not None:
+        plan = with_offload(plan, offload, row is not None)
     layout = plan.layout
     # a step of thousands of operations, its trace and its chart take seconds on a large plan
     with Progress("simulate", quiet=as_json or not want_events) as bar:
@@ -97,6 +102,32 @@ def simulate(plan_path: str, trace_path: str | None, png_path: str | None, calib
 
         console().print(f"row {row.id}: measured {seconds(measured)} per step ({row.source.get('name', 'source')}); "
                         f"predicted {seconds(result.step_time_s)} ({100 * (result.step_time_s / measured - 1):+.1f}%)")
+
+
+def with_offload(plan, name: str, is_row: bool):
+    """The plan with its layout's offload replaced (simulate --offload), checked as a plan is: the engine must
+    run it and the offloaded state must fit the node's RAM (planner.simulate.offload)."""
+    import dataclasses
+
+    from planner.engines import get_engine
+    from planner.memory.states import model_states
+    from planner.simulate.offload import host_refusal, host_stated, offload_kind
+    from topologies.errors import InfeasibleError, UsageError
+
+    if is_row:
+        raise UsageError("--offload re-simulates a plan.json; a row file states what its run used")
+    layout = plan.layout.replace(offload=offload_kind(name))
+    refusal = get_engine(plan.engine).refusal(plan.model, layout, plan.training.dtype, plan.cluster.gpu.kind != "cpu",
+                                              plan.training)
+    if refusal:
+        raise UsageError(f"simulate --offload {name}: {refusal}")
+    if layout.offload != "none":
+        if host_stated(plan.cluster):
+            raise UsageError(host_stated(plan.cluster))
+        host = host_refusal(model_states(plan.model, plan.training, layout, plan.engine).host, plan.cluster)
+        if host:
+            raise InfeasibleError(f"simulate --offload {name}: {host}")
+    return dataclasses.replace(plan, layout=layout, prediction=None)
 
 
 def _is_row_file(path: str) -> bool:
@@ -155,4 +186,8 @@ def _print_human(plan, result, cal) -> None:
         if key in b and (b[key] > 0 or not label.startswith(" ")):
             table.add_row(label, seconds(b[key]), percent(b[key] / result.step_time_s))
     out.print(table)
+    from planner.cli.plan import offload_words
+
+    if result.offload:
+        out.print(offload_words(result.offload))
     out.print(f"calibration: {cal.source}")

@@ -93,6 +93,10 @@ class Engine:
     async_tp_option: str = ""
     async_tp_needs_compile: bool = False  # torchtitan applies it as an Inductor pass: torch.compile required
     activation_offload: bool = False  # N layers' activations to the host (Megatron-Core cpu_offloading, TE)
+    # model state it keeps in host memory (Layout.offload; planner.simulate.offload prices them): "optimizer"
+    # (DeepSpeed offload_optimizer, Megatron-Core --optimizer-cpu-offload), "optimizer+params" (DeepSpeed
+    # offload_param with offload_optimizer, FSDP2's CPUOffloadPolicy)
+    offload_kinds: tuple[str, ...] = ("none",)
     # named userbuffers configs the recipe option tp_overlap_cfg may pick (Engine.tp_overlap_sms)
     tp_overlap_configs: tuple[tuple[str, TpOverlapSms], ...] = ()
 
@@ -204,6 +208,9 @@ class Engine:
         if layout.activation_offload_layers and not self.activation_offload:
             return (f"{who} does not offload activations to the host (activation_offload_layers "
                     f"{layout.activation_offload_layers}); plan with 0, or with --engine megatron")
+        offload = offload_refusal(who, self.offload_kinds, layout)
+        if offload:
+            return offload
         if layout.pp > 1 and layout.pp_schedule not in self.pp_schedules:
             runs = "torchtitan@2025-10 or newer" if layout.pp_schedule == "dualpipev" else "meshplan or torchtitan"
             return (f"{who} pipelines with {', '.join(self.pp_schedules)} only, got pp_schedule "
@@ -246,3 +253,25 @@ class Engine:
             return (f"{who} has no userbuffers config {training.tp_overlap_cfg!r} (tp_overlap_cfg); it knows: "
                     f"{names}")
         return None
+
+
+def offload_refusal(who: str, kinds: tuple[str, ...], layout: Layout) -> str | None:
+    """Offload the engine does not run, or under a ZeRO stage it does not run it with: optimizer offload
+    steps each rank's shard of the optimizer on the host (DeepSpeed ZeRO 1-3, Megatron's distributed
+    optimizer), parameter offload keeps each rank's parameter shard there between uses (ZeRO-3 only:
+    DeepSpeed's offload_param, FSDP2's CPUOffloadPolicy with resharding)."""
+    if layout.offload == "none":
+        return None
+    if layout.offload not in kinds:
+        flags = {"optimizer": "optimizer", "optimizer+params": "params"}
+        runs = ", ".join(flags[k] for k in kinds if k != "none") or "nothing"
+        return (f"{who} does not offload {layout.offload!r} to the host (it offloads: {runs}); plan with "
+                f"--offload {'none' if runs == 'nothing' else ' or '.join(['none', *runs.split(', ')])}, or "
+                "--engine deepspeed (optimizer and params)")
+    if layout.offload == "optimizer" and layout.zero_stage < 1:
+        return ("optimizer offload steps each rank's shard on the host and needs ZeRO 1-3, got ZeRO-0; pin "
+                "--zero 1, 2 or 3")
+    if layout.offload == "optimizer+params" and layout.zero_stage != 3:
+        return (f"parameter offload keeps each rank's parameter shard on the host between uses and needs ZeRO-3, "
+                f"got ZeRO-{layout.zero_stage}; pin --zero 3, or plan with --offload optimizer")
+    return None

@@ -34,7 +34,10 @@ _BASE = Engine(
     "deepspeed", "", "", data_parallel=DEEPSPEED_ZERO, tensor_parallel=MEGATRON_TP_2021, loss=Loss("vocab-parallel"),
     pipeline=DEEPSPEED_PIPELINE_2021, context_parallel=TE_P2P_RING, model_code=MEGATRON_DEEPSPEED_MODEL,
     experts=GROUPED_EXPERTS, attention="eager", recompute_kinds=("none", "full"), pp_schedules=("1f1b",),
-    pipeline_zero_max=1, sequence_parallel=False, context_parallel_runs=False)
+    pipeline_zero_max=1, sequence_parallel=False, context_parallel_runs=False,
+    # ZeRO-Offload (0.3.0, 2020: zero_optimization.offload_optimizer) and ZeRO-Infinity (0.3.15, 2021:
+    # offload_param, stage 3 only), both before the first release modelled here
+    offload_kinds=("none", "optimizer", "optimizer+params"))
 
 RELEASES: dict[str, Engine] = build_releases(_BASE, (
     Release("0.5.3", "DeepSpeed 0.5.3 with Megatron-DeepSpeed of 2021 (MT-NLG 530B)"),

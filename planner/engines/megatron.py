@@ -133,6 +133,9 @@ RELEASES: dict[str, Engine] = build_releases(_BASE, (
            {"zero_stages": (0, 1, 2, 3)}),
     Change("core-0.12", "60007c93d3 of 2025-02-14 (--use-precision-aware-optimizer)", "16-bit Adam moments",
            {"optimizer_dtypes": ("fp32", "bf16", "fp16")}),
+    Change("core-0.12", "megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py (--optimizer-cpu-offload, "
+           "with --use-precision-aware-optimizer and the distributed optimizer)", "optimizer state on the host",
+           {"offload_kinds": ("none", "optimizer")}),
     Change("core-0.12", "0f60adbd30 of 2025-03-08 (cross_entropy_fusion_impl te)",
            "Transformer Engine's parallel cross entropy", {"loss": Loss("megatron", fused="transformer-engine")}),
     Change("core-0.13", "2659630721 of 2025-04-09 (memory-efficient token permutation, permuted_probs)",

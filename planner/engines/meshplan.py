@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.engines.base import Engine
+from planner.engines.base import Engine, offload_refusal
 from planner.engines.mechanisms import (
     DTENSOR,
     EXECUTOR_EXPERTS,
@@ -81,6 +81,11 @@ def _unbuilt_refusal(model: ModelSpec) -> str | None:
             "that stack")
 
 
+# FSDP2's CPUOffloadPolicy (executor.parallel.parallelize.offload_policy): parameters, gradients and the
+# optimizer step on the host together; no optimizer-only offload
+EXECUTOR_OFFLOAD_KINDS = ("none", "optimizer+params")
+
+
 def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_gpu: bool = True,
                      training: TrainingSpec | None = None) -> str | None:
     """Why meshplan's executor cannot run this layout (one sentence with the values), or None."""
@@ -91,6 +96,9 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
     unbuilt = _unbuilt_refusal(model)
     if unbuilt:
         return unbuilt
+    offload = offload_refusal(f"engine {MESHPLAN.label}", EXECUTOR_OFFLOAD_KINDS, layout)
+    if offload:
+        return offload
     if layout.etp > 1:
         return f"etp ({layout.etp}) > 1: the executor does not split experts by tensor parallelism; plan with --etp 1"
     if model.moe is not None and (model.moe.n_experts % layout.ep or (layout.dp_shard * layout.cp) % layout.ep):
@@ -107,9 +115,6 @@ def executor_refusal(model: ModelSpec, layout: Layout, dtype: str = "bf16", on_g
     if layout.zero_stage == 1 and layout.dp_shard == 1:
         return (f"ZeRO-1 over the cp ranks alone (dp_shard 1, cp {layout.cp}): the executor's ZeRO-1 shards over "
                 "dp_shard; plan with --zero 2 or 3 (FSDP over dp_shard x cp) or a larger --dp-shard")
-    if layout.offload != "none" and not (layout.offload == "optimizer+params" and layout.zero_stage == 3):
-        return (f"offload {layout.offload!r} with zero_stage {layout.zero_stage}: the executor offloads only "
-                "'optimizer+params' under ZeRO-3 (FSDP2 CPUOffloadPolicy); plan with offload none")
     return None
 
 
@@ -118,5 +123,6 @@ MESHPLAN = MeshplanEngine(
     "torchao float8)",
     data_parallel=TORCH_ZERO_REDUNDANCY, tensor_parallel=DTENSOR, loss=Loss("dtensor"), pipeline=TORCH_PIPELINING,
     context_parallel=EXECUTOR_KV_ALL_GATHER, model_code=MESHPLAN_MODEL, experts=EXECUTOR_EXPERTS, fp8=TORCHAO_FP8,
-    recompute_kinds=("none", "selective", "op", "full"), compiles=True)
+    recompute_kinds=("none", "selective", "op", "full"), compiles=True,
+    offload_kinds=EXECUTOR_OFFLOAD_KINDS)
 RELEASES: dict[str, Engine] = {MESHPLAN.release: MESHPLAN}

@@ -106,6 +106,8 @@ RELEASES: dict[str, Engine] = build_releases(_BASE, (
     Release("2026-03", "torchtitan e1847f4 of 2026-03-09 (FSDP2's replicate for dp_replicate)"),
     Release("2026-04", "torchtitan 00b7f56 of 2026-04-09 (fully_shard at every degree)"),
 ), (
+    Change("2024-12", "training.enable_cpu_offload in the release's config_manager.py (FSDP2 CPUOffloadPolicy)",
+           "parameters, gradients and the optimizer step on the host", {"offload_kinds": ("none", "optimizer+params")}),
     Change("2025-06", "bbb1b616e of 2025-04-02 (#1033, build_loss_fn)",
            "--training.compile compiles the loss with the blocks: compute-dtype logits and gradient",
            {"loss": Loss("torch-loss-parallel", fused="compile")}),

@@ -5,7 +5,8 @@ with deepspeed.runtime.config.DeepSpeedConfig of 0.19.8, tests/consumers):
 train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
 bf16/fp16.enabled, data_types.grad_accum_dtype, zero_optimization.stage /
 offload_optimizer / offload_param / mics_shard_size (before 0.19.7) /
-zero_hpz_partition_size, tensor_parallel.autotp_size. A hostfile has one
+zero_hpz_partition_size, tensor_parallel.autotp_size, and with optimizer
+offload optimizer.type (DeepSpeed then steps with its CPU Adam). A hostfile has one
 `host slots=N` line per node.
 
 The data-parallel size. DeepSpeed refuses a config unless
@@ -59,6 +60,13 @@ def export(plan: Plan, hosts: tuple[str, ...] = (), version: tuple[int, ...] = (
         "data_types": {"grad_accum_dtype": tr.grad_dtype},
         "zero_optimization": _zero(plan, run, version, notes),
     }
+    if "offload_optimizer" in config["zero_optimization"]:
+        # ZeRO-Offload steps on the host with DeepSpeedCPUAdam, which the engine builds from this section; a
+        # client torch optimizer is refused under offload (engine.py: zero_force_ds_cpu_optimizer)
+        config["optimizer"] = {"type": tr.optimizer.replace("adamw", "AdamW").replace("sgd", "SGD"), "params": {}}
+        notes.append(f"offload: the host's optimizer step is DeepSpeed's CPU {config['optimizer']['type']}, built "
+                     "from the config's optimizer section; pass no optimizer to deepspeed.initialize and set its "
+                     "lr, betas and weight_decay there (DeepSpeed's defaults otherwise)")
     if lay.tp > 1:
         config["tensor_parallel"] = {"autotp_size": lay.tp}
     notes += _model_parallel_notes(plan)

@@ -328,7 +328,9 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
         else 0,  # (a float8-gathered unit's linears in 1 byte: planner.memory.states)
         end_transient=end_transient, root_grads=root_grads, clip=0,
         head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
-        head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
+        # (parameter offload: the reduced shard goes to the host with every other gradient shard)
+        head_shard=grad_share(head_unit) if split and layout.offload != "optimizer+params" else 0,
+        reserve_model=True, ag_pool=ag_pool,
         reduce_out=reduce_out if states.grads else 0, accumulated_default=nosync)
 
 

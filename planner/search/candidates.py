@@ -37,10 +37,12 @@ R8  Micro-batch sizes divide the per-replica batch. Memory never falls as
     the micro-batch grows, so a recomputation level that failed at a smaller
     micro-batch is not tried again at a larger one (see planner.search.search).
 R9  Dominance: for a fixed shape and micro-batch, the lightest recomputation
-    that fits wins (more recomputation only adds FLOPs). Offloading is never
-    searched, only honoured when pinned (`Pins.offload`): the simulator does
-    not price its host transfers and a Cluster does not know its host
-    memory, so an offloaded layout would look free and might not fit the host.
+    that fits wins (more recomputation only adds FLOPs). Offload
+    (`Pins.offload`): none unless asked; pinned, that kind; "auto", every kind
+    the engine runs (planner.engines.Engine.offload_kinds), each its own
+    search, ranked together (planner.simulate.offload prices the host link,
+    the host's optimizer step and the node's RAM; a cluster that does not
+    state its host is searched without offload).
 R10 MoE: ep divides the expert count, etp the experts' inner size, and
     ep * etp the ranks of a stage's replica, dp_shard * cp * tp (the expert
     grid of planner.layout). Unpinned etp is 1 or tp: etp = tp lines the
@@ -104,7 +106,7 @@ class Pins:
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise UsageError(f"--zero must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for key, allowed in (("recompute", RECOMPUTE_KINDS), ("pp_schedule", PP_SCHEDULES),
-                             ("offload", OFFLOAD_KINDS)):
+                             ("offload", (*OFFLOAD_KINDS, "auto"))):
             value = getattr(self, key)
             if value is not None and value not in allowed:
                 raise UsageError(f"--{key.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
@@ -342,9 +344,12 @@ def shapes(n_gpus: int, model: ModelSpec, seq_len: int, pins: Pins, offload: str
                 yield group.layout(split, schedule, offload)
 
 
-def offload_option(pins: Pins) -> str:
-    """R9: the offload level of every candidate: the pinned one, else none."""
-    return pins.offload or "none"
+def offload_options(pins: Pins, kinds: tuple[str, ...], host_known: bool) -> tuple[str, ...]:
+    """R9: the offload levels searched: the pinned one, every kind the engine runs under "auto" (none alone
+    where the cluster does not state its host), else none."""
+    if pins.offload == "auto":
+        return tuple(k for k in OFFLOAD_KINDS if k in kinds and (k == "none" or host_known))
+    return (pins.offload or "none",)
 
 
 def recompute_options(pins: Pins) -> tuple[str, ...]:

@@ -101,7 +101,7 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
                      calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
-                     allow_long_context: bool = False, progress=None) -> list[Row]:
+                     allow_long_context: bool = False, progress=None, offload: str | None = None) -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in.
 
     progress: a `topologies.terminal.Progress` told the number of variants and each one searched.
@@ -121,6 +121,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
     rows = []
     if progress is not None:
         progress.update(total=len(todo))
+    pins = Pins(offload=offload)
     for v in todo:
         if progress is not None:
             progress.describe(v.label)
@@ -129,7 +130,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         seq = v.run.get("seq_len", seq_len) or default_seq_len(model.max_seq_len)
         check_context(model, seq, allow_long_context, "--what-if seq_len" if "seq_len" in v.run else "--seq-len")
         profile = load_calibration(calibration, cluster.gpu)
-        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), None, engine, profile, top_k=1,
+        result = search(model, cluster, seq, v.run.get("global_batch", global_batch), pins, engine, profile, top_k=1,
                         precision=precision)
         if progress is not None:
             progress.advance()
@@ -137,7 +138,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
             rows.append(Row(v, cluster.world_size, cluster.gpu.name, best=result.best,
                             uncertainty=uncertainty_json(engine, cluster.gpu.name, model.moe is not None)))
             continue
-        error = no_layout_error(result, Pins(), cluster.world_size, engine)
+        error = no_layout_error(result, pins, cluster.world_size, engine)
         if not isinstance(error, InfeasibleError):
             raise error
         rows.append(Row(v, cluster.world_size, cluster.gpu.name, error=str(error)))

@@ -77,7 +77,9 @@ def short(layout: Layout) -> str:
     dp = f"dp{layout.dp}" if not layout.hsdp else f"dp{layout.dp_replicate}x{layout.dp_shard}"
     text = f"tp{layout.tp} pp{layout.pp} {dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
     text += f" ep{layout.ep}" + (f"/etp{layout.etp}" if layout.etp > 1 else "") if layout.ep * layout.etp > 1 else ""
-    text += f" Z{layout.zero_stage} mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
+    text += f" Z{layout.zero_stage}" + ({"optimizer": "+off-opt", "optimizer+params": "+off-params"}
+                                        .get(layout.offload, ""))
+    text += f" mb{layout.micro_batch_size}x{layout.grad_accum_steps}"
     if layout.recompute != "none":
         text += f" rc-{recompute_label(layout)}"
     if layout.pp > 1:
@@ -277,6 +279,8 @@ def infeasible_message(near: NearMiss | None, pins: Pins, n_gpus: int) -> str:
             fixes.append(f"drop --{key.replace('_', '-')}")
     if near.what == "peak memory":
         fixes.append("a shorter --seq-len")
+    if pins.offload in (None, "none"):
+        fixes.append("model state in host memory (--offload auto)")
     fixes.append("GPUs with more memory")
     return (f"no layout fits: the closest ({describe(near.layout)}) needs {near.needed_bytes / GIB:.1f} GiB per GPU "
             f"({near.what}), has {near.capacity_bytes / GIB:.1f} ({near.usable_fraction:.0%} of the GPU's "
@@ -291,7 +295,10 @@ def no_layout_error(result: SearchResult, pins: Pins, n_gpus: int, engine: str =
         return PlanError(f"--micro-batch {pins.micro_batch_size} is larger than the global batch "
                          f"({result.target_batch} sequences): lower --micro-batch or raise --global-batch")
     if result.near_miss is not None:
-        return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus))
+        host = f"; offloading layouts: {s.host_reason}" if s.host_reason else ""
+        return InfeasibleError(infeasible_message(result.near_miss, pins, n_gpus) + host)
+    if s.host_reason:
+        return InfeasibleError(f"no layout fits on {n_gpus} GPUs: {s.host_reason}")
     if s.shapes == 0 and s.unsupported:
         if get_engine(engine).name != "meshplan":
             return PlanError(f"no layout of {n_gpus} GPUs with the pinned options ({pinned}) runs on engine "

@@ -41,15 +41,18 @@ import numpy as np
 from planner.engines import get_engine
 from planner.layout import Layout, partial_recompute_options, recompute_fields
 from planner.memory.estimate import default_other_bytes, peak_floor_bytes, stage_state_floors
+from planner.memory.states import model_states
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
 from planner.search.bound import StepBound
-from planner.search.candidates import Pins, offload_option, recompute_options
+from planner.search.candidates import Pins, offload_options, recompute_options
 from planner.search.families import Family, FamilyBounds, Shape, build_families
 from planner.simulate.calibration import CalibrationProfile, load_calibration
+from planner.simulate.offload import host_refusal, host_stated
 from planner.simulate.step import StepResult, simulate_step, step_memory
 from planner.training import TrainingSpec, default_global_batch
 from topologies.cluster import Cluster
+from topologies.errors import UsageError
 
 # A plan keeps 5% of GPU memory free on top of the memory model's fixed
 # overhead (`other`): the model is an estimate, and running out of memory
@@ -97,6 +100,8 @@ class SearchStats:
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
     memory_checks: int = 0
     floor_pruned: int = 0  # memory checks a floor of the peak answered (planner.memory.estimate.peak_floor_bytes)
+    host_pruned: int = 0  # offloading shapes whose host state does not fit the node's RAM
+    host_reason: str = ""  # the first such shape's figures (planner.simulate.offload.host_refusal)
     simulated: int = 0
     bound_pruned: int = 0  # candidates never looked at again thanks to the bound
     unsupported: int = 0  # shapes meshplan's executor cannot run (engine meshplan only)
@@ -211,15 +216,13 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
                    usable_fraction=usable_memory_fraction,
                    precision=precision, attention=attention, compile=compile, async_tp=async_tp,
                    recipe=dict(recipe or {}))
-    offload = offload_option(ctx.pins)
-    families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
-    ranked = _branch_and_bound(ctx, families, bounds, top_k)
+    if ctx.pins.offload not in (None, "none", "auto") and host_stated(cluster):
+        raise UsageError(host_stated(cluster))
+    offloads = offload_options(ctx.pins, get_engine(engine).offload_kinds, host_stated(cluster) is None)
+    ranked = _search_offloads(ctx, offloads, top_k)
     if not ranked and ctx.stats.shapes:  # again, measuring every miss: the closest layout the error names
         ctx = dataclasses.replace(ctx, stats=SearchStats(), near_miss=None, exact_misses=True, _trainings={})
-        families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
-        ranked = _branch_and_bound(ctx, families, bounds, top_k)
-    if not ranked:  # the counts and the refusal the error names
-        bounds.ask_refusals(families)
+        ranked = _search_offloads(ctx, offloads, top_k)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss, calibration,
                         engine, usable_memory_fraction)
@@ -233,6 +236,18 @@ def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:
 # queue entries: (bound per token, order, what, item); `order` breaks ties so that families and members
 # come before candidates of the same bound, and candidates keep the order of the full enumeration
 _FAMILY, _MEMBER, _CANDIDATE = 0, 1, 2
+
+
+def _search_offloads(ctx: _Context, offloads: tuple[str, ...], top_k: int) -> list[Scored]:
+    """The best top_k over every offload level searched; with nothing found, the refusals the error names."""
+    ranked: list[Scored] = []
+    for offload in offloads:
+        families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
+        found = _branch_and_bound(ctx, families, bounds, top_k)
+        if not found and not ranked:  # the counts and the refusal the error names
+            bounds.ask_refusals(families)
+        ranked = sorted([*ranked, *found], key=lambda s: s.key)[:top_k]
+    return ranked
 
 
 def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBounds, top_k: int) -> list[Scored]:
@@ -335,6 +350,12 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
         if not sh.state_fits:
             ctx.stats.state_pruned += 1
             ctx.miss(sh.layout, state, "model state")
+        if sh.state_fits and sh.layout.offload != "none":  # the offloaded state must fit the node's RAM
+            host = host_refusal(model_states(ctx.model, sh.training, sh.layout, ctx.engine).host, ctx.cluster)
+            if host:
+                sh.state_fits = False
+                ctx.stats.host_pruned += 1
+                ctx.stats.host_reason = ctx.stats.host_reason or host
     if not sh.state_fits:
         return None
     smaller = [lv for m, lv in sh.levels.items() if m < mb]

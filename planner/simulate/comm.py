@@ -46,6 +46,7 @@ from planner.layout import MESH_AXES, Layout, expert_group_offsets
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
 from planner.simulate.compute import moe_fraction
+from planner.simulate.offload import host_link_gbytes_per_s
 from topologies.cluster import Cluster
 from topologies.collectives import CollectiveModel
 from topologies.errors import PlanError
@@ -209,7 +210,7 @@ class StepComm:
         self._ep_crosses_nodes: bool | None = None  # whether an ep group leaves its node (first all-to-all)
         self.cal = cal
         self._expert_times: dict[tuple[str, float, str], float] = {}
-        self.pcie_gbytes_per_s = cluster.gpu.pcie_gbytes_per_s  # host <-> GPU copies (offload)
+        self.host_link_gbytes_per_s = host_link_gbytes_per_s(cluster)  # host <-> GPU copies (offload)
         self.scale = cal.collective_scale
 
     def groups(self, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

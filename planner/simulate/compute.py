@@ -391,17 +391,3 @@ def optimizer_time_s(local_params: float, optimizer: str, gpu: GPUSpec, cal: Cal
     """
     per_param = cal.optimizer_bytes_per_param * (1.0 if optimizer == "adamw" else 0.5)
     return memory_time_s(local_params * per_param, gpu, cal)
-
-
-# A node's DDR (8-12 channels, ~300-400 GB/s on current servers) shared by its 8
-# GPUs' optimizer threads, at the ~60% a streaming CPU Adam reaches.
-HOST_GBYTES_PER_S_PER_GPU = 25.0
-
-
-def offloaded_optimizer_time_s(local_params: float, optimizer: str, grad_bytes: int, dtype_bytes: int,
-                               gpu: GPUSpec, cal: CalibrationProfile) -> float:
-    """Optimizer step on the host (ZeRO-Offload): gradients down and parameters up over PCIe,
-    the update streamed through host memory at HOST_GBYTES_PER_S_PER_GPU."""
-    per_param = cal.optimizer_bytes_per_param * (1.0 if optimizer == "adamw" else 0.5)
-    pcie = local_params * (grad_bytes + dtype_bytes) / (gpu.pcie_gbytes_per_s * 1e9)
-    return pcie + local_params * per_param / (HOST_GBYTES_PER_S_PER_GPU * 1e9)

@@ -13,6 +13,7 @@ from planner.simulate.calibration import CalibrationProfile
 from planner.simulate.comm import StepComm
 from planner.simulate.compute import combine, embedding_times, output_times, tokens_per_micro_batch
 from planner.simulate.host import end_host_s
+from planner.simulate.offload import exposed_beyond
 from planner.simulate.pipeline import chunk_owner
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -77,3 +78,32 @@ def ends_tp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, com
     act = comm.time_s("all_reduce", m * model.hidden * d, ("tp",))
     emb = 0.0 if model.tie_embeddings else act
     return emb, 0.0, 0.0, act
+
+
+def root_offload_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
+                   cal: CalibrationProfile, ends: tuple[float, float, float, float]
+                   ) -> tuple[float, float, float, float]:
+    """Exposed host-link copies of the root units per micro-batch (planner.simulate.offload), beside
+    `root_fsdp_comm_s`: with parameters offloaded a root's shard comes up before its all-gather, and with
+    either offload its gradient shard goes down after its reduce-scatter. A micro-batch's forward starts with
+    the embedding's copy, which no earlier unit's compute can hide: only the end's own time (at
+    `comm_overlap`) hides it, as it hides the root's collectives."""
+    if layout.offload == "none":
+        return 0.0, 0.0, 0.0, 0.0
+    d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
+    shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
+    link = comm.host_link_gbytes_per_s * 1e9
+    owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    out: list[float] = []
+    for end, rank in ((0, owner[0]), (2, owner[-1])):
+        if end == 2 and rank == owner[0]:
+            out += [0.0, 0.0]
+            continue
+        root = stage_params(model, layout, rank).root
+        sharded = layout.zero_stage >= 2 and layout.shard_ranks > 1
+        ag = comm.time_s("all_gather", root * d, layout.shard_axes) if sharded and layout.zero_stage == 3 else 0.0
+        rs = comm.time_s("reduce_scatter", root * g, layout.shard_axes) if sharded else 0.0
+        up = root / shard * d / link if layout.offload == "optimizer+params" else 0.0
+        out += [exposed_beyond(up, ag, cal.comm_overlap * ends[end]),
+                exposed_beyond(root / shard * g / link, rs, cal.comm_overlap * ends[end + 1])]
+    return out[0], out[1], out[2], out[3]

@@ -54,15 +54,15 @@ from planner.simulate.compute import (
     layer_attention_core_times,
     layer_gemms,
     layer_times,
-    offloaded_optimizer_time_s,
     optimizer_time_s,
     tokens_per_micro_batch,
 )
 from planner.simulate.context import torch_cp_cost
-from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s
+from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s, root_offload_s
 from planner.simulate.events import LAYER_COMM_KEYS, StepEvents, step_events_of
 from planner.simulate.grad_fold import add_grad_fold
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
+from planner.simulate.offload import layer_offload_s, offload_summary, offloaded_step_s
 from planner.simulate.pipeline import B, F, W, chunk_owner, simulate_pipeline
 from planner.simulate.recompute import recomputed_comm
 from planner.simulate.tp_overlap import OverlapGemms, async_tp_exposed_s, overlap_gemms, sm_share_s
@@ -85,6 +85,7 @@ class StepResult:
     # dualpipev) and the p2p time of each chunk boundary (planner.simulate.pipeline.simulate_pipeline's inputs)
     pipeline_inputs: tuple[tuple[tuple[float, ...], ...], tuple[float, ...]] | None = field(
         default=None, compare=False, repr=False)
+    offload: dict | None = None  # planner.simulate.offload.offload_summary of an offloading layout
 
     def prediction(self) -> Prediction:
         return Prediction(
@@ -99,7 +100,8 @@ class StepResult:
                    # planner.memory.reserved: tensors (max_memory_allocated) and the caching allocator's
                    # high-water mark (max_memory_reserved); peak_memory_bytes adds the fixed overhead
                    "allocated_peak_bytes": self.memory.allocated_bytes,
-                   "reserved_peak_bytes": self.memory.reserved_bytes},
+                   "reserved_peak_bytes": self.memory.reserved_bytes,
+                   **({"offload": self.offload} if self.offload else {})},
         )
 
 
@@ -162,6 +164,7 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
             # pass's all-to-alls hide under the other pass's compute (warm-up and cool-down passes ignored)
             comm_f["ep_comm"], comm_b["ep_comm"] = max(0.0, ep_s - bwd_s), max(0.0, ep_b - fwd_s)
         calls_f, calls_b = calls_f + calls, calls_b + round(calls * (1.0 + redo_a2a))
+    ag = rs = 0.0
     if layout.zero_stage >= 2 and layout.shard_ranks > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
@@ -170,10 +173,9 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
         comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
         calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
-    if layout.offload == "optimizer+params":  # each pass copies the layer's weights up from host memory
-        dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
-        up = (dense + experts) * d / (comm.pcie_gbytes_per_s * 1e9)
-        comm_f["offload_comm"], comm_b["offload_comm"] = max(0.0, up - fwd_s), max(0.0, up - bwd_s)
+    if layout.offload != "none":  # shards up from host memory, gradient shards down (planner.simulate.offload)
+        comm_f["offload_comm"], comm_b["offload_comm"] = layer_offload_s(
+            model, layout, d, DTYPE_BYTES[training.grad_dtype], comm.host_link_gbytes_per_s, fwd_s, bwd_s, ag, rs)
     return comm_f, comm_b, calls_f, calls_b
 
 
@@ -344,8 +346,8 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     out = {k: v + cal.collective_overhead_s if v > 0 else 0.0 for k, v in out.items()}
     if layout.offload == "none":
         out["optimizer"] = optimizer_time_s(local, training.optimizer, cluster.gpu, cal)
-    else:
-        out["optimizer"] = offloaded_optimizer_time_s(local, training.optimizer, g, d, cluster.gpu, cal)
+    else:  # on the host, then (optimizer offload) the updated shard back up: both between two steps
+        out["optimizer"] = sum(offloaded_step_s(local, training.optimizer, layout, d, cluster))
     return out
 
 
@@ -388,6 +390,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     if eng.pipeline.recomputes_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
         ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
     ends_comm = {"fsdp_comm": root_fsdp_comm_s(model, training, layout, comm, cal, ends),
+                 "offload_comm": root_offload_s(model, training, layout, comm, cal, ends),
                  "tp_comm": ends_tp_comm_s(model, training, layout, comm)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
     durations, compute, comm_kinds = _chunk_durations(layout, unit, ends, split_w, ends_comm)
@@ -432,9 +435,15 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     if events:
         scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
         step_events = step_events_of(layout, pipe, (unit.comm_f, unit.comm_b), ends_comm, scale, p2p, tails)
+    offload = None
+    if layout.offload != "none":
+        sp = pipeline_params(model, layout)[r]
+        local = sp.dense / layout.shard_ranks + sp.experts / sp.expert_shard if layout.zero_stage >= 1 else sp.total
+        offload = offload_summary(model, layout, cluster, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype],
+                                  training.optimizer, local, sp.layers, memory.host_bytes)
     ran = tuple(tuple(row) if kind != W or split_w else (0.0,) * len(row) for kind, row in enumerate(durations))
     return StepResult(step, tokens_per_s, model_flops / 1e12, model_flops / peak, breakdown, memory, r, step_events,
-                      (ran, tuple(p2p)))
+                      (ran, tuple(p2p)), offload)
 
 
 def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layout, cluster: Cluster,

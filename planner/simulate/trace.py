@@ -17,7 +17,7 @@ from typing import Any
 from planner.simulate.timeline import Interval, Timeline
 
 COMM_NAMES = {"tp_comm": "TP comm", "cp_comm": "CP comm", "ep_comm": "EP all-to-all", "fsdp_comm": "FSDP gather",
-              "offload_comm": "host->GPU weights", "dp_comm": "DP reduce", "embedding_sync": "embedding sync",
+              "offload_comm": "host link copies", "dp_comm": "DP reduce", "embedding_sync": "embedding sync",
               "param_gather": "parameter gather"}
 
 

@@ -229,7 +229,7 @@ def test_refuses_what_the_executor_does_not_run(cli, tmp_path):
     doc["parallel"]["offload"] = "optimizer"
     offload.write_text(json.dumps(doc))
     res = cli("execute", str(offload), "--dry-run")
-    assert res.code == 2 and "offload 'optimizer' with zero_stage 2" in res.stderr
+    assert res.code == 2 and "does not offload 'optimizer' to the host (it offloads: params)" in res.stderr
 
 
 def test_readme_dry_run_example_is_real_output(cli, tmp_path):

@@ -26,6 +26,7 @@ def words(text: str) -> str:
     "meshplan plan --model 13B --gpus 16",
     "meshplan compare --model 70B --gpus 64 --cluster dgx-a100-80g,dgx-h100 --price-per-gpu-hour 1.8,3.0",
     "meshplan plan --model llama3-8b --gpus 8 --cluster dgx-a100-40g --pp 4 --pp-schedule 1f1b",
+    "meshplan plan --model tests/data/hf_configs/qwen2.5-7b.json --gpus 4 --cluster rtx4090-pcie --offload auto",
 ])
 def test_readme_example_is_what_the_cli_prints(cli, command):
     r = cli(*command.split()[1:])

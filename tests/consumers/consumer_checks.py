@@ -106,10 +106,19 @@ def deepspeed_engine(folder: Path, world_size: int) -> dict:
                                          topology=mpu.topology(), loss_fn=torch.nn.MSELoss()), None
         else:
             model, grid = torch.nn.Sequential(torch.nn.Linear(8, 8)), (mpu.build_mpu() if mpu else None)
+        # an offloading export names its optimizer (DeepSpeed's CPU Adam); otherwise the script brings one
+        client = None if "optimizer" in config else torch.optim.AdamW(model.parameters())
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
-                                          optimizer=torch.optim.AdamW(model.parameters()), mpu=grid)
+                                          optimizer=client, mpu=grid)
+        zero = engine._config.zero_config
+        offload = {"optimizer": getattr(zero.offload_optimizer, "device", None),
+                   "param": getattr(zero.offload_param, "device", None)}
         return {"engine": type(engine).__name__, "zero": engine.zero_optimization_stage(),
-                "dp": engine.dp_world_size, "global_batch": engine.train_batch_size(), "stages": stages}
+                "dp": engine.dp_world_size, "global_batch": engine.train_batch_size(), "stages": stages,
+                "optimizer": type(engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer")
+                                  else engine.optimizer).__name__,
+                "offload": {k: str(v.value if hasattr(v, "value") else v) if v is not None else None
+                            for k, v in offload.items()}}
 
 
 # ---- accelerate ---------------------------------------------------------------------

@@ -53,6 +53,12 @@ PLANS = {
     "ddp-tp-pp": ("--model", "llama3-8b", "--gpus", "32", "--tp", "4", "--pp", "4", "--zero", "0",
                   "--pp-schedule", "1f1b"),
     "cpu": ("--model", "debug", "--cluster", "cpu", "--gpus", "4"),
+    # full fine-tuning of 7-8B models on 4x RTX 4090 with model state in host memory
+    "ds-offload-params": ("--model", "tests/data/hf_configs/qwen2.5-7b.json", "--cluster", "rtx4090-pcie", "--gpus",
+                          "4", "--engine", "deepspeed", "--offload", "params"),
+    "ds-offload-optimizer": ("--model", "tests/data/hf_configs/qwen2.5-7b.json", "--cluster", "rtx4090-pcie",
+                             "--gpus", "4", "--engine", "deepspeed", "--offload", "optimizer"),
+    "fsdp-offload-8b": ("--model", "llama3-8b", "--cluster", "rtx4090-pcie", "--gpus", "4", "--offload", "auto"),
     "13b-default": ("--model", "13B", "--gpus", "16"),
     "moe-ep": ("--model", "mixtral-8x7b", "--gpus", "16", "--engine", "megatron"),
     "tt-fp8-compile": ("--model", "llama3-8b", "--gpus", "16", "--engine", "torchtitan", "--precision", "fp8",
@@ -103,11 +109,18 @@ def test_deepspeed_accepts(name, tmp_path):
         assert got["hpz"] == lay.dp_shard and noted(result, "HSDP", "predicted step")
     if lay.tp * lay.pp * lay.cp > 1:
         assert noted(result, "mpu", "meshplan_ds_mpu.py")
-    if lay.offload == "none":  # the engine itself must take the ZeRO stage, the dtypes and the grid
-        engine = deepspeed_engine(tmp_path, plan.world_size)
-        kind = "PipelineEngine" if lay.pp > 1 else "DeepSpeedEngine"
-        assert engine == {"engine": kind, "zero": got["zero"], "dp": lay.dp,
-                          "global_batch": plan.training.global_batch_size, "stages": lay.pp}
+    # the engine itself must take the ZeRO stage, the dtypes, the grid and the offload
+    engine = deepspeed_engine(tmp_path, plan.world_size)
+    kind = "PipelineEngine" if lay.pp > 1 else "DeepSpeedEngine"
+    assert {k: engine[k] for k in ("engine", "zero", "dp", "global_batch", "stages")} == {
+        "engine": kind, "zero": got["zero"], "dp": lay.dp, "global_batch": plan.training.global_batch_size,
+        "stages": lay.pp}
+    if lay.offload != "none":
+        assert engine["optimizer"] == "DeepSpeedCPUAdam" and noted(result, "CPU AdamW")
+        assert engine["offload"] == {"optimizer": "cpu", "param": "cpu" if lay.offload == "optimizer+params"
+                                     else None}
+    else:
+        assert engine["offload"] == {"optimizer": None, "param": None}
 
 
 @pytest.mark.parametrize("name", PLANS)

@@ -14,7 +14,7 @@ import pytest
 
 from planner.layout import Layout, divisors
 from planner.model.load import load_model
-from planner.search.candidates import Pins, offload_option, pipeline_allows, shapes
+from planner.search.candidates import Pins, offload_options, pipeline_allows, shapes
 from planner.search.search import search
 from topologies.cluster_load import load_cluster
 
@@ -32,7 +32,7 @@ def _checked(layout: Layout) -> Layout:
 def test_every_enumerated_shape_passes_the_checks(name, gpus, pins):
     model = load_model(name)
     built = 0
-    for shape in shapes(gpus, model, 4096, pins, offload_option(pins)):
+    for shape in shapes(gpus, model, 4096, pins, offload_options(pins, ('none',), False)[0]):
         assert type(shape) is Layout
         checked = _checked(shape)
         assert checked == shape and hash(checked) == hash(shape)
