@@ -34,7 +34,7 @@ _BASE = Engine(
     "deepspeed", "", "", data_parallel=DEEPSPEED_ZERO, tensor_parallel=MEGATRON_TP_2021, loss=Loss("vocab-parallel"),
     pipeline=DEEPSPEED_PIPELINE_2021, context_parallel=TE_P2P_RING, model_code=MEGATRON_DEEPSPEED_MODEL,
     experts=GROUPED_EXPERTS, attention="eager", recompute_kinds=("none", "full"), pp_schedules=("1f1b",),
-    pipeline_zero_max=1, sequence_parallel=False, context_parallel_runs=False)
+    pipeline_zero_max=1, sequence_parallel=False, context_parallel_runs=False, lora="peft")
 
 RELEASES: dict[str, Engine] = build_releases(_BASE, (
     Release("0.5.3", "DeepSpeed 0.5.3 with Megatron-DeepSpeed of 2021 (MT-NLG 530B)"),
