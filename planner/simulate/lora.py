@@ -6,8 +6,9 @@ for the adapters' split), each target linear (in, out) adds two GEMMs:
   column-parallel  lora_A (m, r, in)    lora_B (m, out/t, r)
   row-parallel     lora_A (m, r, in/t)  lora_B (m, out, r)
 run once forward, once for their input gradients and once for their weight
-gradients (the shapes are symmetric in planner.simulate.compute's GEMM
-model), plus the scale-and-add of lora_B's output into the base's (three
+gradients (the same operands each time), each priced by its FLOPs or by
+streaming its operands through HBM, whichever is longer (r is far below a
+GEMM tile: these are memory-bound), plus the scale-and-add of lora_B's output into the base's (three
 memory passes over m x out/t, or m x out for a row-parallel target, forward
 and backward). The base keeps its forward and input-gradient GEMMs (the
 gradient must reach the adapters of earlier layers) but drops every
@@ -33,11 +34,19 @@ from planner.memory.lora import (
 from planner.memory.params import StageParams, layer_params_split
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
-from planner.simulate.compute import PassTimes, gemm_time_s, memory_time_s, tokens_per_micro_batch
+from planner.simulate.compute import PassTimes, memory_time_s, tokens_per_micro_batch
 from planner.training import TrainingSpec
 from topologies.hardware import GPUSpec
 
 ADD_PASSES = 3  # read the base's output and lora_B's, write the sum (the alpha / r scale folded into the add)
+
+
+def _skinny_gemm_s(m: float, n: float, k: float, d: int, gpu: GPUSpec, peak: float, cal: CalibrationProfile) -> float:
+    """An adapter GEMM: r is far below the tile size, so it is bound by streaming its operands (m x k read,
+    n x k read, m x n written) unless its FLOPs take longer; the calibrated shape penalty of
+    planner.simulate.compute, fitted on the blocks' wide GEMMs, would price a rank-8 GEMM like a wide one."""
+    flops_s = 2.0 * m * n * k / (peak * cal.gemm_efficiency)
+    return max(flops_s, memory_time_s(d * (m * k + n * k + m * n), gpu, cal))
 
 
 def adapter_pass_s(model: ModelSpec, training: TrainingSpec, layout: Layout, gpu: GPUSpec, peak: float,
@@ -50,8 +59,8 @@ def adapter_pass_s(model: ModelSpec, training: TrainingSpec, layout: Layout, gpu
         if name not in training.lora_targets:
             continue
         column = name in COLUMN_TARGETS
-        a = gemm_time_s(m, r, n_in if column else n_in / t, peak, cal)
-        b = gemm_time_s(m, n_out / t if column else n_out, r, peak, cal)
+        a = _skinny_gemm_s(m, r, n_in if column else n_in / t, d, gpu, peak, cal)
+        b = _skinny_gemm_s(m, n_out / t if column else n_out, r, d, gpu, peak, cal)
         add = memory_time_s(ADD_PASSES * d * m * (n_out / t if column else n_out), gpu, cal)
         total += (a + b + add) * (mlp_share if name in ("gate", "up", "down") else 1.0)
     return total
