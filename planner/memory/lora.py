@@ -3,13 +3,15 @@
 LoRA (Hu et al. 2021) adds beside a target linear W (out x in) two trained
 matrices, lora_A (r x in) and lora_B (out x r); the base stays frozen. On a
 tensor-parallel rank the adapters are split consistently with their base
-(the split that needs no collective of its own):
+(executor.lora, with DTensor's parallel styles):
 
   column-parallel base (q, k, v, gate, up: W split on out)
-      lora_A whole (r x in), lora_B split on out (out/t x r)
+      lora_A split on r (r/t x in, its m x r output all-gathered), lora_B
+      split on out (out/t x r)
   row-parallel base (o, down: W split on in)
-      lora_A split on in (r x in/t), lora_B whole (out x r): B applied to
-      A's partial sum gives a partial sum, reduced with the base's output
+      lora_A split on in (r x in/t, its partial m x r output reduced),
+      lora_B whole (out x r)
+The adapters' own collectives move m x r elements: left out of the step time.
 
 Routed experts and MLA projections are not adapted (LoRA targets the dense
 attention projections and the dense or shared MLP; `lora_refusal` says so for
@@ -85,7 +87,7 @@ def adapter_params_per_layer(model: ModelSpec, targets: tuple[str, ...], rank: i
         if name not in targets:
             continue
         if name in COLUMN_TARGETS:
-            count = rank * n_in + ceil_div(n_out, tp) * rank
+            count = ceil_div(rank, tp) * n_in + ceil_div(n_out, tp) * rank
         else:
             count = rank * ceil_div(n_in, tp) + n_out * rank
         if _mlp_target(name):

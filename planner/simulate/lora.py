@@ -3,7 +3,7 @@ and data-parallel collectives and the optimizer over the adapters only.
 
 Per layer and micro-batch of m tokens on one TP rank (planner.memory.lora
 for the adapters' split), each target linear (in, out) adds two GEMMs:
-  column-parallel  lora_A (m, r, in)    lora_B (m, out/t, r)
+  column-parallel  lora_A (m, r/t, in)  lora_B (m, out/t, r)
   row-parallel     lora_A (m, r, in/t)  lora_B (m, out, r)
 run once forward, once for their input gradients and once for their weight
 gradients (the same operands each time), each priced by its FLOPs or by
@@ -59,7 +59,7 @@ def adapter_pass_s(model: ModelSpec, training: TrainingSpec, layout: Layout, gpu
         if name not in training.lora_targets:
             continue
         column = name in COLUMN_TARGETS
-        a = _skinny_gemm_s(m, r, n_in if column else n_in / t, d, gpu, peak, cal)
+        a = _skinny_gemm_s(m, r / t if column else r, n_in if column else n_in / t, d, gpu, peak, cal)
         b = _skinny_gemm_s(m, n_out / t if column else n_out, r, d, gpu, peak, cal)
         add = memory_time_s(ADD_PASSES * d * m * (n_out / t if column else n_out), gpu, cal)
         total += (a + b + add) * (mlp_share if name in ("gate", "up", "down") else 1.0)

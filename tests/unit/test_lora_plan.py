@@ -40,9 +40,9 @@ def test_adapter_counts_by_hand_and_tp_split_consistent_with_the_base():
     attention, whole = adapter_params_per_layer(m, LORA_TARGETS, r, 1)
     assert attention == r * (h + q) + 2 * r * (h + kv) + r * (q + h)
     assert whole == attention + 2 * r * (h + f) + r * (f + h)
-    # TP 4: column targets split lora_B on out (A whole), row targets split lora_A on in (B whole)
+    # TP 4: column targets split lora_A on r and lora_B on out, row targets split lora_A on in (B whole)
     q_only, _ = adapter_params_per_layer(m, ("q",), r, 4)
-    assert q_only == r * h + q // 4 * r
+    assert q_only == r // 4 * h + q // 4 * r
     o_only, _ = adapter_params_per_layer(m, ("o",), r, 4)
     assert o_only == r * q // 4 + h * r
     assert set(target_shapes(m)) == set(LORA_TARGETS)
