@@ -88,3 +88,22 @@ def test_lora_layout_matches_single_process(layout, reference, tmp_path):
     for got, want in zip(records, reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), (layout, got["step"])
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), (layout, got["step"])
+
+
+def test_lora_checkpoint_resumes(reference, tmp_path):
+    """A TP x DP LoRA run checkpointed at steps 2 and 4, rolled back to step 2 and resumed, repeats steps 3-4."""
+    import shutil
+
+    plan = make_plan(tmp_path, "resume", *LAYOUTS["tp2_dp2"], *LORA)
+    out = tmp_path / "run"
+    execute(plan, out, "--seed", str(SEED), "--checkpoint-every", "2", "--keep-checkpoints", "2", steps=STEPS)
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2", "step-4"]
+    shutil.rmtree(root / "step-4")
+    (root / "latest").write_text("step-2\n")
+    records = execute(plan, out, "--seed", str(SEED), "--resume", steps=STEPS)
+    steps = [r["step"] for r in records]
+    assert steps[-2:] == [3, 4] and steps.count(1) == 1, steps  # resumed at step 3, not started again
+    resumed = {r["step"]: r for r in records}
+    for step in (3, 4):
+        assert resumed[step]["loss"] == pytest.approx(reference[step - 1]["loss"], rel=RTOL), step
