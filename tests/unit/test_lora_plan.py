@@ -243,3 +243,23 @@ def test_compare_takes_the_lora_flags():
     full = run_cli("compare", "--model", "llama3-8b", "--gpus", "1", "--cluster", "rtx4090-pcie", "--seq-len", "2048",
                    "--json")
     assert full.code == 3  # full fine-tuning fits no variant
+
+
+def test_exports_state_lora_honestly(tmp_path):
+    from planner.export import export_plan
+    from planner.plan import load_plan
+
+    path = tmp_path / "lora.json"
+    assert run_cli("plan", "--model", "llama3-8b", "--cluster", "rtx4090-pcie", "--gpus", "1", "--seq-len", "2048",
+                   "--finetune", "lora", "--lora-targets", "q,v", "-o", str(path)).code == 0
+    plan = load_plan(path)
+    assert plan.training.finetune == "lora" and plan.training.lora_targets == ("q", "v")
+    for target in ("deepspeed", "accelerate"):
+        notes = " ".join(export_plan(plan, target).notes)
+        assert "get_peft_model" in notes and "target_modules=['q_proj', 'v_proj']" in notes, target
+    for target in ("torchtitan", "megatron"):
+        assert any("trains every parameter" in n for n in export_plan(plan, target).notes), target
+    full = load_plan(path).to_json()
+    full["training"] = {k: v for k, v in full["training"].items() if not k.startswith(("finetune", "lora"))}
+    assert not any("LoRA" in n or "finetune" in n for n in export_plan(plan.__class__.from_json(full),
+                                                                        "deepspeed").notes)
