@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from conftest import run_cli
+from test_hf_models import bpe_tokenizer
 
 from executor.components.checkpoint import consolidate
 from executor.lora import add_adapters
@@ -40,6 +41,7 @@ def run(tmp_path_factory) -> tuple[Path, Path]:
                                       max_position_embeddings=256, rope_theta=500000.0)
     base = root / "base"
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(base)
+    bpe_tokenizer(base)  # the run's data reader takes the base's tokenizer
     plan = root / "plan.json"
     r = run_cli("plan", "--model", str(base), "--cluster", "cpu", "--gpus", "4", "--global-batch", str(BATCH),
                 "--seq-len", str(SEQ), "--tp", "2", "--dp", "2", "--finetune", "lora", "--lora-rank", str(RANK),
