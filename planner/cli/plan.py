@@ -263,7 +263,9 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
               f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
               f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}"
-              f"{', async TP' if t.async_tp else ''}")
+              f"{', async TP' if t.async_tp else ''}"
+              + (f", {'QLoRA' if t.finetune == 'qlora' else 'LoRA'} rank {t.lora_rank} "
+                 f"alpha {t.lora_alpha:g} on {','.join(t.lora_targets)}" if t.lora else ""))
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)
