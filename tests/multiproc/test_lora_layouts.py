@@ -1,4 +1,4 @@
-"""LoRA under FSDP and TP x DP reproduces a single-process LoRA run (executor.lora).
+"""LoRA under FSDP, TP x DP (with and without SP) and PP x DP reproduces a single-process LoRA run (executor.lora).
 
 The reference is plain PyTorch on one process: the executor's model with its
 seeded base weights, frozen; beside every target linear two matrices A (r x
@@ -34,6 +34,7 @@ LAYOUTS = {
     "fsdp4": ["--dp-shard", "4", "--zero", "3", "--micro-batch", "1"],
     "tp2_dp2": ["--tp", "2", "--dp", "2", "--no-sequence-parallel"],
     "tp2_sp_fsdp2": ["--tp", "2", "--dp-shard", "2", "--zero", "2", "--sequence-parallel"],
+    "pp2_dp2": ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1", "--pp-schedule", "1f1b"],
 }
 
 
