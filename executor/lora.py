@@ -185,3 +185,18 @@ def cast_frozen(part: nn.Module, dtype: torch.dtype) -> None:
                 if id(param) not in cast:
                     cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=False)
                 setattr(module, name, cast[id(param)])
+
+
+def adapter_bases(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Base weight FQNs (`....weight`) that have adapters in a checkpoint's tensors."""
+    suffix = ADAPTER_SUFFIXES[0]
+    return sorted(name[: -len(suffix)] + ".weight" for name in shapes if name.endswith(suffix))
+
+
+def merge_adapters(ours: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
+    """W += scale * B A in place of `ours`' base weights, for every base whose lora_A / lora_B are in `adapters`."""
+    for name, weight in list(ours.items()):
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        a, b = (adapters.get(f"{stem}{s}") for s in ADAPTER_SUFFIXES) if stem else (None, None)
+        if a is not None and b is not None:
+            ours[name] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)

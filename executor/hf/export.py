@@ -54,7 +54,7 @@ class ExportPlan:
     shards: tuple[tuple[Rule, ...], ...]
     shapes: dict  # our FQN -> full shape (from the checkpoint's metadata)
     dtype: str
-    lora_scale: float = 0.0  # LoRA adapters merged into their base weights with this alpha / r (executor.hf.peft)
+    lora_scale: float = 0.0  # LoRA adapters merged into their base weights with this alpha / r (executor.lora)
 
     @property
     def names(self) -> list[str]:
@@ -84,7 +84,7 @@ def plan_export(spec: ModelSpec, step_dir: Path, dtype: str | None, source: Path
 
     lora_scale: merge the checkpoint's LoRA adapters into their base weights (alpha / r); a checkpoint with
     adapters and no scale is refused, so an export never drops what the run trained."""
-    from executor.hf.peft import adapter_bases
+    from executor.lora import adapter_bases
 
     shapes, stored = checkpoint_shapes(step_dir)
     if adapter_bases(shapes) and lora_scale is None:
@@ -127,7 +127,7 @@ def write_shards(plan: ExportPlan, step_dir: Path, out: Path, rank: int = 0, wor
         keys = [n for rule in rules for n in rule.ours]
         ours = consolidate(step_dir, keys=keys)
         if plan.lora_scale:
-            from executor.hf.peft import ADAPTER_SUFFIXES, merge_adapters
+            from executor.lora import ADAPTER_SUFFIXES, merge_adapters
 
             lora = [k[: -len(".weight")] + s for k in keys for s in ADAPTER_SUFFIXES
                     if k.endswith(".weight") and k[: -len(".weight")] + s in plan.shapes]

@@ -13,8 +13,9 @@ beside linears whose Hugging Face weight is the same tensor (executor.hf.adapter
 fused or transposed (GPT-2's c_attn) has no PEFT module per target, and is
 refused with that reason.
 
-Merging: W' = W + (alpha / r) B A for every adapted weight, in fp32, before
-the family's transform and the output dtype (executor.hf.export.write_shards).
+Merging (executor.lora.merge_adapters, called by executor.hf.export.write_shards):
+W' = W + (alpha / r) B A for every adapted weight, in fp32, before the family's
+transform and the output dtype.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from executor.hf.adapter import Same, export_rules
-from executor.lora import ADAPTER_SUFFIXES  # noqa: F401  (re-exported for executor.hf.export)
+from executor.lora import ADAPTER_SUFFIXES, adapter_bases
 from planner.model.spec import ModelSpec
 from planner.training import TrainingSpec
 from topologies.errors import UsageError
@@ -35,12 +34,6 @@ from topologies.errors import UsageError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-
-
-def adapter_bases(shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """Base weight FQNs (`....weight`) that have adapters in a checkpoint's tensors."""
-    suffix = ADAPTER_SUFFIXES[0]
-    return sorted(name[: -len(suffix)] + ".weight" for name in shapes if name.endswith(suffix))
 
 
 def peft_names(spec: ModelSpec, bases: list[str]) -> dict[str, str]:
@@ -106,12 +99,3 @@ def export_peft(step_dir: Path, to: Path, spec: ModelSpec, training: TrainingSpe
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"tensors": len(tensors), "target_modules": modules, "dtype": dtype or "fp32"}
-
-
-def merge_adapters(ours: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> None:
-    """W += scale * B A in place of `ours`' base weights, for every base whose lora_A / lora_B are in `adapters`."""
-    for name, weight in list(ours.items()):
-        stem = name[: -len(".weight")] if name.endswith(".weight") else None
-        a, b = (adapters.get(f"{stem}{s}") for s in ADAPTER_SUFFIXES) if stem else (None, None)
-        if a is not None and b is not None:
-            ours[name] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
