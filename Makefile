@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshplan-installed
 # machines to the CUDA build of the same version. Never leave torch open-ended.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup plan test test-fast test-slow test-consumers lint bench pictures clean
+.PHONY: setup plan test test-fast test-slow test-consumers lint bench pictures gpu-check clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,14 @@ pictures: setup
 		$(BIN)/meshplan execute $(PICS)/$$run.json --steps 10 --log-every 10 --out $(PICS)/$$run --overwrite || exit 1; \
 	done
 	$(BIN)/meshplan report $(PICS)/ddp $(PICS)/zero3 $(PICS)/tp2 --png docs/report.png
+
+# One GPU, under 8 minutes: ~1B and ~8B Llamas, compile off/on, bf16/fp8, measured against the plan
+# (bench/gpu_check.py; README "Measuring a GPU"). .venv's python when it exists, else the system python3
+# with the repository on PYTHONPATH: a lent GPU machine without network cannot build .venv, and setup is
+# not attempted here. GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--json out.json" or "--dry-run".
+GPU_CHECK_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_CHECK_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CVENV) $(TVENV) *.egg-info .pytest_cache

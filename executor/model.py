@@ -133,6 +133,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
         self.tie_weights()
         self.cp: ContextShard | None = None  # context parallel: this rank's load-balanced sequence chunks
+        # sequence parallel on a pipeline stage without the embedding: the residual stream it receives is this
+        # rank's 1/seq_shards of the sequence (a Shard(1) local tensor), the attention's all-gather sees it whole
+        self.seq_shards = 1
         cos, sin = rope_tables(rope_dim(spec), spec.max_seq_len, "meta", spec)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -161,16 +164,17 @@ class Transformer(nn.Module):
         (FSDP2's input cast of each block is then a no-op).
         """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        pos = self.positions(x.shape[1], x.device)
+        seq = x.shape[1] if self.tok_embeddings is not None else x.shape[1] * self.seq_shards  # this rank's (cp)
+        pos = self.positions(seq, x.device)
         if self.cp is not None:
-            self.cp.prepare(x.shape[1])
+            self.cp.prepare(seq)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(pos)
         cos = sin = None
         if self.spec.position == "rope":
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else h.dtype
             cos, sin = (self.rope_cos[pos].to(dtype), self.rope_sin[pos].to(dtype)) if self.cp is not None else \
-                (self.rope_cos[:x.shape[1]].to(dtype), self.rope_sin[:x.shape[1]].to(dtype))
+                (self.rope_cos[:seq].to(dtype), self.rope_sin[:seq].to(dtype))
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

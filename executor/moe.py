@@ -16,11 +16,17 @@ Routed experts are SwiGLU (or GELU) MLPs whose weights are stacked 3-D
 parameters in torchtitan's GroupedExperts layout (E, out, in): w1/w3 (E, f_e,
 h) and w2 (E, h, f_e), each expert's slice the weight of an nn.Linear (and of
 a Hugging Face expert's gate/up/down_proj), so expert parallelism shards them
-along dim 0. Tokens are sorted by expert and each expert runs one matmul chain
-over its contiguous rows (a grouped matmul done as a loop: the debug models
-have a handful of experts). Shared experts are one dense MLP of width
-n_shared * shared_ffn_hidden every token goes through, scaled by
-sigmoid(shared_gate x) in Qwen2-MoE.
+along dim 0. Tokens are sorted by expert and every projection of every expert
+runs as one grouped GEMM (executor.experts), the counts per expert staying on
+the device. Shared experts are one dense MLP of width n_shared *
+shared_ffn_hidden every token goes through, scaled by sigmoid(shared_gate x)
+in Qwen2-MoE.
+
+Precision: under FSDP2 (and its replicate) the expert weights are the
+module's own parameters in its units (executor.parallel.parallelize), so
+their compute-dtype copies are FSDP2's, made once per unit; under autocast
+(DDP, or no data parallelism) they are cast once per forward, as autocast
+casts every other weight, since autocast does not cover torch._grouped_mm.
 
 Expert parallelism (executor.parallel.expert) gives this module an
 `ExpertGroup`; the rows then travel to the rank owning their expert and
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.experts import grouped_mlp
 from planner.model.spec import ModelSpec
 
 
@@ -66,12 +73,9 @@ class MoE(nn.Module):
     def expert_params(self) -> list[nn.Parameter]:
         return [p for p in (self.w1, self.w2, self.w3) if p is not None]
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert e on rows x (weights cast to the rows' dtype: FSDP2 leaves them unmanaged)."""
-        w1, w2 = self.w1[e].to(x.dtype), self.w2[e].to(x.dtype)
-        if self.swiglu:
-            return F.linear(self.act(F.linear(x, w1)) * F.linear(x, self.w3[e].to(x.dtype)), w2)
-        return F.linear(self.act(F.linear(x, w1)), w2)
+    def dense_modules(self) -> list[nn.Module]:
+        """The modules whose parameters every data-parallel rank holds (router, shared experts and gate)."""
+        return [m for m in (self.router, self.shared, self.shared_gate) if m is not None]
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): the family's router (see the module docstring)."""
@@ -94,18 +98,17 @@ class MoE(nn.Module):
         return weights * r.routed_scaling if r.routed_scaling != 1.0 else weights, experts
 
     def expert_counts(self, flat: torch.Tensor) -> torch.Tensor:
-        """Rows routed to each expert: data-dependent shapes (validate-memory balances them, like
-        `routed_sizes` and `ExpertGroup.split_sizes`)."""
-        return torch.bincount(flat, minlength=self.n_experts)
+        """Rows routed to each expert, on the device: a scatter of ones into E bins (CUDA's bincount reads the
+        largest index on the host to size its output). validate-memory balances them, like
+        `ExpertGroup.split_sizes`."""
+        return flat.new_zeros(self.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
-    def routed_sizes(self, counts: torch.Tensor) -> list[int]:
-        """The counts as split sizes (a host sync)."""
-        return counts.tolist()
-
-    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (counts[e] rows each, in order) -> their outputs."""
-        outs = [self._expert(e, rows) for e, rows in enumerate(torch.split(x, counts)) if rows.shape[0]]
-        return torch.cat(outs) if outs else x[:0]
+    def run_experts(self, x: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """Rows in chunks (source, local expert) (executor.experts) -> their experts' outputs, same order."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        w1, w2, w3 = (None if w is None else w if w.dtype == dtype else w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        return grouped_mlp(x.to(dtype), chunks, w1, w2, w3, self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -117,7 +120,7 @@ class MoE(nn.Module):
         rows = tokens[token_of]
         counts = self.expert_counts(flat)
         if self.ep is None:
-            out_rows = self.run_experts(rows, self.routed_sizes(counts))
+            out_rows = self.run_experts(rows, counts.view(1, -1))
         else:
             out_rows = self.ep.dispatch_run_combine(rows, counts, self.run_experts)
         out_rows = out_rows * weights.flatten()[order, None].to(out_rows.dtype)

@@ -1,10 +1,24 @@
 """Checks before any worker starts: does this machine match the plan, can the run write and read?
 
 A plan is priced for one machine shape; running it elsewhere silently
-invalidates the prediction (or runs out of memory an hour in). So `execute`
-refuses, with the numbers, a plan whose device type, node count, GPUs per
-node or per-GPU memory does not match what it finds. A plan for the `cpu`
-cluster runs CPU ranks anywhere its predicted memory fits in the host's.
+invalidates the prediction (or runs out of memory an hour in), and MFU, which
+divides by the planned GPU's peak, would be computed against another chip's.
+So `execute` refuses, with the numbers, a plan whose node count, GPUs per
+node, GPU model or per-GPU memory does not match what it finds:
+
+- the GPU model: CUDA's device name mapped to the catalog
+  (topologies.smi_topo.catalog_name) must be the plan's GPU, and its compute
+  capability the catalog's for it (COMPUTE_CAPABILITY). A device the catalog
+  does not name runs a plan only when its capability is the planned GPU's,
+  with a note saying so;
+- memory: at least MEMORY_TOLERANCE of the planned GPU's (spec sheets round
+  up), and above the memory model's peak for the plan as it is now;
+- a plan made with `--set` (gpu_memory_gib=94, gpu_bf16_tflops=...) carries
+  the changed GPU; every message names the changes, so a refusal says what
+  the plan expects and where that came from.
+
+A plan for the `cpu` cluster runs CPU ranks anywhere its predicted memory
+fits in the host's.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ class Found:
     memory_bytes: int = 0  # of device 0
     name: str = ""
     host_available_bytes: int = 0  # MemAvailable of /proc/meminfo; 0 when unknown
+    capability: tuple[int, int] = (0, 0)  # of device 0; (0, 0) when not read
 
     @classmethod
     def detect(cls) -> Found:
@@ -39,7 +54,50 @@ class Found:
         if not torch.cuda.is_available():
             return cls(0, host_available_bytes=host)
         props = torch.cuda.get_device_properties(0)
-        return cls(torch.cuda.device_count(), int(props.total_memory), props.name, host)
+        return cls(torch.cuda.device_count(), int(props.total_memory), props.name, host, (props.major, props.minor))
+
+    def describe(self) -> str:
+        """'NVIDIA H100 80GB HBM3 (compute capability 9.0, 79.2 GiB)', or 'no CUDA device'."""
+        if not self.n_devices:
+            return "no CUDA device"
+        cc = f"compute capability {_cc(self.capability)}, " if self.capability != (0, 0) else ""
+        return f"{self.name} ({cc}{self.memory_bytes / GIB:.1f} GiB)"
+
+
+def _cc(capability: tuple[int, int] | None) -> str:
+    return f"{capability[0]}.{capability[1]}" if capability else "unknown"
+
+
+def expected_gpu(plan: Plan) -> str:
+    """What the plan expects of each GPU, with its --set changes:
+    'h100-sxm (80.0 GiB, compute capability 9.0, bf16 peak 989.4 TFLOP/s)', or with
+    '; by --set gpu_memory_gib=94 (catalog 80)' before the closing parenthesis."""
+    from topologies.cluster_load import gpu_settings
+    from topologies.smi_topo import COMPUTE_CAPABILITY
+
+    gpu = plan.cluster.gpu
+    dtype = _peak_dtype(plan)
+    changes = gpu_settings(gpu)
+    made = "" if not changes else "; by --set " + ", ".join(f"{key}={value} (catalog {was})"
+                                                            for key, value, was in changes)
+    peak = f"{dtype} peak {gpu.peak_flops(dtype) / 1e12:,.1f} TFLOP/s" if _has_peak(gpu, dtype) else f"no {dtype} peak"
+    return (f"{gpu.name} ({gpu.memory_bytes / GIB:.1f} GiB, compute capability "
+            f"{_cc(COMPUTE_CAPABILITY.get(gpu.name))}, {peak}{made})")
+
+
+def _peak_dtype(plan: Plan) -> str:
+    """The dtype MFU divides by on GPUs (executor.components.measure.flops_dtype)."""
+    return plan.training.dtype
+
+
+def _has_peak(gpu, dtype: str) -> bool:
+    """False where the GPU has no tensor cores for `dtype` (GPUSpec.peak_flops refuses it: T4 and bf16)."""
+    from topologies.errors import TopologyError
+
+    try:
+        return gpu.peak_flops(dtype) > 0
+    except TopologyError:
+        return False
 
 
 def _host_available_bytes() -> int:
@@ -52,8 +110,12 @@ def _host_available_bytes() -> int:
     return 0
 
 
-def check_hardware(plan: Plan, found: Found, nnodes: int) -> None:
-    """Raise UsageError when the plan cannot run as planned on `nnodes` nodes like this one."""
+def check_hardware(plan: Plan, found: Found, nnodes: int) -> list[str]:
+    """Raise UsageError when the plan cannot run as planned on `nnodes` nodes like this one.
+
+    Returns notes worth a line on the console (a device the catalog does not
+    name, accepted on its compute capability); empty when all is as planned.
+    """
     cluster = plan.cluster
     shape = f"{plan.world_size} ranks as {cluster.n_nodes} node(s) x {cluster.gpus_per_node}"
     if nnodes != cluster.n_nodes:
@@ -63,7 +125,7 @@ def check_hardware(plan: Plan, found: Found, nnodes: int) -> None:
         )
     if cluster.gpu.kind == "cpu":
         _check_host_memory(plan, found)
-        return
+        return []
     if found.n_devices == 0:
         raise UsageError(
             f"the plan is for {plan.world_size} x {cluster.gpu.name} GPUs ({shape}) but this machine has no "
@@ -74,10 +136,11 @@ def check_hardware(plan: Plan, found: Found, nnodes: int) -> None:
             f"the plan needs {cluster.gpus_per_node} GPUs per node ({shape}) but this node has "
             f"{found.n_devices}: re-plan with --gpus {found.n_devices * nnodes}"
         )
+    notes = check_gpu_model(plan, found)
     planned = cluster.gpu.memory_bytes
     if found.memory_bytes < MEMORY_TOLERANCE * planned:
         raise UsageError(
-            f"the plan is for {cluster.gpu.name} with {planned / GIB:.1f} GiB per GPU but this {found.name} has "
+            f"the plan expects {expected_gpu(plan)}: {planned / GIB:.1f} GiB per GPU, but this {found.name} has "
             f"{found.memory_bytes / GIB:.1f} GiB: re-plan for this GPU"
         )
     peak = predicted_peak_bytes(plan)
@@ -86,6 +149,55 @@ def check_hardware(plan: Plan, found: Found, nnodes: int) -> None:
             f"the plan needs a peak of {peak / GIB:.1f} GiB per GPU, more than "
             f"this {found.name}'s {found.memory_bytes / GIB:.1f} GiB: re-plan (more GPUs, ZeRO-3 or recomputation)"
         )
+    return notes
+
+
+def check_gpu_model(plan: Plan, found: Found) -> list[str]:
+    """Refuse a GPU other than the plan's (module docstring); a note for an uncatalogued one that matches.
+
+    The plan's step time, memory and MFU are the planned GPU's: run on another
+    model, MFU divides by a peak that is not this chip's and the prediction
+    it is compared with was never about this machine.
+    """
+    from topologies.cluster_load import preset_for_gpu
+    from topologies.smi_topo import COMPUTE_CAPABILITY, catalog_name
+
+    gpu = plan.cluster.gpu
+    planned_cc = COMPUTE_CAPABILITY.get(gpu.name)
+    here = catalog_name(found.name)
+    dtype = _peak_dtype(plan)
+    if here is not None and here != gpu.name:
+        from topologies.hardware import get_gpu
+
+        other = get_gpu(here)
+        peak = f"{dtype} peak {other.peak_flops(dtype) / 1e12:,.1f} TFLOP/s" if _has_peak(other, dtype) else \
+            f"no {dtype} tensor cores"
+        preset = preset_for_gpu(here)
+        fix = f"--cluster {preset}" if preset else f"--set gpu={here}"
+        raise UsageError(
+            f"the plan expects {expected_gpu(plan)} but GPU 0 here is {found.describe()}, the catalog's {here} "
+            f"({peak}): the plan's step time, memory and MFU would not hold; re-plan for this GPU with {fix}"
+        )
+    known_cc = found.capability != (0, 0)
+    if here == gpu.name:
+        if known_cc and planned_cc is not None and found.capability != planned_cc:
+            raise UsageError(
+                f"GPU 0 here reports the name of {gpu.name} but compute capability {_cc(found.capability)}, not "
+                f"{gpu.name}'s {_cc(planned_cc)} ({found.describe()}): check the driver and CUDA install, or "
+                "re-plan for this GPU"
+            )
+        return []
+    if planned_cc is None:  # neither side is in the catalog: nothing to compare but memory
+        return [f"GPU 0 here is {found.describe()}; the plan's {gpu.name} is not in the catalog, so only its "
+                "memory is checked"]
+    if known_cc and found.capability == planned_cc:
+        return [f"GPU 0 here is {found.describe()}, which the catalog does not name; its compute capability is "
+                f"{gpu.name}'s, so the plan runs as made for {expected_gpu(plan)} (MFU against that peak)"]
+    raise UsageError(
+        f"the plan expects {expected_gpu(plan)} but GPU 0 here is {found.describe()}, which the catalog does not "
+        f"name and whose compute capability is not {_cc(planned_cc)}: re-plan with a cluster file describing this "
+        "GPU (gpu = the nearest catalog GPU, gpu_memory_gib, gpu_bf16_tflops, ...; `meshplan topo list`)"
+    )
 
 
 def predicted_peak_bytes(plan: Plan) -> int:

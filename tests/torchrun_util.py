@@ -24,6 +24,24 @@ def make_plan(tmp: Path, name: str, *pinned: str, model: str = "debug", gpus: in
     return path
 
 
+def local_gpu_cluster(n_gpus: int):
+    """A cluster of this machine's GPU model (a preset of it, else dgx-h100 with `gpu` set to it).
+
+    `execute` refuses a plan made for another GPU model (executor.preflight), so
+    GPU tests plan for the one they run on.
+    """
+    import torch
+
+    from topologies.cluster_load import load_cluster, preset_for_gpu
+    from topologies.smi_topo import catalog_name
+
+    name = catalog_name(torch.cuda.get_device_name(0))
+    preset = preset_for_gpu(name) if name else None
+    if preset:
+        return load_cluster(preset, n_gpus)
+    return load_cluster("dgx-h100", n_gpus, {"gpu": name} if name else None)
+
+
 def execute(plan: Path, out: Path, *flags: str, steps: int = 4, timeout: float = 300) -> list[dict]:
     """Run `meshplan execute PLAN --steps N --out OUT FLAGS`; return metrics.jsonl's records."""
     res = run_cli("execute", str(plan), "--steps", str(steps), "--out", str(out), "--log-every", "100", *flags,

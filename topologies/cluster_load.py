@@ -91,6 +91,34 @@ GPU_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     **{f"gpu_{d}_tflops": (f"{d}_flops", lambda v: _as_float(v) * TFLOPS) for d in ("fp32", "tf32", "bf16", "fp16", "fp8")},
 }
 SETTABLE_KEYS: tuple[str, ...] = ("gpu", *CLUSTER_KEYS, *GPU_KEYS)
+# GPUSpec field -> the unit a --set value is written in (the inverse of GPU_KEYS' parsers)
+_GPU_FIELD_UNITS: dict[str, tuple[str, float]] = {
+    "memory_bytes": ("gpu_memory_gib", GIB), **{f"{d}_flops": (f"gpu_{d}_tflops", TFLOPS)
+                                               for d in ("fp32", "tf32", "bf16", "fp16", "fp8")}}
+
+
+def gpu_settings(gpu: GPUSpec) -> list[tuple[str, str, str]]:
+    """How `gpu` differs from the catalog entry of its name: (--set key, its value, the catalog's), in --set units.
+
+    A plan made with `--set gpu_memory_gib=94` carries the changed GPUSpec;
+    this names the change so that `execute` can say what the plan expects.
+    Fields no --set key reaches (a hand-edited plan) are named by field. Empty
+    for a GPU the catalog does not hold.
+    """
+    try:
+        base = get_gpu(gpu.name)
+    except TopologyError:
+        return []
+    by_field = {field: key for key, (field, _) in GPU_KEYS.items()}
+    out = []
+    for f in dataclasses.fields(GPUSpec):
+        mine, theirs = getattr(gpu, f.name), getattr(base, f.name)
+        if mine == theirs:
+            continue
+        key, scale = _GPU_FIELD_UNITS.get(f.name, (by_field.get(f.name, f.name), 1.0))
+        out.append((key, f"{mine / scale:g}" if scale != 1.0 else str(mine),
+                    f"{theirs / scale:g}" if scale != 1.0 else str(theirs)))
+    return out
 MATRIX_KEYS = ("gpu_links", "gpu_nic_links")  # measured label matrices: files only, not --set
 
 
@@ -108,6 +136,12 @@ def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_for_gpu(gpu_name: str) -> str | None:
+    """The first preset (by name) built of `gpu_name` GPUs, or None: what to re-plan with for a GPU found."""
+    return next((name for name in preset_names() if _read_toml(str(PRESET_DIR / f"{name}.toml")).get("gpu") == gpu_name),
+                None)
 
 
 @lru_cache(maxsize=64)

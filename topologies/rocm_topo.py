@@ -19,12 +19,10 @@ line rate `DETECTED_NIC_GBIT_PER_S` assumed for nvidia-smi too, and says so.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 
-from topologies.errors import HardwareError, TopologyError
-from topologies.smi_topo import SmiTopology
+from topologies.errors import TopologyError
+from topologies.smi_topo import SmiTopology, run_gpu_tool
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _BANNER = re.compile(r"^\s*(?:=+|\*\*)\s*(.*?)\s*(?:=+|\*\*)\s*$")
@@ -157,14 +155,7 @@ ROCM_SMI_ARGS = ("--showtopo", "--showproductname", "--showmeminfo", "vram")
 
 def query_live_rocm() -> str:
     """Run rocm-smi here: the topology, product names and memory in one call."""
-    if shutil.which("rocm-smi") is None:
-        raise HardwareError("no GPU tools here: neither nvidia-smi nor rocm-smi is on PATH; run this on the GPU "
-                            "node, or pass --from-file with saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output")
-    proc = subprocess.run(["rocm-smi", *ROCM_SMI_ARGS], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0:
-        raise HardwareError(f"rocm-smi {' '.join(ROCM_SMI_ARGS)} failed (exit {proc.returncode}): "
-                            f"{(proc.stderr or proc.stdout).strip()[:200]}")
-    return proc.stdout
+    return run_gpu_tool("rocm-smi", ROCM_SMI_ARGS)
 
 
 __all__ = ["ROCM_SMI_ARGS", "RocmCapture", "gpu_of_capture", "is_rocm_topo", "parse_rocm_topo", "query_live_rocm"]

@@ -200,6 +200,30 @@ _SMI_NAMES = (
 )
 
 
+# CUDA compute capability of each catalog GPU, as torch.cuda.get_device_capability reports it (NVIDIA's
+# "CUDA GPUs" table; Blackwell Ultra B300/GB300 is sm_103, CUDA 12.9 release notes). Parts of one die share
+# it (H100, H800 and H200 are 9.0), so it confirms a name read from the driver rather than replacing it.
+COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "a100-40g-sxm": (8, 0), "a100-80g-sxm": (8, 0), "a100-80g-pcie": (8, 0),
+    "h100-sxm": (9, 0), "h100-pcie": (9, 0), "h200": (9, 0), "h800": (9, 0),
+    "b200": (10, 0), "gb200": (10, 0), "b300": (10, 3), "gb300": (10, 3),
+    "h20": (9, 0), "h100-nvl": (9, 0), "l40s": (8, 9), "l4": (8, 9), "rtx6000-ada": (8, 9), "rtx4090": (8, 9),
+    "rtx5090": (12, 0), "rtx3090": (8, 6), "a6000": (8, 6), "a10": (8, 6), "a10g": (8, 6), "t4": (7, 5),
+    "v100": (7, 0),
+    # ROCm builds of torch report the gfx target's major.minor: MI300X and MI325X are gfx942, MI350X and
+    # MI355X gfx950 (AMD's ROCm GPU support table).
+    "mi300x": (9, 4), "mi325x": (9, 4), "mi350x": (9, 5), "mi355x": (9, 5),
+}
+
+
+def catalog_name(device_name: str) -> str | None:
+    """The catalog GPU a driver-reported name (nvidia-smi, torch.cuda.get_device_name) stands for; None if unknown."""
+    try:
+        return gpu_from_smi_name(device_name).name
+    except TopologyError:
+        return None
+
+
 def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
     """Map a driver's GPU name ('NVIDIA A100-SXM4-80GB', 'AMD Instinct MI300X') to the catalog, with its memory."""
     from topologies.gpu_names import unknown_gpu_hint
@@ -217,15 +241,21 @@ def gpu_from_smi_name(name: str, memory_mib: float | None = None) -> GPUSpec:
     return spec
 
 
-def _run(args: list[str]) -> str:
-    if shutil.which("nvidia-smi") is None:
+def run_gpu_tool(tool: str, args: list[str] | tuple[str, ...]) -> str:
+    """stdout of `tool ARGS` (nvidia-smi or rocm-smi); a HardwareError that says what to do when it is
+    missing or fails."""
+    if shutil.which(tool) is None:
         raise HardwareError("no GPU tools here: neither nvidia-smi nor rocm-smi is on PATH; run this on the GPU "
                             "node, or pass --from-file with saved `nvidia-smi topo -m` or `rocm-smi --showtopo` output")
-    proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([tool, *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        raise HardwareError(f"nvidia-smi {' '.join(args)} failed (exit {proc.returncode}): "
+        raise HardwareError(f"{tool} {' '.join(args)} failed (exit {proc.returncode}): "
                             f"{(proc.stderr or proc.stdout).strip()[:200]}")
     return proc.stdout
+
+
+def _run(args: list[str]) -> str:
+    return run_gpu_tool("nvidia-smi", args)
 
 
 def query_live() -> tuple[str, GPUSpec]:
@@ -241,5 +271,5 @@ def query_live() -> tuple[str, GPUSpec]:
     return _run(["topo", "-m"]), gpu_from_smi_name(gpu_name.strip(), memory_mib)
 
 
-__all__ = ["DETECTED_NIC_GBIT_PER_S", "SmiTopology", "detect_cluster", "gpu_from_smi_name", "guess_gpu",
-           "parse_topo", "query_live"]
+__all__ = ["COMPUTE_CAPABILITY", "DETECTED_NIC_GBIT_PER_S", "SmiTopology", "catalog_name", "detect_cluster",
+           "gpu_from_smi_name", "guess_gpu", "parse_topo", "query_live"]

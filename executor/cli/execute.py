@@ -44,8 +44,9 @@ def _positive_float(ctx, param, value):
               help="Peak learning rate. Default min(3e-3, 0.02/sqrt(hidden)).")
 @click.option("--log-every", type=click.IntRange(min=1), default=DEFAULT_RUN.log_every, show_default=True,
               help="Print a progress line every K steps.")
-@click.option("--dry-run", is_flag=True, help="Build rank 0 under a fake process group and print the mesh, "
-              "modules and parameter shards; train nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the launch (nodes, rendezvous, torchrun command), the "
+              "preflight's verdict on this machine, the micro-batching, and rank 0 built under a fake process group "
+              "(mesh, modules, parameter shards, its memory next to the memory model's); train nothing.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Nodes in the job. Default: the plan's.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This node's rank.")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous (node 0), for --nnodes > 1.")
@@ -156,7 +157,8 @@ def execute(plan_path: str, steps: int, out: str | None, seed: int, data: str | 
 
         with Progress("dry run: importing torch"):
             from executor.dryrun import dry_run as run_dry
-        run_dry(plan)
+        run_dry(plan, plan_path=Path(plan_path), flags=flags.replace(out=str(run_dir)), nnodes=nnodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=flags.max_restarts)
         return
     from executor.resilience import lock
 
@@ -242,7 +244,8 @@ def _run(plan, run_dir: Path, nnodes: int, node_rank: int, rdzv_endpoint: str | 
     from topologies.errors import InterruptedRun, PreemptedRun
     from topologies.terminal import dumps_json, log
 
-    check_hardware(plan, Found.detect(), nnodes)
+    for note in check_hardware(plan, Found.detect(), nnodes):
+        log(f"execute: {note}")
     source = check_data(plan, flags)
     plan_text = dumps_json(plan.to_json()) + "\n"
     if clear:

@@ -285,9 +285,10 @@ def _collect(app_state: dict[str, Any]) -> tuple[dict[str, Any], list[tuple]]:
     return state, parts
 
 
-def _local_values(group: dict[str, Any], keys: list[str], experts: set[str]) -> dict[str, Any]:
-    """The values of `keys`, the expert DTensors (executor.parallel.expert.as_sharded_state) as their local rows."""
-    return {k: group[k].to_local() if k in experts else group[k] for k in keys}
+def _local_values(group: dict[str, Any], keys: list[str], experts: dict[str, Any]) -> dict[str, Any]:
+    """The values of `keys`, the expert weights as the module holds them (executor.parallel.expert.as_sharded_state:
+    the DTensors DCP filled share their storage)."""
+    return {k: experts[k] if k in experts else group[k] for k in keys}
 
 
 def _restore(state: dict[str, Any], parts: list[tuple]) -> None:

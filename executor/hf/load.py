@@ -5,7 +5,8 @@ the meta device) each rank holds some parameters, each a DTensor shard or a
 plain tensor. For each one it reads from the safetensors files:
   - a pipeline stage: the tensors of its own layers (and the embedding or the
     output layer where it holds them), nothing of the other stages;
-  - an expert-parallel rank: the experts [first, last) it holds;
+  - an expert-parallel rank: the experts [first, last) it holds (its FSDP2 shard of them under
+    ZeRO-2/3);
   - a DTensor whose placements are plain Shard/Replicate (FSDP's Shard(0), a
     column-parallel Shard(0), a row-parallel Shard(1), both on a 2-D mesh):
     the block `compute_local_shape_and_global_offset` gives, its rows read
@@ -58,12 +59,13 @@ def local_value(rule: Rule, read, fqn: str, tensor: torch.Tensor, rows: tuple[in
         return rule.load(read, fqn, rows)
     block = _plain_block(tensor)
     if block is None:
-        full = rule.load(read, fqn).to(device=device, dtype=tensor.dtype)
+        full = rule.load(read, fqn, rows).to(device=device, dtype=tensor.dtype)
         return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
     shape, offset = block
     if not shape or shape[0] == 0:
         return torch.empty(shape, dtype=tensor.dtype)
-    piece = rule.load(read, fqn, (offset[0], offset[0] + shape[0]))
+    first = offset[0] + (rows[0] if rows else 0)  # an expert-parallel rank's experts start at rows[0]
+    piece = rule.load(read, fqn, (first, first + shape[0]))
     for dim in range(1, len(shape)):
         piece = piece.narrow(dim, offset[dim], shape[dim])
     return piece

@@ -9,7 +9,9 @@ Order, and why (torchtitan's recipe):
      recomputed region contains the TP collectives;
   4. FSDP2 (`apply_fsdp`, ZeRO-2/3, HSDP) or FSDP2's replicate (ZeRO-0 with
      TP or PP): per block, then the part as root; last so it sees the TP DTensors
-     and shards them further along the dp axes;
+     and shards them further along the dp axes; a MoE block's routed experts
+     are a unit of their own on the experts' data-parallel mesh (`_moe_units`,
+     executor.parallel.expert), so FSDP2 makes their compute-dtype copies;
   5. materialize the local shards and initialize them from the seed
      (`executor.model.init_weights`), or read them from a Hugging Face
      directory (`executor.hf.load.load_part`, --init-from): after sharding, so
@@ -45,6 +47,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from executor.model import Block, init_weights
+from executor.moe import MoE
 from executor.parallel.context import ContextShard
 from executor.parallel.expert import ExpertParallel
 from executor.parallel.mesh import grad_flat, shard_mesh
@@ -186,21 +189,22 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
             apply_tp(part, mesh["tp"], layout.sequence_parallel, plan.model)
         if layout.cp > 1:
             apply_cp(part, mesh)
-        if plan.training.lora:  # adapters beside the target linears, the base frozen (executor.lora)
+        if experts is not None:
+            experts.shard(part)
+        if plan.training.lora:  # adapters beside the target linears, the base (experts too) frozen: executor.lora
             from executor.lora import add_adapters, cast_frozen
 
             add_adapters(part, plan.model, plan.training, mesh["tp"] if layout.tp > 1 else None,
                          layout.sequence_parallel)
             cast_frozen(part, dtype)
-        ignored = set(experts.shard(part)) if experts is not None else set()
         apply_ac(part, layout.recompute)
         if compile:
             apply_compile(part)
         if dp_kind == "fsdp":
             apply_fsdp(part, mesh, layout.zero_stage, dtype, offload=layout.offload != "none" and
-                       mesh.device_type == "cuda", ignored=ignored)
+                       mesh.device_type == "cuda", experts=experts)
         elif dp_kind == "replicate":
-            apply_replicate(part, mesh, dtype, ignored=ignored)
+            apply_replicate(part, mesh, dtype, experts=experts)
     return parts, stages, dp_kind, experts
 
 
@@ -301,6 +305,8 @@ def apply_tp(part: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, spec
         parallelize_module(block, tp_mesh, block_tp_plan(block, sequence_parallel))
         if hasattr(block.attention, "tp_mesh"):  # MLA's shared rotary key (executor.attention)
             block.attention.tp_mesh = tp_mesh
+    if sequence_parallel and part.tok_embeddings is None:  # a later pipeline stage receives sequence shards
+        part.seq_shards = tp_mesh.size()
     if sequence_parallel and part.tok_embeddings is not None and replicated_embedding and len(part.layers):
         first = next(iter(part.layers.values()))
         parallelize_module(first, tp_mesh, PrepareModuleInput(
@@ -335,7 +341,7 @@ def check_compile(plan: Plan) -> None:
 def apply_compile(part: nn.Module) -> None:
     """torch.compile each block in place (FQNs unchanged), after recomputation and before FSDP (torchtitan).
 
-    Not fullgraph: MoE routing reads counts on the host (a graph break).
+    Not fullgraph: under expert parallelism the all-to-all's split sizes are host values (a graph break).
     """
     for block in part.layers.values():
         block.compile()
@@ -363,7 +369,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.dtype,
-               offload: bool = False, ignored: set | None = None) -> None:
+               offload: bool = False, experts: ExpertParallel | None = None) -> None:
     """fully_shard the embeddings, each block, final norm + output, then the part as root (torchtitan's units).
 
     ZeRO-3 frees the gathered parameters after forward and gathers them again
@@ -372,13 +378,12 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     head are their own units so that only one of them is gathered at a time;
     the head is not resharded after forward (its backward comes right
     after). A tied embedding/output weight cannot sit in two units: then both
-    stay with the root.
+    stay with the root. A MoE block has two more units (`_moe_units`).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=zero_stage == 3, mp_policy=_mp_policy(dtype),
-                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-                  ignored_params=ignored or None)  # expert weights: executor.parallel.expert reduces them
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     tied = getattr(part, "spec", None) is not None and part.spec.tie_embeddings
     if not tied and part.tok_embeddings is not None:
         embeddings = [m for m in (part.tok_embeddings, part.pos_embeddings) if m is not None]
@@ -387,18 +392,60 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     for i, block in enumerate(blocks):
         # torchtitan: the last block is not resharded after forward (its backward comes first)
         last = i == len(blocks) - 1
-        fully_shard(block, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last})
+        block_kwargs = {**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last}
+        if experts is not None and isinstance(block.feed_forward, MoE):
+            _moe_units(block.feed_forward, fully_shard, experts, experts.fsdp_mesh(), block_kwargs,
+                       reduce_scatters=experts.edp_shard > 1)
+            experts.sharded = True
+        fully_shard(block, **block_kwargs)
     if not tied and part.output is not None:
         fully_shard([part.norm, part.output], **{**kwargs, "reshard_after_forward": False})
     fully_shard(part, **kwargs)
 
 
-def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype, ignored: set | None = None) -> None:
-    """DDP semantics for DTensor (TP) parameters: FSDP2's replicate over the flattened dp axis."""
+def _moe_units(moe: MoE, wrap, experts: ExpertParallel, expert_mesh: DeviceMesh, kwargs: dict,
+               reduce_scatters: bool = False) -> None:
+    """The MoE layer as two units of `wrap` (fully_shard or replicate) before its block's.
+
+    Its router and shared experts (every data-parallel rank holds them) form one unit on the block's mesh;
+    the MoE module itself is then the unit of the stacked expert weights left (their FQNs unchanged), on
+    the experts' data-parallel mesh, dividing the gradients by the data-parallel degree
+    (executor.parallel.expert). With a divide factor FSDP2 reduce-scatters with a premultiplied sum, which
+    gloo lacks: on CPU ranks a unit that reduce-scatters (`reduce_scatters`: its shard group has more than
+    one rank) sums and divides after. Only then: torch 2.13 divides a one-rank group's gradients by the
+    factor once at the copy and again after a forced sum.
+    """
+    dense = moe.dense_modules()
+    wrap(dense if len(dense) > 1 else dense[0], **kwargs)
+    if reduce_scatters:
+        kwargs = {**kwargs, "shard_placement_fn": _expert_placement(expert_mesh.shape[-1])}
+    unit = wrap(moe, **{**kwargs, "mesh": expert_mesh})
+    unit.set_gradient_divide_factor(float(experts.dp_degree))
+    if reduce_scatters and expert_mesh.device_type == "cpu":
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def _expert_placement(shards: int):
+    """FSDP2's placement of a stacked expert weight over `shards` ranks: dim 0 (the experts) as for any
+    parameter, padded to a multiple of the ranks; with fewer local experts than ranks, the rows of every
+    expert (dim 1) instead, as torchtitan does, so no rank holds padding in place of a share."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: nn.Parameter) -> Shard:
+        return Shard(1) if param.shape[0] < shards and param.shape[1] % shards == 0 else Shard(0)
+
+    return place
+
+
+def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype,
+                    experts: ExpertParallel | None = None) -> None:
+    """DDP semantics for DTensor (TP) parameters: FSDP2's replicate over the flattened dp axis (MoE: `_moe_units`)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    kwargs = dict(mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype), ignored_params=ignored or None)
+    kwargs = dict(mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
     for block in part.layers.values():
+        if experts is not None and isinstance(block.feed_forward, MoE):
+            _moe_units(block.feed_forward, replicate, experts, experts.flat_mesh(), kwargs)
         replicate(block, **kwargs)
     replicate(part, **kwargs)
 

@@ -12,7 +12,10 @@ neither of torchtitan's lists (it runs on GPUs); it is saved here too so a
 CPU run recomputes what a GPU run does. float8 linears (executor.components.float8)
 run torch._scaled_mm instead of mm: counted and saved like mm, every second one
 recomputed, so fp8 keeps what the memory model's op save list says
-(planner.memory.activations.op_saved_terms).
+(planner.memory.activations.op_saved_terms). The routed experts' grouped GEMMs
+(executor.experts) alternate the same way on a count of their own, so a MoE
+layer keeps w1's and w2's outputs and recomputes w3's, as the memory model's
+MLP of width top_k x f_e does.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 def _save_ops() -> set:
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten._scaled_mm.default, aten.max.default,
+    ops = {aten.mm.default, aten._scaled_mm.default, aten._grouped_mm.default, aten.max.default,
            aten._scaled_dot_product_efficient_attention.default,
            aten._scaled_dot_product_flash_attention.default,
            aten._scaled_dot_product_cudnn_attention.default,
@@ -39,14 +42,16 @@ def op_sac_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     save = _save_ops()
-    mms = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}  # float8 linears run _scaled_mm
-    counts: defaultdict[str, int] = defaultdict(int)
+    # the count each matmul alternates on: float8 linears run _scaled_mm, the experts _grouped_mm
+    counter = {torch.ops.aten.mm.default: "mm", torch.ops.aten._scaled_mm.default: "mm",
+               torch.ops.aten._grouped_mm.default: "grouped"}
+    counts: defaultdict[tuple[str, str], int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs):
-        key = "recompute" if ctx.is_recompute else "forward"
-        if func in mms:
+        key = ("recompute" if ctx.is_recompute else "forward", counter.get(func, ""))
+        if func in counter:
             counts[key] += 1
-        if func in save and not (func in mms and counts[key] % 2 == 0):
+        if func in save and not (func in counter and counts[key] % 2 == 0):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

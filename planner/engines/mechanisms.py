@@ -110,8 +110,8 @@ class Loss:
 
     kind (LOSS_KINDS) under tensor parallelism, logits split over the vocabulary:
     "dtensor": DTensor's loss_parallel as meshplan's executor runs it: the
-      compute-dtype logits, their fp32 copy and the log-probabilities saved,
-      12 B more per local logit in the backward (validate-memory, TP x FSDP);
+      same bytes as "torch-loss-parallel" (validate-memory, Llama 3 8B at
+      TP 4 x FSDP 16 under a fake mode of its own, as in a real run);
     "torch-loss-parallel": loss_parallel as torch runs it alone (torchtitan):
       the fp32 log-probabilities saved (4 B per local logit) and its fused
       nll_loss + log_softmax backward's three fp32 tensors beside them;
@@ -241,9 +241,10 @@ class Experts:
     """How routed experts run, where it changes memory (planner.memory)."""
 
     name: str
-    # meshplan's MoE executor (executor.moe, executor.parallel.expert): experts outside FSDP2's units and
-    # ZeRO, their fp32 weights cast per call and saved for the backward, int64 routing indices kept, the
-    # all-to-all outputs the saved expert inputs/outputs (no separate dispatch buffers)
+    # meshplan's MoE executor (executor.moe, executor.parallel.expert): routed experts as FSDP2 units of
+    # their own sharded over dp_shard x cp / ep (whole over tp, whose ranks all run them), int64 routing
+    # indices kept, the all-to-all outputs the saved expert inputs/outputs (no separate dispatch buffers);
+    # measured with PyTorch's tracker (validate-memory, debug-moe ep 2)
     executor_experts: bool = False
     # the router's probabilities weigh the experts' activation (Megatron-Core >= 0.13 TEGroupedMLP,
     # permuted_probs), so the combine only unpermutes and no expert output is kept for it

@@ -72,7 +72,9 @@ interleaving r, r + pp, ...; with zb-v r and 2pp - 1 - r) and their layers,
 the embedding to the holder of chunk 0, the final norm and output layer to the
 holder of the last chunk; with tied embeddings and those on different ranks,
 both hold a copy. EP splits the routed experts by ep (and by t); their ZeRO
-group is min(dp_shard, dp_shard * cp / ep), the ranks that hold the same experts.
+group is min(dp_shard, dp_shard * cp / ep), the ranks that hold the same experts
+(meshplan's executor keeps MoE layers whole over tp and shards its experts over
+dp_shard * cp / ep only under FSDP2: planner.memory.states).
 
 Offload: "optimizer" moves the optimizer states to host memory (and with them
 AdamW's step temporaries); "optimizer+params" also the parameter storage and,
@@ -389,15 +391,12 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: 
 
 def _executor_moe_extra(model: ModelSpec, tokens: float, d: int) -> float:
     """What executor.moe keeps per layer beyond the common MoE terms (planner.memory.activations), averaged
-    over the layers: every routed expert's weights cast to the compute dtype (each call casts again, so E
-    copies whatever ep: ep sources x E/ep local experts), and per token the int64 top-k indices, sort order
-    and token map with the fp32 and compute-dtype gate weights and their sum (measured with saved-tensor hooks)."""
+    over the layers: per token the int64 top-k indices, sort order and token map with the fp32 and
+    compute-dtype gate weights and their sum (measured with saved-tensor hooks). The experts' compute-dtype
+    weights are FSDP2's gathered copies, or autocast's (planner.memory.states: the compute copy)."""
     moe = model.moe
     share = model.n_moe_layers / model.n_layers
-    casts = moe.n_experts * (3 if model.mlp == "swiglu" else 2) * model.hidden * moe.expert_ffn_hidden * d \
-        if d < FP32_BYTES else 0
-    routing = tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
-    return share * (casts + routing)
+    return share * tokens * (moe.top_k * (3 * 8 + FP32_BYTES + d) + FP32_BYTES)
 
 
 def default_other_bytes(gpu: GPUSpec) -> int:

@@ -252,13 +252,13 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
 
     The path is the engine's (Engine.dp_path): torch DDP keeps bucket copies of every gradient
     (gradient_as_bucket_view=False, the default meshplan's executor and torchtitan's DDP keep), FSDP2's
-    units hold unsharded gradients and reduce-scatter inputs. Routed experts outside FSDP2's units
-    (meshplan's executor: Experts.executor_experts, executor.parallel.expert reduces them) leave a block
-    unit without them; torchao's float8 all-gathers (Fp8Recipe.fp8_all_gather) gather the blocks' linear
+    units hold unsharded gradients and reduce-scatter inputs. A MoE block's units (its dense part,
+    router and shared experts, and its routed experts) are gathered together for its compute: one block
+    unit here. torchao's float8 all-gathers (Fp8Recipe.fp8_all_gather) gather the blocks' linear
     weights in one byte each, norms in the compute dtype.
     """
     d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
-    experts_outside_fsdp, fp8_all_gather = engine.experts.executor_experts, engine.fp8.fp8_all_gather
+    fp8_all_gather = engine.fp8.fp8_all_gather
     path = engine.dp_path(layout)
     fsdp2 = path in ("fsdp", "replicate")
     autocast = engine.autocast(layout, d, training.lora)
@@ -268,7 +268,7 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     shards = layout.dp_shard * layout.cp  # the executor folds cp into FSDP's group
     grad_share = (lambda n: ceil_div(FP32_BYTES * n, shards)) if sharded else (lambda n: FP32_BYTES * n)
     pending = sp.block + sp.uncast  # gradients the stage's last block backward has not made yet
-    unit = sp.block - (sp.experts // sp.layers if experts_outside_fsdp and sp.layers else 0)  # a block's FSDP unit
+    unit = sp.block  # a block's FSDP units
     # bytes of one block unit gathered, expressed in compute-dtype elements (float8 weights: 1 byte of d)
     norms = model.norms_per_layer * model.hidden
     gunit = (norms + (unit - norms) / d) if fp8_all_gather and training.fp8 and unit > norms else unit

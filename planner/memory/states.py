@@ -66,8 +66,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     d, total = training.dtype_bytes, sp.total
     n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
     expert_shard = sp.expert_shard
-    if eng.experts.executor_experts:  # E / ep experts kept whole (not FSDP2's: executor.parallel.expert reduces them)
-        expert_shard = 1
+    if eng.experts.executor_experts:  # meshplan's FSDP2 shards its E / ep experts over dp_shard x cp / ep, not tp
+        expert_shard = layout.dp_shard * layout.cp // layout.ep if eng.dp_path(layout) == "fsdp" else 1
 
     def shard(bytes_per_param: int) -> int:
         return ceil_div(bytes_per_param * sp.dense, n) + ceil_div(bytes_per_param * sp.experts, expert_shard)

@@ -21,14 +21,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from torchrun_util import execute
+from torchrun_util import execute, local_gpu_cluster
 
 from planner.layout import Layout
 from planner.model.load import load_model
 from planner.model.spec import ModelSpec
 from planner.plan import Plan, with_stage_layers
 from planner.training import TrainingSpec
-from topologies.cluster_load import load_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multiproc"))
 from test_executor_determinism import GLOBAL_BATCH, SEED, SEQ_LEN, STEPS, reference_run  # noqa: E402
@@ -38,7 +37,7 @@ LOW_PRECISION_RTOL = 2e-2
 
 def _plan(tmp_path: Path, spec: ModelSpec, dtype: str, seq_len: int, batch: int, **layout) -> Path:
     lay = with_stage_layers(spec, Layout(micro_batch_size=batch, **layout))
-    plan = Plan(model=spec, cluster=load_cluster("dgx-h100", 1),
+    plan = Plan(model=spec, cluster=local_gpu_cluster(1),
                 training=TrainingSpec(seq_len=seq_len, global_batch_size=batch, dtype=dtype), layout=lay)
     path = tmp_path / f"{spec.name}-{dtype}.json"
     plan.save(path)

@@ -60,9 +60,11 @@ LAYOUTS = {
     # tied embeddings across stages: the first and last stage's gradients summed
     "gpt_pp2_dp2_tied": ("debug-gpt", ["--pp", "2", "--dp", "2", "--zero", "0", "--micro-batch", "1",
                                        "--pp-schedule", "1f1b"]),
-    # MoE: experts sharded over ep, tokens moved with all_to_all, expert gradients reduced by hand
+    # MoE: experts sharded over ep, tokens moved with all_to_all, experts as FSDP2 / replicate units
     "moe_dp4_ep2": ("debug-moe", ["--dp", "4", "--dp-shard", "2", "--ep", "2", "--zero", "3"]),
     "moe_fsdp4_ep4": ("debug-moe", ["--dp-shard", "4", "--ep", "4", "--zero", "3", "--micro-batch", "1"]),
+    # the experts' FSDP2 units reduce-scatter over 2 ranks (edp = dp_shard / ep) dividing by dp x cp
+    "moe_fsdp4_ep2": ("debug-moe", ["--dp-shard", "4", "--ep", "2", "--zero", "3"]),
     "moe_tp2_dp2_ep2": ("debug-moe", ["--tp", "2", "--dp", "2", "--ep", "2"]),
 }
 

@@ -1,6 +1,6 @@
 """The explanation's bubble and every change it suggests, checked against the simulator's own numbers.
 
-Llama-3-8B on 8x A100-40GB with 4 pipeline stages used to read "a 19% pipeline bubble ...
+Llama-3-8B on 8x A100-40GB with 4 pipeline stages on 1F1B used to read "a 19% pipeline bubble ...
 --global-batch 512 would cut it": 1F1B's own bubble there is ~1% ((p - 1) / (m + p - 1) with
 m = 256, p = 4), the rest is the last stage's output layer, and the advice did not fit."""
 
@@ -35,7 +35,7 @@ def plan_of(model, cluster, gpus, **pins):
 
 @pytest.fixture(scope="module")
 def issue_case():
-    return plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4)
+    return plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4, pp_schedule="1f1b")
 
 
 def test_bubble_is_the_schedules_plus_stage_imbalance(issue_case):
@@ -66,7 +66,7 @@ def test_balanced_reference_is_the_schedule_alone():
 
 
 def test_larger_batch_suggested_only_with_the_simulated_gain(issue_case):
-    the_plan, result, ctx = plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4, global_batch=16)
+    the_plan, result, ctx = plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4, pp_schedule="1f1b", global_batch=16)
     best = result.best
     split = bubble_split(ctx, best.training, best.layout)
     assert split.schedule_s / best.result.step_time_s > 0.10
@@ -89,7 +89,7 @@ def test_a_change_that_does_not_fit_or_help_is_not_shown(issue_case):
     # it would help a little, but less than WORTH_SUGGESTING: m = 256 already amortizes the warm-up
     assert best_suggestion(ctx, best.result, options) is None
     tight = Context(ctx.model, ctx.cluster, ctx.calibration, ctx.engine, best.result.memory.peak_bytes - 1)
-    small = plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4, global_batch=16)[1].best
+    small = plan_of("llama3-8b", "dgx-a100-40g", 8, pp=4, pp_schedule="1f1b", global_batch=16)[1].best
     assert best_suggestion(tight, small.result, larger_batch_options(small.training, small.layout)) is None
 
 
