@@ -245,7 +245,7 @@ def minimal_loop(plan_path: Path, steps: int, out: Path, ab: bool = False) -> No
 
         trainer = Trainer(plan, RunFlags(steps=steps, out=str(out.parent)), build_mesh(plan, "cpu"),
                           torch.device("cpu"))
-        runners["executor"] = lambda: trainer.step()["loss"]
+        runners["executor"] = lambda: float(trainer.step()["loss"])  # read back, as the minimal loop does
     got = {name: {"step_time_s": [], "cpu_s": [], "loss": []} for name in runners}
     for k in range(steps):
         for name in (list(runners) if k % 2 == 0 else list(runners)[::-1]):

@@ -11,8 +11,8 @@ in under 8 minutes), `meshplan plan` then `meshplan execute` for:
   8b  the Llama 3 8B architecture (hidden 4096, 32 heads, 8 KV heads, FFN
       14336, vocab 128256) with as many of its 32 layers as the memory model
       fits on this GPU (meshplan's recipe keeps fp32 weights, gradients and
-      AdamW moments, 16 B per parameter, plus AdamW's foreach temporaries:
-      all 32 layers need 151 GiB, 24 fit an H200's 141 GB), seq 2048, global
+      AdamW moments, 16 B per parameter; fused AdamW adds no temporaries:
+      all 32 layers need 127.3 GiB, 30 fit an H200's 141 GB), seq 2048, global
       batch 8, 20 steps
 
 each with compile off and on, bf16 and fp8 (torchao's float8 recipe), the

@@ -24,7 +24,22 @@ their summed losses, averaged over D, is the global mean.
 The reported loss is that same global mean: each rank holding the last
 pipeline stage returns its D / N-weighted sum; one all-reduce over the world
 divided by world / pp = D * tp (TP ranks of a replica hold equal copies)
-gives it.
+gives it. The same all-reduce sums the squared gradient norm's shares
+(executor.components.optim.local_grad_norm_sq).
+
+No host stalls: a step reads nothing back from the device. The loss and the
+gradient norm stay there; clipping, the non-finite guard's skip (fused
+AdamW's found_inf: executor.resilience.guard) and the fp16 scaler's checks
+are device operations; the next batch is built by a background thread
+(executor.components.data.prefetch). The loop reads on "read steps" only:
+the logging steps (the first, every --log-every and the last), checkpoint
+and --save-hf-every steps, and at least every READ_EVERY_S seconds of
+training (the cadence is set from the last window's agreed step time, so
+every rank reads at the same steps). There the pending records are read in
+one go (executor.components.metrics.MetricsWindow), the guard replays them,
+rank 0 writes them, and at the next step boundary the ranks agree on a stop
+request (executor.resilience.keeper). Python's garbage collector runs every
+50 steps on all ranks together (executor.components.garbage).
 
 Checkpoints (executor/components/checkpoint.py): every worker that starts
 loads the newest valid checkpoint of its run directory when there is one
@@ -42,7 +57,6 @@ after every step (and its checkpoint, if one is due).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import torch
@@ -51,28 +65,31 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from executor import faults
-from executor.components.data import counted_targets, local_batch, open_source, run_tokenizer
+from executor.components.data import open_source, run_tokenizer
+from executor.components.data.prefetch import BatchPrefetcher
 from executor.components.float8 import check_device, precompute_scales
+from executor.components.garbage import GarbageCollection
 from executor.components.metrics import (
     MetricsLog,
+    MetricsWindow,
     ProgressLine,
-    mfu,
-    peak_memory_bytes,
-    peak_reserved_bytes,
     read_metrics,
     summarize,
     write_summary,
 )
 from executor.components.optim import (
+    MAX_GRAD_NORM,
     build_optimizers,
     build_scaler,
     build_scheduler,
-    clip_grad_norm,
+    clip_grads_,
     default_lr,
+    local_grad_norm_sq,
+    skip_update_where,
     unique_params,
     unscale_and_check,
 )
-from executor.hf.save import save_hf_if_due
+from executor.hf.save import save_hf_due, save_hf_if_due
 from executor.interrupt import INTERRUPT, NONE
 from executor.model import build_model
 from executor.parallel.context import shard_sequence
@@ -84,6 +101,10 @@ from executor.resilience.keeper import Keeper, resume
 from planner.plan import Plan
 from planner.run_flags import RunFlags
 from topologies.errors import PreemptedRun
+
+# The longest stretch of training between two host reads (stop agreement, metrics): bounds how long a
+# SIGTERM or Ctrl-C waits for its step boundary when --log-every is large.
+READ_EVERY_S = 5.0
 
 # What `meshplan execute` passes to every worker: one codec for the CLI, the launch and the worker.
 RunOptions = RunFlags
@@ -202,6 +223,7 @@ class PipelineStep:
         layout = plan.layout
         self.pm, self.device, self.scaler = pm, device, scaler
         self.weight = 1.0  # D / N of the step being run (module docstring), read by the loss function
+        self.step_losses: list[torch.Tensor] = []  # the weighted losses of the step being run, unscaled
         self.schedule = build_schedule(make_stages(pm.runners, pm.stages, layout, mesh, device), layout,
                                        self._loss, scale_grads=False)
         self.has_first = 0 in pm.stages
@@ -209,11 +231,12 @@ class PipelineStep:
 
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = lm_loss_sum(out, target) * self.weight
+        self.step_losses.append(loss_value(loss))  # unscaled: no read of the fp16 scale back to the host
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor | None:
         """One step of the schedule; on the last stage's ranks, the sum of the micro-batches' weighted losses."""
-        self.weight = weight
+        self.weight, self.step_losses = weight, []
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
@@ -221,8 +244,9 @@ class PipelineStep:
             self.schedule.step(*args, return_outputs=False, **kwargs)  # the last stage keeps no logits
         if not self.has_last:
             return None
-        total = torch.stack([loss_value(v) for v in losses]).sum()
-        return total / self.scaler.get_scale() if self.scaler is not None else total
+        # the micro-batches' losses are the last len(losses) calls (the first step's shape inference calls the
+        # loss function once more, on uninitialized outputs)
+        return torch.stack(self.step_losses[len(self.step_losses) - len(losses):]).sum()
 
 
 def _checkpoint_manager(opts: RunOptions, plan: Plan):
@@ -263,6 +287,8 @@ class Trainer:
                                   tokenizer=run_tokenizer(opts))
         self.data_shards = layout.dp * layout.cp  # D: the shards the data-parallel reduction averages
         self.dp_index = dp_rank(mesh)
+        self.batches = BatchPrefetcher(self.source, plan.training.global_batch_size, layout.dp, self.dp_index,
+                                       device)
         self.params = unique_params(self.pm.parts)
         self.tied = (TiedGradSync(self.pm.parts, self.pm.stages, layout, mesh)
                      if layout.pp > 1 and plan.model.tie_embeddings else None)
@@ -270,17 +296,22 @@ class Trainer:
         self.norm_params = [p for p in self.params if id(p) not in skip]
         experts = self.pm.experts
         self.expert_holders = {id(p): experts.holders for p in self.pm.expert_params} if experts else None
-        self.peak_flops = plan.cluster.gpu.peak_flops(_flops_dtype(plan, device))
+        self.window = MetricsWindow(plan, device, plan.cluster.gpu.peak_flops(_flops_dtype(plan, device)))
+        self.first_step = self.state.step + 1  # this process's first step: a window of its own (warm-up)
+        self.read_by: int | None = None  # READ_EVERY_S's bound on the next read step, once a window is timed
 
     def step(self) -> dict:
-        """One optimizer step on the next global batch; returns its metrics record (same on every rank)."""
-        plan, state, start = self.plan, self.state, time.perf_counter()
+        """One optimizer step on the next global batch, queued without reading anything back from the device.
+
+        Returns the step's pending record (loss and grad_norm as device tensors), also kept by self.window
+        until the loop reads it (module docstring).
+        """
+        plan, state = self.plan, self.state
+        self.window.begin_step()
         batch = plan.training.global_batch_size
-        inputs, targets = local_batch(self.source, state.data_position, batch, plan.layout.dp, self.dp_index,
-                                      self.device)
+        inputs, targets, counted = self.batches.get(state.data_position)
         if self.pm.cp is not None:  # this rank's two load-balanced chunks of every sequence
             inputs, targets = shard_sequence(inputs, self.pm.cp), shard_sequence(targets, self.pm.cp)
-        counted = counted_targets(self.source, state.data_position, batch)
         lr = state.schedulers[0].get_last_lr()[0]
         weight = self.data_shards / max(counted, 1)  # nothing counted: no gradient
         loss = faults.poison(state.step + 1, self.step_fn(inputs, targets, weight), self.params)
@@ -288,53 +319,77 @@ class Trainer:
             self.tied()
         if self.pm.experts is not None:
             self.pm.experts.reduce_grads(self.pm.expert_params)
-        if self.scaler is not None:
-            unscale_and_check(self.scaler, self.optimizers, self.device)
-        grad_norm = clip_grad_norm(self.params, plan.layout.pp, device=self.device, norm_params=self.norm_params,
-                                   expert_holders=self.expert_holders)
-        mean_loss = _reduce_loss(loss, plan.layout.pp, self.device)
-        update = self.guard.admit(state.step + 1, mean_loss, grad_norm)  # the same on every rank: both reduced
+        overflow = unscale_and_check(self.scaler, self.optimizers, self.device) if self.scaler is not None else None
+        mean_loss, grad_norm = self._reduce(loss)
+        clip_grads_(self.params, grad_norm, MAX_GRAD_NORM)
+        skip = self.guard.skip(mean_loss, grad_norm)  # the same on every rank: both reduced
+        skip_update_where(self.optimizers, skip if overflow is None else skip | overflow)
         for optimizer, scheduler in zip(self.optimizers, state.schedulers, strict=True):
-            if update and self.scaler is not None:
-                self.scaler.step(optimizer)  # skipped when unscale_and_check found inf/nan on any rank
-            elif update:
-                optimizer.step()
+            optimizer.step()  # a no-op on the device where `skip`
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
         if self.scaler is not None:
-            self.scaler.update()
+            self.scaler.update()  # backs off on the overflow unscale_and_check found
         if self.pm.float8_all_gather:  # torchtitan's post-optimizer hook: scales for the next all-gathers
             precompute_scales(self.pm.parts)
         state.step, state.data_position = state.step + 1, state.data_position + batch
-        peak, reserved = _reduce_peaks(self.device)
-        step_time = time.perf_counter() - start
-        tokens_per_s = plan.training.tokens_per_step / step_time
-        record = {"step": state.step, "loss": mean_loss, "lr": lr, "step_time_s": step_time,
-                  "tokens_per_s": tokens_per_s, "mfu": mfu(plan, tokens_per_s, self.peak_flops),
-                  "peak_memory_bytes": peak, "grad_norm": grad_norm}
-        if reserved is not None:  # GPUs: the caching allocator's high-water mark (planner.memory.reserved)
-            record["peak_reserved_bytes"] = reserved
-        return self.guard.annotate(record)
+        self.window.add(state.step, lr, mean_loss, grad_norm)
+        return {"step": state.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm}
+
+    def _reduce(self, loss: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global-batch mean loss, global gradient norm before clipping), fp64 on the device: one all-reduce
+        of this rank's loss share (module docstring) and squared-norm share."""
+        shares = torch.zeros(2, dtype=torch.float64, device=self.device)
+        shares[0] = local_grad_norm_sq(self.norm_params, self.plan.layout.pp, self.device, self.expert_holders)
+        if loss is not None:
+            shares[1] = loss.detach().double() / (dist.get_world_size() // self.plan.layout.pp)
+        dist.all_reduce(shares)
+        return shares[1], shares[0].sqrt()
+
+    def _read_due(self, step: int) -> bool:
+        """Whether the loop reads back at this step (module docstring); the same answer on every rank."""
+        opts = self.opts
+        return (step == self.first_step or step % max(1, opts.log_every) == 0 or step == opts.steps
+                or self.keeper.save_due(step) or save_hf_due(opts, step)
+                or (self.read_by is not None and step >= self.read_by))
+
+    def _read(self, step: int, log: MetricsLog | None, progress: ProgressLine | None) -> None:
+        """Reads the pending records back, replays them through the non-finite guard (which may stop the run
+        here, before the offending step's record is written) and has rank 0 write them."""
+        records = self.window.read()
+        for record in records:
+            self.guard.admit(record["step"], record["loss"], record["grad_norm"])
+            record = self.guard.annotate(record)
+            if log is not None:
+                log.write(record)
+                progress.update(record)
+        if step != self.first_step and self.window.mean_step_s:  # the agreed step time: same bound everywhere
+            self.read_by = step + max(1, int(READ_EVERY_S / self.window.mean_step_s))
 
     def run(self) -> None:
         """Steps until opts.steps (or an agreed stop on SIGINT/SIGTERM); rank 0 logs each and writes summary.json."""
         opts, rank0 = self.opts, dist.get_rank() == 0
         log = MetricsLog(opts.out_dir, append=self.state.step > 0) if rank0 else None
         progress = ProgressLine(opts.steps, self.state.step + 1, opts.log_every) if rank0 else None
-        stop = NONE
+        stop, read = NONE, True
+        collector = GarbageCollection()
         try:
             while self.state.step < opts.steps:
-                stop = self.keeper.boundary()
+                stop = self.keeper.boundary(agree=read)  # after a read step only: no read in between
                 if stop != NONE:
                     break
-                record = self.step()
-                if rank0:
-                    log.write(record)
-                    progress.update(record)
-                self.keeper.after_step(record["step"], self.app_state)
-                save_hf_if_due(self.pm.parts, self.plan.model, opts, record["step"])
-                faults.after_step(record["step"], dist.get_rank(), self.keeper.stop_requested)
+                self.step()
+                step = self.state.step
+                read = self._read_due(step)
+                if read:
+                    self._read(step, log, progress)
+                self.keeper.after_step(step, self.app_state)
+                save_hf_if_due(self.pm.parts, self.plan.model, opts, step)
+                faults.after_step(step, dist.get_rank(), self.keeper.stop_requested)
+                collector.step(step)
         finally:
+            collector.close()
+            self.batches.close()
             if progress is not None:
                 progress.close()
         self.keeper.finish(self.state.step, stop, self.app_state)
@@ -358,22 +413,3 @@ def _device_name(device: torch.device) -> str:
 def _flops_dtype(plan: Plan, device: torch.device) -> str:
     """The dtype whose peak FLOP/s MFU divides by: what the matmuls run in."""
     return "fp32" if device.type == "cpu" else plan.training.dtype
-
-
-def _reduce_loss(loss: torch.Tensor | None, pp: int, device: torch.device) -> float:
-    """The global-batch mean loss on every rank (one all-reduce, before the update: executor.resilience.guard)."""
-    world = dist.get_world_size()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    if loss is not None:
-        total += loss.detach().double() / (world // pp)
-    dist.all_reduce(total)
-    return float(total)
-
-
-def _reduce_peaks(device: torch.device) -> tuple[int, int | None]:
-    """(worst rank's peak memory, worst rank's reserved peak or None on CPU): one all-reduce after the update,
-    which also syncs the step."""
-    reserved = peak_reserved_bytes(device)
-    peak = torch.tensor([peak_memory_bytes(device), reserved or 0], dtype=torch.int64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak[0]), (int(peak[1]) if reserved is not None else None)

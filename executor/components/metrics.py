@@ -14,6 +14,15 @@ peak_memory_bytes is the worst rank's: torch.cuda.max_memory_allocated on
 GPUs, the process's peak resident set (getrusage ru_maxrss) on CPU ranks.
 GPU records also carry peak_reserved_bytes (torch.cuda.max_memory_reserved),
 the figure planner.memory.reserved predicts and torchtitan reports.
+
+Records are read back from the device in windows (MetricsWindow): a step
+keeps its loss and gradient norm on the device, and the loop reads every
+pending step at once on the steps it reads at (the logging steps, checkpoint
+steps and the last step: executor.train), so a GPU's queue never waits for
+the host in between. The read waits for the window's kernels, so the
+window's wall time is what its steps took; each step of a window gets the
+window's mean step time (the first step of a run, warm-up and compilation
+included, is a window of its own, as it logs).
 """
 
 from __future__ import annotations
@@ -46,6 +55,58 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device))
     return None
+
+
+class MetricsWindow:
+    """Steps whose records still hold device values, read back together (module docstring)."""
+
+    def __init__(self, plan: Plan, device: torch.device, peak_flops: float) -> None:
+        self.plan, self.device, self.peak_flops = plan, device, peak_flops
+        self.pending: list[tuple[int, float, torch.Tensor, torch.Tensor, int, int | None]] = []
+        self.started: float | None = None
+        self.mean_step_s: float | None = None  # of the last window read, the same on every rank
+
+    def begin_step(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def add(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """A finished step: its global loss and gradient norm on the device; this rank's allocator peaks so
+        far (host-side counters, no device read)."""
+        self.pending.append((step, lr, loss.detach(), grad_norm.detach(), peak_memory_bytes(self.device),
+                             peak_reserved_bytes(self.device)))
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every pending step's record, in step order (collective: every rank reads at the same steps).
+
+        One host read of the device values (it waits for the window's kernels), then one all-reduce MAX of
+        the worst rank's peaks and the window's wall time (so every rank agrees on both) and its read.
+        """
+        if not self.pending:
+            return []
+        import torch.distributed as dist
+
+        values = torch.stack([torch.stack([loss.double(), norm.double().to(loss.device)])
+                              for _, _, loss, norm, _, _ in self.pending]).tolist()
+        elapsed_us = int((time.perf_counter() - (self.started or time.perf_counter())) * 1e6)
+        local = [[peak, reserved or 0, elapsed_us] for _, _, _, _, peak, reserved in self.pending]
+        agreed = torch.tensor(local, dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        agreed = agreed.tolist()
+        step_time_s = agreed[0][2] / 1e6 / len(self.pending)
+        tokens_per_s = self.plan.training.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
+        records = []
+        for (step, lr, _, _, _, reserved), (loss, norm), (peak, reserved_max, _) in zip(self.pending, values, agreed,
+                                                                                           strict=True):
+            record = {"step": step, "loss": loss, "lr": lr, "step_time_s": step_time_s,
+                      "tokens_per_s": tokens_per_s, "mfu": mfu(self.plan, tokens_per_s, self.peak_flops),
+                      "peak_memory_bytes": peak, "grad_norm": norm}
+            if reserved is not None:  # GPUs: the caching allocator's high-water mark (planner.memory.reserved)
+                record["peak_reserved_bytes"] = reserved_max
+            records.append(record)
+        self.pending, self.started, self.mean_step_s = [], None, step_time_s
+        return records
 
 
 def mfu(plan: Plan, tokens_per_s: float, peak_flops: float) -> float:

@@ -14,12 +14,20 @@ Schedule (LambdaLR factor of the peak lr, k = optimizer steps done):
 with W = max(1, T // 10) warm-up steps, T the run's total steps and r = 0.1
 (decay to 10% of the peak, Chinchilla / Llama 2).
 
+AdamW runs fused (one kernel per device and dtype, over plain and DTensor
+parameters alike, torchtitan's default): its `found_inf` tensor lets a step be
+skipped on the device (`skip_update_where`), the way GradScaler skips fp16
+overflows, so deciding to skip never reads a value back to the host.
+
 Clipping to a global L2 norm of 1.0 over all parameters of all ranks, in one
 all-reduce: each rank adds the squared norm of its local gradient shards,
 weighted by 1 / (number of ranks holding an identical copy), and the world
 sums. A parameter lives on the world / pp ranks of its pipeline stage; of
 those, a DTensor's shards are distinct along its Shard mesh dims and copies
-along the rest; a plain tensor is the same on all of them.
+along the rest; a plain tensor is the same on all of them. The local norms
+are multi-tensor kernels (torch._foreach_norm in fp32 over the local shards,
+one per copy count, as torch.nn.utils.get_total_norm runs it) and the scaling is torch.nn.utils.clip_grads_with_norm_
+per mesh, as torchtitan's clip_grad_norm_ does; the norm stays on the device.
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) ->
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=lr, betas=BETAS, eps=EPS, foreach=_foreach_ok(params))
+    kwargs = dict(lr=lr, betas=BETAS, eps=EPS, fused=True)
     layout = plan.layout
     if layout.zero_stage == 1 and layout.dp > 1 and (layout.tp > 1 or layout.pp > 1):
         from executor.components.zero1 import Zero1Optimizer
@@ -89,12 +97,11 @@ def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) ->
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def _foreach_ok(params: list[nn.Parameter]) -> bool:
-    """Multi-tensor kernels need one kind of tensor: all plain, or all DTensors on one mesh."""
+def _mesh_key(t: torch.Tensor):
+    """Multi-tensor kernels take one kind of tensor: all plain, or all DTensors on one mesh."""
     from torch.distributed.tensor import DTensor
 
-    kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
-    return len(kinds) <= 1
+    return t.device_mesh if isinstance(t, DTensor) else None
 
 
 @dataclass(frozen=True)
@@ -175,38 +182,79 @@ def _local_share(grad: torch.Tensor, world: int, pp: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GRAD_NORM,
-                   device: torch.device | None = None, norm_params: list[nn.Parameter] | None = None,
-                   expert_holders: dict[int, int] | None = None) -> float:
-    """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
+def local_grad_norm_sq(params: list[nn.Parameter], pp: int, device: torch.device,
+                       expert_holders: dict[int, int] | None = None) -> torch.Tensor:
+    """This rank's share of the global squared gradient norm (fp64, 0-dim, on `device`): summed over the world
+    it is the squared norm of all gradients, each distinct piece once (module docstring).
 
-    `device` is where the one all-reduce runs (the rank's device; gradients
-    offloaded to the host are summed there first, then moved). `norm_params`
-    (default: params) are those the norm counts: a tied weight's second copy
-    on another pipeline stage is scaled but counted once. `expert_holders`:
-    id(expert weight) -> ranks holding that same copy (expert parallelism).
+    `params` are those the norm counts (a tied weight's second copy on another pipeline stage left out);
+    `expert_holders`: id(expert weight) -> ranks holding that same copy (expert parallelism). Offloaded
+    gradients are reduced where they live, then moved.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    with_grad = [p for p in params if p.grad is not None]
-    sums: dict[torch.device, torch.Tensor] = {}
-    for p in (with_grad if norm_params is None else [p for p in norm_params if p.grad is not None]):
+    by_copies: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
         local, copies = _local_share(p.grad, world, pp)
         copies = (expert_holders or {}).get(id(p), copies)  # expert parallel: distinct across the ep group
-        # fp32 norm by a reduction kernel (no copy of the gradient), squared in fp64
-        norm_sq = torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2
-        sums[local.device] = sums.get(local.device, 0) + norm_sq / copies
-    device = device or (next(iter(sums)) if sums else torch.device("cpu"))
+        by_copies.setdefault((copies, local.device, local.dtype), []).append(local)
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for partial in sums.values():
-        total_sq += partial.to(device)
-    if world > 1:
+    for (copies, _, _), tensors in by_copies.items():
+        # one multi-tensor norm kernel per group, in fp32 whatever the gradients' dtype (no copy of them), as
+        # torch.nn.utils.get_total_norm does with foreach; the squares summed in fp64
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        total_sq += (torch.stack(norms).double() ** 2).sum().to(device) / copies
+    return total_sq
+
+
+@torch.no_grad()
+def clip_grads_(params: list[nn.Parameter], total_norm: torch.Tensor, max_norm: float = MAX_GRAD_NORM) -> None:
+    """Scale gradients by min(1, max_norm / (total_norm + 1e-6)) on the device, one multi-tensor kernel per
+    mesh (torch.nn.utils.clip_grads_with_norm_; a non-finite norm leaves NaN gradients, whose update the
+    caller skips)."""
+    from torch.nn.utils import clip_grads_with_norm_
+
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(_mesh_key(p.grad), []).append(p)
+    for group in by_mesh.values():
+        clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], pp: int, max_norm: float = MAX_GRAD_NORM,
+                   device: torch.device | None = None, norm_params: list[nn.Parameter] | None = None,
+                   expert_holders: dict[int, int] | None = None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping (an fp64
+    0-dim tensor on `device`, never read back here).
+
+    One all-reduce of `local_grad_norm_sq`; `norm_params` (default: params) are those the norm counts.
+    The training step folds that all-reduce into its loss's (executor.train).
+    """
+    if device is None:
+        device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    total_sq = local_grad_norm_sq(params if norm_params is None else norm_params, pp, device, expert_holders)
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total_sq)
-    norm = float(total_sq.sqrt())
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in with_grad:
-            p.grad.mul_(scale)
+    norm = total_sq.sqrt()
+    clip_grads_(params, norm, max_norm)
     return norm
+
+
+def skip_update_where(optimizers: list[torch.optim.Optimizer], skip: torch.Tensor) -> None:
+    """Make the next step() of every optimizer a no-op where `skip` (a 0-dim bool on the device) is true.
+
+    Fused AdamW reads `found_inf` inside its kernel (parameters, moments and step counts unchanged when
+    it is 1), so the decision stays on the device. ZeroRedundancyOptimizer and Zero1Optimizer step an
+    inner `optim` (then broadcast the unchanged parameters).
+    """
+    flag = skip.float()
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optim", optimizer)
+        inner.found_inf = flag
+        inner.grad_scale = None  # gradients are unscaled already (unscale_and_check)
 
 
 def build_scaler(plan: Plan, device: torch.device):
@@ -221,11 +269,13 @@ def build_scaler(plan: Plan, device: torch.device):
     return torch.amp.GradScaler(device.type)
 
 
-def unscale_and_check(scaler, optimizers: list[torch.optim.Optimizer], device: torch.device) -> bool:
-    """Unscale every optimizer's gradients (before clipping); True when some rank found inf/nan.
+def unscale_and_check(scaler, optimizers: list[torch.optim.Optimizer], device: torch.device) -> torch.Tensor:
+    """Unscale every optimizer's gradients (before clipping); a 0-dim bool on the device, true when some rank
+    found inf/nan (all on the device: no host read).
 
     The found-inf flags are summed over optimizers and max-reduced over the
-    world and written back, so every rank skips (or takes) the step together.
+    world and written back, so every rank skips (or takes) the step together
+    and scaler.update() backs off on every rank alike.
     """
     for optimizer in optimizers:
         scaler.unscale_(optimizer)
@@ -235,6 +285,7 @@ def unscale_and_check(scaler, optimizers: list[torch.optim.Optimizer], device: t
         found += flag.to(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    found = found > 0
     for flag in flags:
-        flag.fill_(float(found > 0))
-    return bool(found > 0)
+        flag.copy_(found)
+    return found

@@ -25,10 +25,15 @@ from topologies.terminal import log
 HF_DIR = "hf"
 
 
+def save_hf_due(opts: RunFlags, step: int) -> bool:
+    """Whether --save-hf-every K asks for an export at this step (every K-th and the last step)."""
+    every = getattr(opts, "save_hf_every", 0)
+    return bool(every) and (step % every == 0 or step == opts.steps)
+
+
 def save_hf_if_due(parts: list[nn.Module], spec: ModelSpec, opts: RunFlags, step: int) -> Path | None:
     """RUN/hf/step-K/ when --save-hf-every K asks for one at this step (or it is the last step)."""
-    every = getattr(opts, "save_hf_every", 0)
-    if not every or (step % every and step != opts.steps):
+    if not save_hf_due(opts, step):
         return None
     return save_hf(parts, spec, opts.out_dir, step)
 

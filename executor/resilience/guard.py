@@ -10,6 +10,22 @@ the step's record says so, and after `limit` such steps in a row the run
 stops with NonFiniteError (exit 4). While a streak is running no checkpoint
 is written, so `latest` keeps naming the state from before it.
 
+Two halves, so that the step never waits for the device:
+  * on the device, every step (`skip`): the update is skipped where the
+    step is non-finite, or once `limit` non-finite steps came in a row (the
+    streak latches: no update after it, whatever follows), through fused
+    AdamW's found_inf (executor.components.optim.skip_update_where);
+  * on the host, when the loop reads its records back (logging steps,
+    checkpoint steps, the last step: executor.components.metrics.
+    MetricsWindow), `admit` replays those records in order: it counts,
+    reports each skip and raises NonFiniteError at the limit'th bad step
+    in a row, before that step's record is written.
+So --max-nonfinite-steps N stops the run at the first read at or after the
+N-th non-finite step in a row; the steps run in between change nothing (their
+updates are skipped), the parameters stay those of the step before the
+streak, and no checkpoint is written in between (a checkpoint step reads
+first).
+
 Under fp16's dynamic loss scaling an overflowing gradient is the scaler's
 business (it skips the step and lowers the scale, routinely at the start):
 only a non-finite loss counts there.
@@ -18,6 +34,8 @@ only a non-finite loss counts there.
 from __future__ import annotations
 
 import math
+
+import torch
 
 from topologies.errors import NonFiniteError
 
@@ -30,9 +48,24 @@ class NonFiniteGuard:
         self.in_a_row = 0
         self.skipped = 0  # over this process's life
         self.streak: list[int] = []
+        self._run_on_device: torch.Tensor | None = None  # non-finite steps in a row, on the device
+        self._latched: torch.Tensor | None = None  # the limit was reached: no update until the host stops the run
+
+    def skip(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """This step's skip decision on the device (0-dim bool; the same on every rank: both inputs reduced)."""
+        bad = ~torch.isfinite(loss)
+        if self.count_grad_norm:
+            bad = bad | ~torch.isfinite(grad_norm)
+        if self._run_on_device is None:
+            self._run_on_device = torch.zeros((), dtype=torch.int64, device=loss.device)
+            self._latched = torch.zeros((), dtype=torch.bool, device=loss.device)
+        self._run_on_device = torch.where(bad, self._run_on_device + 1, torch.zeros_like(self._run_on_device))
+        self._latched = self._latched | (self._run_on_device >= self.limit)
+        return bad | self._latched
 
     def admit(self, step: int, loss: float, grad_norm: float) -> bool:
-        """True: take the update. False: skip it. Raises NonFiniteError at the limit'th bad step in a row."""
+        """Replays one step read back on the host: True when its update was taken, False when skipped. Raises
+        NonFiniteError at the limit'th bad step in a row (the device skipped every update since)."""
         bad = not math.isfinite(loss) or (self.count_grad_norm and not math.isfinite(grad_norm))
         if not bad:
             self.in_a_row, self.streak = 0, []

@@ -2,13 +2,19 @@
 
 The Trainer calls `resume` once, then three things per run (executor.train):
 
-  boundary()            before every step, collective: one all-reduce of two
-                        small integers, (the strongest stop request any rank
-                        has: none, Ctrl-C, SIGTERM; whether rank 0's async
-                        save has finished). Ranks see signals at different
-                        moments; stopping on a local flag could leave one rank
-                        in the next step's collectives forever. A finished
-                        async save is published here by every rank together.
+  boundary(agree)       before every step; after a step the loop read back
+                        (executor.train's read steps: logging, checkpoint and
+                        last steps, and at least every few seconds) it is
+                        collective: one all-reduce of two small integers (the
+                        strongest stop request any rank has: none, Ctrl-C,
+                        SIGTERM; whether rank 0's async save has finished) and
+                        its read. Ranks see signals at different moments;
+                        stopping on a local flag could leave one rank in the
+                        next step's collectives forever, so a signal waits for
+                        the next agreed boundary; between read steps nothing
+                        is read, and the device's queue never waits. A
+                        finished async save is published there by every rank
+                        together.
   after_step(step)      lowers the process groups' timeout after the first step
                         (executor.resilience.timeouts) and saves when due,
                         unless a non-finite streak is running
@@ -47,15 +53,25 @@ class Keeper:
         self.async_group = (dist.new_group(backend="gloo", timeout=long_timeout())
                             if asynchronous and manager is not None and dist.get_world_size() > 1 else None)
 
-    def boundary(self) -> int:
-        """The agreed stop request (interrupt.NONE / INTERRUPT / PREEMPT); publishes a finished async save."""
+    def boundary(self, agree: bool = True) -> int:
+        """The agreed stop request (interrupt.NONE / INTERRUPT / PREEMPT); publishes a finished async save.
+
+        agree=False (a step boundary the loop does not read at; the same on every rank): NONE, no collective.
+        """
+        if not agree:
+            return NONE
         done = self.rank0 and self.manager is not None and self.manager.pending_done()
         flags = torch.tensor([STOP_REQUESTED["kind"], int(done)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[1].item():
+        stop, published = flags.tolist()  # one read
+        if published:
             with self.timeouts.raised():
                 self.manager.wait()
-        return int(flags[0].item())
+        return stop
+
+    def save_due(self, step: int) -> bool:
+        """Whether a checkpoint is due after `step` (--checkpoint-every); the guard may still forbid it."""
+        return self.manager is not None and bool(self.every) and step % self.every == 0
 
     def stop_requested(self) -> bool:
         """This rank's own flag (no collective): for waits that should end early when a signal comes."""
@@ -65,7 +81,7 @@ class Keeper:
         if not self.first_done:
             self.timeouts.lower()  # torchtitan lowers after step 1: compilation and warm-up are behind
             self.first_done = True
-        if self.manager is None or not self.every or step % self.every or not self.guard.saving_allowed:
+        if not self.save_due(step) or not self.guard.saving_allowed:
             return
         if self.async_group is not None:
             with self.timeouts.raised():  # the previous async save may still be finishing

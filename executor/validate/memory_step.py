@@ -109,9 +109,9 @@ def _train_step(plan: Plan, pm, optimizers: list, mesh, tokens: torch.Tensor, tr
 
     Pipeline plans run their rank's stages in torch's schedule order (executor.validate.memory_pipeline).
 
-    Clipping ends in `float(norm)`, a value fake tensors do not have; every
-    allocation of the clip happens before it and the scaling after it is in
-    place, so the step goes on from there without it.
+    Clipping keeps the norm on the device (no value read back), so it runs
+    under fake tensors like the rest of the step; a data-dependent read,
+    should one appear, ends the clip there and the step goes on.
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException
 

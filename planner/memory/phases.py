@@ -56,12 +56,11 @@ under FSDP2 with reshard_after_forward=True and no pipeline:
                    (the previous reduce-scatter input), (D + G) root gradients
                    at the copy-in (replicate: G + max(D, G), the all-reduce
                    output too) ); the root's own gradient shard not there yet.
-  optimizer_step   W + Gs + O + K + max( nothing for clipping (executor.components.optim
-                   .clip_grad_norm reduces each gradient in place: no copy),
-                   4 B x the parameters this rank updates (foreach AdamW's
-                   sqrt(exp_avg_sq) list: O / 2), or with TP, where the
-                   executor's parameters mix meshes and AdamW runs tensor by
-                   tensor (executor.components.optim._foreach_ok), 8 B x the largest ).
+  optimizer_step   W + Gs + O + K: nothing on top (executor.components.optim:
+                   clipping reduces each gradient in place and scales it in
+                   place; AdamW runs fused, one kernel updating parameters and
+                   moments in place, with no temporaries, on plain and DTensor
+                   parameters alike).
 
 Against the tracker (tests/test_memory_phases.py, bench/validate_memory_1b.py):
 backward_start is the peak of every FSDP, HSDP, TP x FSDP and ZeRO-1 layout of
@@ -91,8 +90,6 @@ from planner.model.spec import ModelSpec
 from planner.training import DTYPE_BYTES, TrainingSpec
 
 PHASES = ("backward_start", "output_backward", "block_backward", "backward_end", "optimizer_step")
-ADAMW_TEMP_PER_MOMENT_BYTE = 0.5  # foreach: 4 B of sqrt(exp_avg_sq) per parameter, 8 B of moments
-ADAMW_SINGLE_TENSOR_BYTES = 8  # per-tensor AdamW: sqrt(exp_avg_sq) and its quotient, alive together
 
 Phase = tuple[int, int, int, int, int]  # params, grads, optimizer, activations, comm_buffers
 
@@ -155,7 +152,7 @@ class StageBytes(NamedTuple):
     end_transient: int = 0  # FSDP2 root reduction (backward_end)
     root_grads: int = 0  # the root unit's share of Gs, not there yet during its reduction
     clip: int = 0  # gradient clipping temporaries
-    adamw: int = 0  # foreach AdamW temporaries
+    adamw: int = 0  # the optimizer's step temporaries (none for fused AdamW: module docstring)
     head_kept: int = 0  # FSDP2 head unit (final norm + output) gathered from its forward to its backward
     head_reduce: int = 0  # the head unit's reduction: its all-gather buffer and reduce-scatter input
     head_shard: int = 0  # the head unit's reduced gradient shard, there from its reduction on
@@ -310,7 +307,6 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
         copy_in = (g + (max(d, g) if path == "replicate" else d)) * last
         previous_rs = g * unit if root and sp.layers else 0
         end_transient = max(copy_in, root_copy + d * root + tied + previous_rs)
-    largest_grad = ceil_div(sp.largest, shards) if sharded else sp.largest  # largest local tensor
     # planner.memory.reserved: FSDP2 all-gathers each unit in the forward (ZeRO-2 and 3) when its shard group
     # has more than one rank; the previous unit's output is kept until the next one's is waited on
     ag_pool = 0
@@ -332,7 +328,6 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
         block_copy=int(d * (sp.block - unit + gunit)) if states.compute_copy and not (autocast and layout.recompute == "full")
         else 0,  # (a float8-gathered unit's linears in 1 byte: planner.memory.states)
         end_transient=end_transient, root_grads=root_grads, clip=0,
-        adamw=_adamw_temp(training, layout, states, largest_grad),
         head_kept=int(d * (head_unit + (gunit if sp.layers else 0))) if zero3 and split else 0, head_reduce=(d + g) * head_unit,
         head_shard=grad_share(head_unit) if split else 0, reserve_model=True, ag_pool=ag_pool,
         reduce_out=reduce_out if states.grads else 0, accumulated_default=nosync)
@@ -354,15 +349,6 @@ def _lora_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
                        partial_grad=0, block_rs=g * block if sb.fsdp2 else 0, block_grad=d * block if sb.fsdp2 else 0,
                        last_grads=max(accumulated, sb.grads), root_grads=0, head_reduce=0, head_shard=0,
                        reduce_out=reduce_out)
-
-
-def _adamw_temp(training: TrainingSpec, layout: Layout, states: ModelStates, largest: int) -> int:
-    """AdamW's step temporaries on the GPU (module docstring); none for SGD or an offloaded optimizer."""
-    if training.optimizer != "adamw" or not states.optimizer:
-        return 0
-    if layout.tp > 1:
-        return ADAMW_SINGLE_TENSOR_BYTES * largest
-    return int(states.optimizer * ADAMW_TEMP_PER_MOMENT_BYTE)
 
 
 def published_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,

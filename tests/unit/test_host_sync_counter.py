@@ -5,20 +5,23 @@ from __future__ import annotations
 import torch
 from host_syncs import READS, HostSyncCounter, StepWindows
 
-from executor.components.optim import clip_grad_norm
+from executor.resilience.agree import refuse_non_finite
+
+
+def _one_read(t: torch.Tensor) -> None:
+    """executor code that reads one value back: the finite check of a state (one .item())."""
+    refuse_non_finite({"model": {"w": t}}, step=1)
 
 
 def test_reads_in_the_repository_are_counted_by_site_and_library_reads_apart():
-    p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.full((3,), 2.0)
     originals = {name: getattr(torch.Tensor, name) for name in READS}
     with HostSyncCounter() as counter:
-        clip_grad_norm([p], pp=1)  # one float() of the norm, in executor code
+        _one_read(torch.ones(3))  # one .item() in executor code
         t = torch.tensor(1.5)
         text = f"{t:.2f}"  # __format__ calls .item() inside: one read, not two
         assert float(t) == 1.5 and text == "1.50"
         torch.zeros(2, device="meta").sum()  # meta tensors hold no data: never a read
-    assert dict(counter.own) == {"executor/components/optim.py clip_grad_norm float()": 1}
+    assert dict(counter.own) == {"executor/resilience/agree.py refuse_non_finite .item()": 1}
     assert sum(counter.library.values()) == 2  # this test's own format() and float(): not the repository's
     assert {name: getattr(torch.Tensor, name) for name in READS} == originals  # restored on exit
 
@@ -30,6 +33,6 @@ def test_step_windows_hold_the_reads_between_step_starts():
         for step in (1, 2):
             windows.begin(step)
             for _ in range(step):
-                clip_grad_norm([torch.nn.Parameter(t.clone())], pp=1)  # no grad: still reads the (zero) norm
+                _one_read(t)
         windows.close()
     assert [(row["step"], sum(row["own"].values())) for row in windows.steps] == [(1, 1), (2, 2)]

@@ -64,9 +64,9 @@ def test_seed_table_mixed_precision_and_fp32():
     single = model_states(m, FP32, Layout())
     assert (single.params - _rope_buffers(m), single.compute_copy, single.grads, single.optimizer) == \
         (4 * p, 0, 4 * p, 8 * p)
-    # the optimizer step holds all three (AdamW's sqrt(v) temporary, 4 B/param, on top)
+    # the optimizer step holds all three (fused AdamW: no temporaries on top)
     step = estimate_memory(m, FP32, Layout(), H100).phases["optimizer_step"]
-    assert (step["params"], step["grads"], step["optimizer"]) == (single.params, 4 * p, 8 * p + 4 * p)
+    assert (step["params"], step["grads"], step["optimizer"]) == (single.params, 4 * p, 8 * p)
 
 
 def _zero_paper_model() -> ModelSpec:

@@ -18,8 +18,10 @@ tracker's peak (tensor bytes: `other` is 0 on both sides):
                    and (full recomputation) rebuilt activations is the most
   backward_end     FSDP with 32 tokens: the root unit's reduction (its
                    gathered weights, unsharded gradients, reduce-scatter input)
-  optimizer_step   DDP / one GPU with 32 tokens and every gradient in place:
-                   clipping's fp64 copies or AdamW's sqrt(v) list on top
+  optimizer_step   every model state at once, and nothing on top since AdamW
+                   runs fused: no longer above backward_end, whose reduction
+                   transient comes on top of the same states (DDP / ZeRO-1 /
+                   one GPU with 32 tokens peak there)
 
 Also expert parallelism (ep 2 over FSDP, balanced routing), context parallelism
 (cp 2 with DDP, cp 2 x FSDP 4) and each stage of 2-stage pipelines: 1F1B, and
@@ -68,8 +70,8 @@ CASES = {
     "replicate_full_recompute": (dict(vocab=256), 512, 2, 8, dict(tp=2, dp_replicate=4, recompute="full"),
                                  "block_backward"),
     "fsdp_tied_short": (dict(tie_embeddings=True), 32, 1, 8, dict(dp_shard=8, zero_stage=3), "backward_end"),
-    "zero1_short": ({}, 32, 1, 8, dict(dp_shard=8, zero_stage=1), "optimizer_step"),
-    "one_gpu_short": (dict(vocab=256), 32, 1, 1, {}, "optimizer_step"),
+    "zero1_short": ({}, 32, 1, 8, dict(dp_shard=8, zero_stage=1), "backward_end"),
+    "one_gpu_short": (dict(vocab=256), 32, 1, 1, {}, "backward_end"),
     # debug-moe's shape (4 experts, top 2, a shared expert) at the tiny model's width: experts outside
     # FSDP2, all_to_all over ep 2 with balanced routing (executor.validate.memory_step._balanced_routing)
     "cp_ddp": ({}, 512, 2, 2, dict(cp=2), "backward_start"),

@@ -189,3 +189,17 @@ def test_metrics_that_cannot_be_written_name_the_file(tmp_path, monkeypatch):
         log.write({"step": 7, "loss": 1.0})
     message = str(info.value)
     assert str(tmp_path / "metrics.jsonl") in message and "step 7" in message and "No space left" in message
+
+
+def test_guard_skips_on_the_device_and_latches_at_the_limit():
+    """The device half: a non-finite loss or norm skips; `limit` in a row latch the skip for every later step
+    (the host stops the run at its next read, with the parameters of the step before the streak)."""
+    import torch
+
+    guard = NonFiniteGuard(limit=2)
+    nan, one = torch.tensor(math.nan, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    decisions = [guard.skip(loss, norm) for loss, norm in
+                 ((one, one), (nan, one), (one, one), (one, torch.tensor(math.inf)), (nan, one), (one, one))]
+    assert all(d.dtype == torch.bool and d.ndim == 0 for d in decisions)
+    assert [bool(d) for d in decisions] == [False, True, False, True, True, True]  # steps 4, 5: two in a row
+    assert bool(NonFiniteGuard(limit=3, count_grad_norm=False).skip(one, torch.tensor(math.inf))) is False
