@@ -22,6 +22,11 @@ dp_shard x cp (planner.layout.zero_axes), so a plan with dp_shard 1 and
 cp > 1 may carry zero_stage 1-3 (FSDP over the cp ranks alone); every plan
 an earlier version 2 wrote still loads unchanged.
 
+LoRA (still version 3: optional keys, written only for a LoRA plan): training
+may carry "finetune" ("full" | "lora" | "qlora"), "lora_rank", "lora_alpha"
+and "lora_targets" (a list of q, k, v, o, gate, up, down); a plan without
+them is full fine-tuning, as every plan before (planner.training).
+
 A plan written by `meshplan plan -o` also records how it was searched, in the
 optional key "search": {"pins": the options pinned on the command line,
 "usable_memory_fraction", "calibration": the profile path or null}, so

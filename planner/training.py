@@ -28,6 +28,17 @@ userbuffers config whose SM claims the overlap pays (planner.engines.megatron).
 instead of 16-bit weights with 8-bit copies, and Transformer Engine's loss
 that keeps only the compute-dtype logits (planner.memory; torchtitan compiles
 its loss with --compile instead, from its 2025-06 release).
+
+`finetune` ("full" | "lora" | "qlora") says which weights train. LoRA (Hu et
+al. 2021) freezes the base weights in the compute dtype and trains, beside
+each target linear W (out x in), lora_A (rank x in) and lora_B (out x rank),
+adding (alpha / rank) * B A x to W x; QLoRA (Dettmers et al. 2023) stores the
+frozen base in 4-bit NF4. `lora_targets` names the adapted linears
+(LORA_TARGETS); the default is every linear of the blocks, as QLoRA found
+adapters on all of them needed to match full fine-tuning and as PEFT's
+"all-linear" does. The rules of what LoRA keeps and costs are
+planner.memory.lora and planner.simulate.lora. plan.json writes the four keys
+only for a LoRA plan (a full plan's training is unchanged).
 """
 
 from __future__ import annotations
@@ -57,6 +68,17 @@ _OPTIONAL_KEYS = {"cuda_graphs": False, "moe_grouped_gemm": True, "async_tp": Fa
 # what Adam's moments (SGD's momentum) may be stored in: Megatron-Core's precision-aware optimizer
 # (--use-precision-aware-optimizer --exp-avg-dtype / --exp-avg-sq-dtype, Transformer Engine's FusedAdam)
 OPTIMIZER_DTYPES = ("fp32", "bf16", "fp16")
+
+FINETUNE_KINDS = ("full", "lora", "qlora")
+# the block linears an adapter may sit beside, by their Hugging Face names (q_proj ... down_proj)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+DEFAULT_LORA_RANK = 16
+DEFAULT_LORA_ALPHA = 32.0
+MAX_LORA_RANK = 4096
+# written to plan.json only when finetune is not "full"; LORA_FIELDS: their names
+_LORA_KEYS = {"finetune": "full", "lora_rank": DEFAULT_LORA_RANK, "lora_alpha": DEFAULT_LORA_ALPHA,
+              "lora_targets": LORA_TARGETS}
+LORA_FIELDS = tuple(_LORA_KEYS)
 
 # The recipe options `plan --recipe KEY=VALUE` sets (async_tp has its own flag, --async-tp); grad_dtype is
 # a training key every plan.json writes: the dtype gradients are kept and reduced in (Megatron's
@@ -130,6 +152,10 @@ class TrainingSpec:
     # under async TP, the named userbuffers config whose SMs each overlapped collective takes from its GEMM
     # (Engine.tp_overlap_configs: NeMo's and Megatron-Bridge's configs); "" = the engine's default
     tp_overlap_cfg: str = ""
+    finetune: str = "full"  # full | lora | qlora (FINETUNE_KINDS; module docstring)
+    lora_rank: int = DEFAULT_LORA_RANK  # r: the adapters' inner width
+    lora_alpha: float = DEFAULT_LORA_ALPHA  # the adapters' output is scaled by alpha / r
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # adapted linears (LORA_TARGETS), in that order
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "global_batch_size"):
@@ -166,9 +192,36 @@ class TrainingSpec:
             raise PlanError(f"training: tp_overlap_cfg must be a config name, got {self.tp_overlap_cfg!r}")
         if self.optimizer_dtype not in OPTIMIZER_DTYPES:
             raise PlanError(f"training: optimizer_dtype must be one of {OPTIMIZER_DTYPES}, got {self.optimizer_dtype!r}")
+        self._check_lora()
         for key in ("compile", *(k for k, v in _OPTIONAL_KEYS.items() if isinstance(v, bool))):
             if not isinstance(getattr(self, key), bool):
                 raise PlanError(f"training: {key} must be true or false, got {getattr(self, key)!r}")
+
+    def _check_lora(self) -> None:
+        if self.finetune not in FINETUNE_KINDS:
+            raise PlanError(f"training: finetune must be one of {FINETUNE_KINDS}, got {self.finetune!r}")
+        rank = self.lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
+            raise PlanError(f"training: lora_rank must be an integer in 1..{MAX_LORA_RANK}, got {rank!r}")
+        alpha = self.lora_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+            raise PlanError(f"training: lora_alpha must be a positive number, got {alpha!r}")
+        object.__setattr__(self, "lora_alpha", float(alpha))
+        targets = self.lora_targets
+        if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+            raise PlanError(f"training: lora_targets must be a list of {', '.join(LORA_TARGETS)}, got {targets!r}")
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            raise PlanError(f"training: lora_targets {list(targets)!r}: give each of {', '.join(LORA_TARGETS)} at "
+                            "most once, at least one")
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if self.finetune == "qlora" and self.dtype == "fp32":
+            raise PlanError("training: QLoRA computes in bf16 or fp16 around its 4-bit base, got dtype fp32")
+
+    @property
+    def lora(self) -> bool:
+        """Adapters train and the base is frozen (LoRA or QLoRA)."""
+        return self.finetune != "full"
 
     @property
     def tokens_per_step(self) -> int:
@@ -197,6 +250,11 @@ class TrainingSpec:
         for key, default in _OPTIONAL_KEYS.items():
             if data[key] == default:
                 del data[key]
+        if not self.lora:
+            for key in _LORA_KEYS:
+                del data[key]
+        else:
+            data["lora_targets"] = list(self.lora_targets)
         return data
 
     @classmethod
@@ -205,7 +263,23 @@ class TrainingSpec:
         missing = [k for k in ("seq_len", "global_batch_size") if k not in data]
         if missing:
             raise PlanError(f"plan.json 'training' is missing keys: {', '.join(missing)}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: (tuple(v) if k == "lora_targets" and isinstance(v, list) else v)
+                      for k, v in data.items() if k in known})
+
+
+def parse_lora_targets(text: str) -> tuple[str, ...]:
+    """`--lora-targets q,k,v,o` -> ("q", "k", "v", "o"); "all" is every block linear. A UsageError names what
+    is wrong."""
+    if text.strip().lower() in ("all", "all-linear"):
+        return LORA_TARGETS
+    names = tuple(part.strip().lower().removesuffix("_proj") for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        raise UsageError(f"--lora-targets {text!r}: expected names from {','.join(LORA_TARGETS)} separated by "
+                         f"commas (or all){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--lora-targets {text!r}: a target is named twice; give each once")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def training_for(seq_len: int, global_batch_size: int, precision: str = "bf16", **rest: Any) -> TrainingSpec:

@@ -29,14 +29,18 @@ def checkpoint() -> None:
 @click.argument("path", type=click.Path())
 @click.option("--to", "to", type=click.Path(), required=True,
               help="--format torch: the file to write; --format hf: a new (or empty) directory.")
-@click.option("--format", "fmt", type=click.Choice(["torch", "hf"]), default="torch", show_default=True,
-              help="torch: one state dict (FQN -> full tensor); hf: a Hugging Face model directory.")
+@click.option("--format", "fmt", type=click.Choice(["torch", "hf", "peft"]), default="torch", show_default=True,
+              help="torch: one state dict (FQN -> full tensor); hf: a Hugging Face model directory; peft: a LoRA "
+                   "run's adapters as PEFT's adapter directory (PeftModel.from_pretrained).")
+@click.option("--merge-lora", "merge_lora", is_flag=True,
+              help="--format hf of a LoRA run: fold the adapters into the weights (W + alpha/r * B A).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
               help="--format hf: the weights' dtype. Default: the --init-from weights' dtype, else the checkpoint's.")
 @click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
               help="--format hf: the largest safetensors file (one tensor larger than it gets a file of its own).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only: source, file, tensors, elements, bytes, dtypes.")
-def export(path: str, to: str, fmt: str, dtype: str | None, max_shard_size: str, as_json: bool) -> None:
+def export(path: str, to: str, fmt: str, merge_lora: bool, dtype: str | None, max_shard_size: str,
+           as_json: bool) -> None:
     """Consolidate checkpoint PATH into one state dict for the single-process model, or a Hugging Face model.
 
     PATH is OUT/checkpoints/step-K, or a run directory OUT (or OUT/checkpoints),
@@ -44,8 +48,14 @@ def export(path: str, to: str, fmt: str, dtype: str | None, max_shard_size: str,
     """
     from topologies.files import check_output
 
+    if merge_lora and fmt != "hf":
+        raise UsageError(f"--merge-lora applies to --format hf (got --format {fmt}); --format peft writes the "
+                         "adapters alone")
     if fmt == "hf":
-        export_hf(Path(path), Path(to), dtype, max_shard_size, as_json)
+        export_hf(Path(path), Path(to), dtype, max_shard_size, as_json, merge_lora)
+        return
+    if fmt == "peft":
+        export_peft_dir(Path(path), Path(to), dtype, as_json)
         return
     if dtype is not None:
         raise UsageError("--dtype applies to --format hf; --format torch keeps the checkpoint's dtype")
@@ -73,7 +83,42 @@ def export(path: str, to: str, fmt: str, dtype: str | None, max_shard_size: str,
     )
 
 
-def export_hf(path: Path, to: Path, dtype: str | None, max_shard_size: str, as_json: bool) -> None:
+def export_peft_dir(path: Path, to: Path, dtype: str | None, as_json: bool) -> None:
+    """--format peft: the run's plan gives the adapters' rank, alpha and targets (executor.hf.peft)."""
+    from executor.hf.export import SOURCE
+    from executor.hf.peft import export_peft
+
+    step_dir = resolve_checkpoint(path)
+    plan = _run_plan(step_dir, "peft")
+    source = run_of(step_dir) / SOURCE
+    base = None
+    if (source / "source.json").is_file():
+        import json
+
+        base = json.loads((source / "source.json").read_text()).get("path")
+    result = export_peft(step_dir, to, plan.model, plan.training, base, dtype)
+    summary = {"source": str(step_dir), "directory": str(to), "format": "peft", **result,
+               "files": sorted(p.name for p in to.iterdir())}
+    if as_json:
+        emit_json(summary)
+        return
+    click.echo(f"exported {step_dir} -> {to}/: {result['tensors']} adapter tensors on "
+               f"{', '.join(result['target_modules'])} ({result['dtype']})\n"
+               f"load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {str(to)!r})")
+
+
+def _run_plan(step_dir: Path, fmt: str):
+    from planner.plan import load_plan
+
+    run_dir = run_of(step_dir)
+    if not (run_dir / "plan.json").is_file():
+        raise UsageError(f"{str(step_dir)!r} is not inside a run directory with plan.json (OUT/checkpoints/"
+                         f"step-K): --format {fmt} needs the plan to name the model")
+    return load_plan(run_dir / "plan.json")
+
+
+def export_hf(path: Path, to: Path, dtype: str | None, max_shard_size: str, as_json: bool,
+              merge_lora: bool = False) -> None:
     """--format hf: the run's plan names the model; its hf_source/ the config and tokenizer to carry."""
     from executor.hf.export import SOURCE, check_destination, export_checkpoint
     from planner.plan import load_plan
@@ -93,7 +138,10 @@ def export_hf(path: Path, to: Path, dtype: str | None, max_shard_size: str, as_j
                          "step-K): --format hf needs the plan to name the model")
     plan = load_plan(run_dir / "plan.json")
     source = run_dir / SOURCE if (run_dir / SOURCE).is_dir() else None
-    result = export_checkpoint(step_dir, to, plan.model, source, dtype, shard_bytes)
+    if merge_lora and not plan.training.lora:
+        raise UsageError("--merge-lora: this run trained every parameter (finetune full); drop --merge-lora")
+    scale = plan.training.lora_alpha / plan.training.lora_rank if merge_lora else None
+    result = export_checkpoint(step_dir, to, plan.model, source, dtype, shard_bytes, scale)
     files = sorted(p.name for p in to.iterdir())
     summary = {"source": str(step_dir), "directory": str(to), "format": "hf", "dtype": result.dtype,
                "shards": len(result.shards), "files": files,

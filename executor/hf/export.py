@@ -54,6 +54,7 @@ class ExportPlan:
     shards: tuple[tuple[Rule, ...], ...]
     shapes: dict  # our FQN -> full shape (from the checkpoint's metadata)
     dtype: str
+    lora_scale: float = 0.0  # LoRA adapters merged into their base weights with this alpha / r (executor.lora)
 
     @property
     def names(self) -> list[str]:
@@ -78,9 +79,17 @@ def checkpoint_shapes(step_dir: Path) -> tuple[dict[str, tuple[int, ...]], torch
 
 
 def plan_export(spec: ModelSpec, step_dir: Path, dtype: str | None, source: Path | None,
-                max_shard_bytes: int = SHARD_BYTES) -> ExportPlan:
-    """Group the family's tensors into shard files of at most max_shard_bytes, in the checkpoint's order."""
+                max_shard_bytes: int = SHARD_BYTES, lora_scale: float | None = None) -> ExportPlan:
+    """Group the family's tensors into shard files of at most max_shard_bytes, in the checkpoint's order.
+
+    lora_scale: merge the checkpoint's LoRA adapters into their base weights (alpha / r); a checkpoint with
+    adapters and no scale is refused, so an export never drops what the run trained."""
+    from executor.lora import adapter_bases
+
     shapes, stored = checkpoint_shapes(step_dir)
+    if adapter_bases(shapes) and lora_scale is None:
+        raise UsageError(f"checkpoint {str(step_dir)!r} holds LoRA adapters: export them with --format peft, or "
+                         "fold them into the weights with --format hf --merge-lora")
     if dtype is None:
         dtype = _source_dtype(source) or {v: k for k, v in TORCH_DTYPES.items()}.get(stored, "fp32")
     itemsize = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
@@ -97,7 +106,7 @@ def plan_export(spec: ModelSpec, step_dir: Path, dtype: str | None, source: Path
             size = 0
         shards[-1].append(rule)
         size += nbytes
-    return ExportPlan(spec, tuple(tuple(s) for s in shards), shapes, dtype)
+    return ExportPlan(spec, tuple(tuple(s) for s in shards), shapes, dtype, lora_scale or 0.0)
 
 
 def _source_dtype(source: Path | None) -> str | None:
@@ -115,7 +124,15 @@ def write_shards(plan: ExportPlan, step_dir: Path, out: Path, rank: int = 0, wor
     for i, (rules, name) in enumerate(zip(plan.shards, plan.names, strict=True)):
         if i % world != rank:
             continue
-        ours = consolidate(step_dir, keys=[n for rule in rules for n in rule.ours])
+        keys = [n for rule in rules for n in rule.ours]
+        ours = consolidate(step_dir, keys=keys)
+        if plan.lora_scale:
+            from executor.lora import ADAPTER_SUFFIXES, merge_adapters
+
+            lora = [k[: -len(".weight")] + s for k in keys for s in ADAPTER_SUFFIXES
+                    if k.endswith(".weight") and k[: -len(".weight")] + s in plan.shapes]
+            if lora:
+                merge_adapters(ours, consolidate(step_dir, keys=lora), plan.lora_scale)
         tensors = {}
         for rule in rules:
             for key, value in rule.save(ours).items():
@@ -149,10 +166,10 @@ def finish(plan: ExportPlan, out: Path, source: Path | None) -> None:
 
 
 def export_checkpoint(step_dir: Path, to: Path, spec: ModelSpec, source: Path | None, dtype: str | None,
-                      max_shard_bytes: int = SHARD_BYTES) -> ExportPlan:
+                      max_shard_bytes: int = SHARD_BYTES, lora_scale: float | None = None) -> ExportPlan:
     """One process: the whole export into `to` (written beside it, renamed into place when complete)."""
     check_destination(to)
-    plan = plan_export(spec, step_dir, dtype, source, max_shard_bytes)
+    plan = plan_export(spec, step_dir, dtype, source, max_shard_bytes, lora_scale)
     tmp = to.parent / f".tmp-{to.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -83,6 +83,8 @@ def load_part(part: nn.Module, spec: ModelSpec, weights: WeightsDir, device: tor
     rows_of = local_expert_rows(part)
     for fqn, tensor in state_tensors(part):
         rule = rules.get(fqn)
+        if rule is None and fqn.endswith((".lora_A.weight", ".lora_B.weight")):
+            continue  # LoRA adapters start from the seed (executor.lora.init_adapters)
         if rule is None:
             raise UsageError(f"--init-from {weights.path}: meshplan has no Hugging Face name for {fqn!r} of a "
                              f"{spec.family or 'llama'} model")

@@ -63,7 +63,9 @@ def save_hf(parts: list[nn.Module], spec: ModelSpec, run_dir: Path, step: int) -
         dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not _distributed())
     _barrier()
     source = run_dir / SOURCE if (run_dir / SOURCE).is_dir() else None
-    plan = plan_export(spec, tmp / "dcp", None, source)
+    # a LoRA run's directory holds the merged weights (executor.hf.peft): every adapted linear knows alpha / r
+    scale = next((m.lora_scale for part in parts for m in part.modules() if hasattr(m, "lora_scale")), None)
+    plan = plan_export(spec, tmp / "dcp", None, source, lora_scale=scale)
     world = _world()
     write_shards(plan, tmp / "dcp", tmp / "out", _rank(), world)
     _barrier()

@@ -58,6 +58,11 @@ from planner.plan import Plan
 from topologies.errors import PlanError
 
 EXECUTOR = get_engine("meshplan")  # the rules this executor follows, as the planner prices them
+# QLoRA is planned (planner.memory.lora prices its NF4 base) but not run: see executor.lora's docstring
+QLORA_REFUSAL = (
+    "finetune qlora: the executor does not run a 4-bit NF4 base; torchao's NF4Tensor shards under FSDP2 "
+    "(torchtune's QLoRA recipes) but is not wired into meshplan's loading, TP plans and checkpoints. Plan "
+    "--finetune lora (a compute-dtype base) to execute, or run the QLoRA plan's layout with torchtune")
 
 
 @dataclass
@@ -106,6 +111,8 @@ def check_supported(plan: Plan) -> None:
                               plan.training) or EXECUTOR.microbatch_refusal(plan.layout)
     if reason:
         raise PlanError(reason)
+    if plan.training.finetune == "qlora":
+        raise PlanError(QLORA_REFUSAL)
     if plan.training.fp8:  # torchao is no dependency: say what to install before any rank starts
         from executor.components.float8 import require_torchao
 
@@ -137,13 +144,17 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.de
             load_part(part, plan.model, weights, where)
         else:
             init_weights(part, plan.model, seed, where)
+        if plan.training.lora:
+            from executor.lora import init_adapters
+
+            init_adapters(part, seed, where)
         if offloaded:  # buffers (the rope tables) are not offloaded: forward needs them on the GPU
             for module in part.modules():
                 for name, buf in module.named_buffers(recurse=False):
                     setattr(module, name, buf.to(device))
     expert_params = experts.expert_params(parts) if experts is not None else []
     runners = [apply_ddp(part, mesh, device, expert_params) for part in parts] if dp_kind == "ddp" else list(parts)
-    autocast = dtype if EXECUTOR.autocast(plan.layout, dtype.itemsize) else None
+    autocast = dtype if EXECUTOR.autocast(plan.layout, dtype.itemsize, plan.training.lora) else None
     return ParallelModel(parts=parts, runners=runners, stages=stages, dp_kind=dp_kind, autocast_dtype=autocast,
                          loss_parallel=uses_loss_parallel(plan), cp=getattr(parts[0], "cp", None),
                          experts=experts, expert_params=expert_params,
@@ -180,6 +191,12 @@ def shard(model: nn.Module, plan: Plan, mesh: DeviceMesh, dtype: torch.dtype,
             apply_cp(part, mesh)
         if experts is not None:
             experts.shard(part)
+        if plan.training.lora:  # adapters beside the target linears, the base (experts too) frozen: executor.lora
+            from executor.lora import add_adapters, cast_frozen
+
+            add_adapters(part, plan.model, plan.training, mesh["tp"] if layout.tp > 1 else None,
+                         layout.sequence_parallel)
+            cast_frozen(part, dtype)
         apply_ac(part, layout.recompute)
         if compile:
             apply_compile(part)

@@ -129,7 +129,14 @@ def validate_plan(plan: Plan, ranks: list[int] | None = None, progress=None) -> 
     progress: a `topologies.terminal.Progress`, advanced per rank and told each rank's phase.
     """
     from executor.validate.memory_step import tracked_peak
+    from planner.engines import get_engine
 
+    if plan.training.lora and get_engine("meshplan").dp_path(plan.layout) != "fsdp":
+        # torch.distributed._tools.MemTracker registers a gradient hook on every parameter of a module it enters
+        # (_track_module_params_and_buffers), which torch refuses on a frozen one; FSDPMemTracker does not
+        raise PlanError("validate-memory of a LoRA plan runs FSDP2's tracker only (ZeRO-2/3): torch's MemTracker, "
+                        "used for DDP and single-rank plans, registers a gradient hook on every parameter and "
+                        "fails on the frozen base; validate a ZeRO-2/3 layout of the same plan")
     ranks = ranks or ranks_to_check(plan)
     bad = [r for r in ranks if not 0 <= r < plan.world_size]
     if bad:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from planner.cli.finetune import check_finetune, finetune_fields, finetune_options
 from planner.cli.inputs import FiniteFloat, config_option, load_model_arg, resolve_model_arg
 from planner.cli.request import PlanRequest, TrainingOptions, plot_plan_memory, search_plan_request, si
 from planner.engines import ENGINE_CHOICES, releases_help
@@ -45,7 +46,7 @@ def plan_request(params: dict) -> PlanRequest:
                 recompute_modules=modules, layers_per_stage=parse_counts(p["layers_per_stage"], "--layers-per-stage"),
                 activation_offload_layers=p["activation_offload_layers"], offload=offload_pin(p.get("offload")))
     options = TrainingOptions(p["precision"], p["attention"] or "", p["compile_"], p["async_tp"],
-                              tuple(parse_recipe(p["recipe"]).items()))
+                              tuple(parse_recipe(p["recipe"]).items()) + tuple(finetune_fields(p).items()))
     return PlanRequest(p["model"], p["cluster"], tuple(p["overrides"]), p["seq_len"], p["global_batch"], pins,
                        p["engine"], p["calibration"], p["top"], headroom_fraction(p["headroom_pct"]), options,
                        p.get("allow_long_context", False))
@@ -111,6 +112,7 @@ def _common(f):
         click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True,
                      help="How block GEMMs run: bf16/fp16/fp32, or fp8 (per-tensor scaling) / mxfp8 (block scaling, "
                           "Blackwell) around a bf16 model. GPUs without bf16 (T4, V100): fp16."),
+        finetune_options,
         click.option("--calibration", type=click.Path(dir_okay=False), default=None,
                      help="Calibration profile JSON (default: the shipped profile of the cluster's GPU)."),
         click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default=None,
@@ -176,8 +178,8 @@ def _common(f):
               help="Training tokens (15T, 300B): print the time (and with a price, the cost) to train.")
 @click.option("--price-per-gpu-hour", "price", type=FiniteFloat(0), default=None, metavar="PRICE",
               help="Price of one GPU-hour, for the cost of --tokens.")
-def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, calibration, offload, as_json,
-         tp, pp, dp,
+def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, finetune, lora_rank,
+         lora_alpha, lora_targets, calibration, offload, as_json, tp, pp, dp,
          dp_shard, cp, zero, micro_batch, sequence_parallel, pp_schedule, virtual_stages, ep, layers_per_stage,
          activation_offload_layers, etp, precision, recompute, recompute_modules, attention, compile_, async_tp,
          recipe, top, output, png, headroom_pct, tokens, price):
@@ -237,7 +239,8 @@ def plan(cluster, model, gpus, overrides, seq_len, allow_long_context, global_ba
 @click.option("--png", type=click.Path(dir_okay=False), default=None,
               help="Write a bar chart of tokens/s (and cost) per variant.")
 def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, global_batch, engine, precision,
-            calibration, offload, as_json, what_if, price_per_gpu_hour, png):
+            finetune, lora_rank, lora_alpha, lora_targets, calibration, offload, as_json, what_if, price_per_gpu_hour,
+            png):
     """Best layout per cluster or what-if variant, side by side: speed-up vs the first, MFU, cost."""
     from planner.search.compare import compare_variants, plot_compare, print_compare
     from planner.search.sweep import parse_gpus
@@ -250,13 +253,15 @@ def compare(clusters, model, gpus, overrides, seq_len, allow_long_context, globa
                          f"`meshplan plan --gpus {gpus}`")
     gpus = gpu_range.lo
     model = resolve_model_arg(model)
-    load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
+    spec = load_model_arg(model)  # a malformed file fails here, as one line, before any variant is searched
+    check_finetune(spec, engine, precision, finetune_fields(click.get_current_context().params))
     from topologies.terminal import Progress
 
     with Progress("compare", unit="variants", quiet=as_json) as bar:
         rows = compare_variants(model, gpus, clusters, overrides, what_if, seq_len, global_batch, engine, calibration,
                                 price_per_gpu_hour, precision=precision,
-                                allow_long_context=allow_long_context, progress=bar, offload=offload_pin(offload))
+                                allow_long_context=allow_long_context, progress=bar, offload=offload_pin(offload),
+                                finetune=finetune_fields(click.get_current_context().params))
     if png:
         plot_compare(rows, png, title=f"{model} on {gpus} GPUs: {len(rows)} variant{'s' if len(rows) != 1 else ''}")
     if as_json:
@@ -289,7 +294,9 @@ def _print_plan(the_plan, result, output: str | None, png: str | None) -> None:
               f"({c.name}, {c.n_nodes} node{'s' if c.n_nodes > 1 else ''}); seq {t.seq_len}, "
               f"global batch {t.global_batch_size} ({si(t.tokens_per_step)} tokens), engine {the_plan.engine}, "
               f"{t.precision}, {t.attention} attention{', compiled' if t.compile else ''}"
-              f"{', async TP' if t.async_tp else ''}")
+              f"{', async TP' if t.async_tp else ''}"
+              + (f", {'QLoRA' if t.finetune == 'qlora' else 'LoRA'} rank {t.lora_rank} "
+                 f"alpha {t.lora_alpha:g} on {','.join(t.lora_targets)}" if t.lora else ""))
     table = Table(title=f"best {len(result.ranked)} layouts", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     with_cp = any(x.layout.cp > 1 for x in result.ranked)

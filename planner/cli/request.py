@@ -63,15 +63,19 @@ def check_training_options(options: TrainingOptions, engine: str, gpu, recompute
 def check_recipe(options: TrainingOptions, engine: str, model) -> None:
     """--recipe options the training or the engine refuses (TrainingSpec's and Engine.refusal's rules) as
     UsageErrors, before a search that would refuse every layout."""
+    from planner.cli.finetune import check_finetune
     from planner.engines import get_engine
     from planner.layout import Layout
-    from planner.training import training_for
+    from planner.training import LORA_FIELDS, training_for
     from topologies.errors import PlanError, UsageError
 
-    if not options.recipe:
+    lora = {k: v for k, v in options.recipe if k in LORA_FIELDS}
+    check_finetune(model, engine, options.precision, lora)
+    recipe = {k: v for k, v in options.recipe if k not in LORA_FIELDS}
+    if not recipe:
         return
     try:
-        training = training_for(1, 1, options.precision, **dict(options.recipe))
+        training = training_for(1, 1, options.precision, **recipe)
     except PlanError as exc:
         raise UsageError(f"--recipe: {str(exc).removeprefix('training: ')}") from None
     refusal = get_engine(engine).refusal(model, Layout(), training.dtype, True, training)

@@ -99,6 +99,10 @@ class Engine:
     offload_kinds: tuple[str, ...] = ("none",)
     # named userbuffers configs the recipe option tp_overlap_cfg may pick (Engine.tp_overlap_sms)
     tp_overlap_configs: tuple[tuple[str, TpOverlapSms], ...] = ()
+    # what trains LoRA adapters on a frozen base with this engine (TrainingSpec.finetune): "meshplan"
+    # (executor.lora), "peft" (Hugging Face PEFT's LoRA layers on the transformers model the engine wraps);
+    # "" where the engine trains every parameter
+    lora: str = ""
 
     @property
     def label(self) -> str:
@@ -114,14 +118,15 @@ class Engine:
         planner.memory counts the papers' way."""
         return self.data_parallel.name
 
-    def autocast(self, layout: Layout, dtype_bytes: int) -> bool:
+    def autocast(self, layout: Layout, dtype_bytes: int, frozen_base: bool = False) -> bool:
         """Mixed precision by torch.autocast: fp32 parameters cast op by op, for layouts whose gradients no
         FSDP2 module syncs (data-parallel path none or ddp, where no MixedPrecisionPolicy casts them).
 
         The one home of this rule: the memory model (saved weight copies, the fp32 residual stream) and
         meshplan's executor (executor.parallel.parallelize) both ask it. Engines that store 16-bit
-        parameters never autocast."""
-        return (self.data_parallel.master_params and dtype_bytes < FP32_BYTES
+        parameters never autocast, nor does a LoRA run (frozen_base: the base is stored in the compute dtype
+        and the adapters cast their weights to their input's dtype, executor.lora)."""
+        return (self.data_parallel.master_params and dtype_bytes < FP32_BYTES and not frozen_base
                 and self.dp_path(layout) in ("none", "ddp"))
 
     def recipe(self, dtype_bytes: int, optimizer: str, zero_stage: int, grad_bytes: int = FP32_BYTES,
@@ -248,6 +253,10 @@ class Engine:
             return (f"{who} keeps the optimizer's moments in {', '.join(self.optimizer_dtypes)}, got "
                     f"optimizer_dtype {training.optimizer_dtype}; plan with fp32, or with --engine megatron "
                     "(its precision-aware optimizer)")
+        if training.lora and not self.lora:
+            return (f"{who} trains every parameter (no LoRA adapters in its training loop), got finetune "
+                    f"{training.finetune}; plan LoRA with --engine meshplan (or deepspeed, with PEFT's adapters), or "
+                    "drop --finetune")
         if training.tp_overlap_cfg and training.tp_overlap_cfg not in dict(self.tp_overlap_configs):
             names = ", ".join(name for name, _ in self.tp_overlap_configs) or "none"
             return (f"{who} has no userbuffers config {training.tp_overlap_cfg!r} (tp_overlap_cfg); it knows: "

@@ -37,7 +37,7 @@ _BASE = Engine(
     pipeline_zero_max=1, sequence_parallel=False, context_parallel_runs=False,
     # ZeRO-Offload (0.3.0, 2020: zero_optimization.offload_optimizer) and ZeRO-Infinity (0.3.15, 2021:
     # offload_param, stage 3 only), both before the first release modelled here
-    offload_kinds=("none", "optimizer", "optimizer+params"))
+    offload_kinds=("none", "optimizer", "optimizer+params"), lora="peft")
 
 RELEASES: dict[str, Engine] = build_releases(_BASE, (
     Release("0.5.3", "DeepSpeed 0.5.3 with Megatron-DeepSpeed of 2021 (MT-NLG 530B)"),

@@ -124,5 +124,5 @@ MESHPLAN = MeshplanEngine(
     data_parallel=TORCH_ZERO_REDUNDANCY, tensor_parallel=DTENSOR, loss=Loss("dtensor"), pipeline=TORCH_PIPELINING,
     context_parallel=EXECUTOR_KV_ALL_GATHER, model_code=MESHPLAN_MODEL, experts=EXECUTOR_EXPERTS, fp8=TORCHAO_FP8,
     recompute_kinds=("none", "selective", "op", "full"), compiles=True,
-    offload_kinds=EXECUTOR_OFFLOAD_KINDS)
+    offload_kinds=EXECUTOR_OFFLOAD_KINDS, lora="meshplan")
 RELEASES: dict[str, Engine] = {MESHPLAN.release: MESHPLAN}

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from planner.export import ExportRefused, ExportResult
-from planner.export.common import comment_block, notes_lines, predicted_change, summary_lines
+from planner.export.common import comment_block, lora_notes, notes_lines, predicted_change, summary_lines
 from planner.layout import Layout
 from planner.plan import Plan
 
@@ -47,7 +47,7 @@ LAUNCH_PREFIX = "on node i run: "  # the header line tests/consumers hands to ac
 def export(plan: Plan, hosts: tuple[str, ...] = ()) -> ExportResult:
     if plan.cluster.gpu.kind == "cpu":
         return _cpu_export(plan, hosts)
-    notes: list[str] = []
+    notes: list[str] = lora_notes(plan, "accelerate")
     lay, cl = plan.layout, plan.cluster
     sizes = _sizes(plan, notes)  # dp_replicate, dp_shard, tp, cp as accelerate will run them
     fsdp = sizes["dp_shard"] > 1 or lay.zero_stage > 0

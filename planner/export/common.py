@@ -86,3 +86,26 @@ def parse_version(text: str) -> tuple[int, ...]:
     if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
         raise UsageError(f"--target-version must look like 0.19 or 0.19.8, got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def lora_notes(plan, target: str) -> list[str]:
+    """What a LoRA plan (TrainingSpec.finetune) needs beyond the exported config, per target: DeepSpeed and
+    accelerate have no adapters of their own (Hugging Face PEFT's get_peft_model puts them on the model before
+    deepspeed.initialize / accelerator.prepare); torchtitan's and Megatron-Core's training loops train every
+    parameter."""
+    tr = plan.training
+    if not tr.lora:
+        return []
+    what = (f"finetune {tr.finetune} (rank {tr.lora_rank}, alpha {tr.lora_alpha:g}, targets "
+            f"{','.join(tr.lora_targets)})")
+    if tr.finetune == "qlora":
+        what += " with a 4-bit NF4 base"
+    if target in ("deepspeed", "accelerate"):
+        name = "DeepSpeed's config" if target == "deepspeed" else "accelerate's config"
+        modules = [f"{t}_proj" for t in tr.lora_targets]  # the Llama/Qwen/Mistral module names PEFT matches
+        return [f"{what}: {name} has no LoRA; wrap the model with peft.get_peft_model(model, LoraConfig(r="
+                f"{tr.lora_rank}, lora_alpha={tr.lora_alpha:g}, target_modules={modules})) before "
+                f"{'deepspeed.initialize' if target == 'deepspeed' else 'accelerator.prepare'}, or the run trains "
+                "every parameter and will not fit the plan's memory"]
+    return [f"{what}: {target} trains every parameter (no LoRA adapters in its training loop); the exported run "
+            "is full fine-tuning, which needs far more memory than the plan; run LoRA with `meshplan execute`"]

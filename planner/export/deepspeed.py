@@ -39,7 +39,7 @@ import json
 from typing import Any
 
 from planner.export import ExportResult
-from planner.export.common import predicted_change, stage_layers
+from planner.export.common import lora_notes, predicted_change, stage_layers
 from planner.layout import Layout
 from planner.plan import Plan
 
@@ -48,7 +48,7 @@ MPU_FILE = "meshplan_ds_mpu.py"
 
 
 def export(plan: Plan, hosts: tuple[str, ...] = (), version: tuple[int, ...] = (0, 19, 8)) -> ExportResult:
-    notes: list[str] = []
+    notes: list[str] = lora_notes(plan, "deepspeed")
     lay, tr = plan.layout, plan.training
     run = _runnable_layout(plan, version, notes)
     config: dict[str, Any] = {

@@ -32,7 +32,14 @@ import shlex
 
 from planner.engines.refusals import BUILT_FAMILIES as _BUILT_FAMILIES
 from planner.export import ExportRefused, ExportResult
-from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
+from planner.export.common import (
+    comment_block,
+    lora_notes,
+    notes_lines,
+    predicted_change,
+    stage_layers,
+    summary_lines,
+)
 from planner.plan import Plan
 
 Arg = tuple[str, ...]  # one option and its values, e.g. ("--micro-batch-size", "1")
@@ -63,7 +70,7 @@ def export(plan: Plan, version: tuple[int, ...] = (0, 16)) -> ExportResult:
 
 def build_args(plan: Plan, version: tuple[int, ...] = (0, 16)) -> tuple[list[Arg], list[str]]:
     """Megatron's options for the plan (each with its values) and the notes on what they cannot express."""
-    notes: list[str] = []
+    notes: list[str] = lora_notes(plan, "megatron")
     args = _parallel_args(plan, notes, version) + _batch_args(plan) + _recompute_args(plan) + _offload_args(plan, notes)
     args += _precision_args(plan, notes) + _model_args(plan, notes) + _feature_args(plan, notes, version)
     args += _host_args(plan, version)

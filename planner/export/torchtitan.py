@@ -40,7 +40,14 @@ from typing import Any
 
 from planner.engines import engine_name
 from planner.export import ExportRefused, ExportResult
-from planner.export.common import comment_block, notes_lines, predicted_change, stage_layers, summary_lines
+from planner.export.common import (
+    comment_block,
+    lora_notes,
+    notes_lines,
+    predicted_change,
+    stage_layers,
+    summary_lines,
+)
 from planner.export.toml_emit import dumps
 from planner.layout import Layout, stage_ranges
 from planner.plan import Plan
@@ -67,7 +74,7 @@ def _engine(plan: Plan) -> str:
 
 
 def export(plan: Plan, version: tuple[int, ...] = (0, 2)) -> ExportResult:
-    notes: list[str] = []
+    notes: list[str] = lora_notes(plan, "torchtitan")
     flavor, config_fn = model_flavor(plan, version)
     notes += _model_notes(plan)
     training = _training(plan, notes)

@@ -159,6 +159,7 @@ from planner.memory.activations import (
 )
 from planner.memory.boundary import boundary_buffers
 from planner.memory.in_flight import first_stage_alive, in_flight_per_rank, output_in_flight
+from planner.memory.lora import lora_activation_terms
 from planner.memory.params import StageParams, pipeline_params
 from planner.memory.phases import (
     Activations,
@@ -321,6 +322,8 @@ def _layer_bytes_of(model: ModelSpec, training: TrainingSpec, layout: Layout, en
                                    autocast=autocast, sp_saves_gathered=saves_gathered,
                                    fp8_inputs=fp8_inputs, fused_swiglu=eng.model_code.fused_swiglu,
                                    moe_probs_in_experts=eng.experts.probs_in_experts)
+    if training.lora:  # frozen linears keep no input for a weight gradient; adapters keep lora_A's output
+        terms = lora_activation_terms(model, training, t, s * b / cp, terms)
     op_saved = op_saved_terms(model, s, b, t, cp, dtype_bytes=d, fused_attention=fused) \
         if layout.recompute == "op" else None
     per_layer, recomputed = layer_activation_bytes(terms, layout.recompute, op_saved, selective_modules(layout))
@@ -342,7 +345,7 @@ def _activations(model: ModelSpec, training: TrainingSpec, layout: Layout, eng: 
     s, b, t, cp = training.seq_len, layout.micro_batch_size, layout.tp, layout.cp
     seq_par, d = layout.sequence_parallel, training.dtype_bytes
     phased = eng.data_parallel.phased
-    autocast = phased and eng.autocast(layout, d)
+    autocast = phased and eng.autocast(layout, d, training.lora)
     saves_gathered = eng.tensor_parallel.saves_gathered_inputs
     per_layer, recomputed = _layer_bytes(model, training, layout, eng, fused, autocast)
     # meshplan's executor cuts the rotary tables to the sequence and casts them once per forward
@@ -498,7 +501,7 @@ def peak_floor_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, e
     """
     eng = get_engine(engine)
     phased = eng.data_parallel.phased
-    autocast = phased and eng.autocast(layout, training.dtype_bytes)
+    autocast = phased and eng.autocast(layout, training.dtype_bytes, training.lora)
     per_layer, _ = _layer_bytes(model, training, layout, eng, eng.fused_attention(training), autocast)
     params = pipeline_params(model, layout, eng)
     in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)

@@ -83,6 +83,7 @@ from typing import NamedTuple
 from planner.engines import DDP_BUCKET_BYTES, Engine
 from planner.layout import Layout
 from planner.memory.activations import FP32_BYTES
+from planner.memory.lora import stage_adapter_params
 from planner.memory.params import StageParams, ceil_div
 from planner.memory.states import ModelStates
 from planner.model.spec import ModelSpec
@@ -257,7 +258,7 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     fp8_all_gather = engine.fp8.fp8_all_gather
     path = engine.dp_path(layout)
     fsdp2 = path in ("fsdp", "replicate")
-    autocast = engine.autocast(layout, d)
+    autocast = engine.autocast(layout, d, training.lora)
     grad_bytes = d if fsdp2 else FP32_BYTES + (d if autocast else 0)  # a fresh weight gradient, per parameter
     zero3 = path == "fsdp" and layout.zero_stage == 3 and states.compute_copy == 0
     sharded = layout.zero_stage >= 2
@@ -316,7 +317,7 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
     biggest_unit = max(root, unit, head_unit)
     # FSDP2 reduces every micro-batch and adds the fresh output in; replicate reduces once, after the last
     reduce_out = grad_share(biggest_unit) if path == "fsdp" and not nosync and layout.grad_accum_steps > 1 else 0
-    return StageBytes(
+    out = StageBytes(
         params=states.params, copy=states.compute_copy, grads=states.grads, optimizer=states.optimizer,
         buckets=g * sp.total if path == "ddp" else 0, comm=comm, accumulated=accumulated, fsdp2=fsdp2,
         head_grad=grad_bytes * sp.head,
@@ -332,6 +333,24 @@ def torch_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, 
         head_shard=grad_share(head_unit) if split and layout.offload != "optimizer+params" else 0,
         reserve_model=True, ag_pool=ag_pool,
         reduce_out=reduce_out if states.grads else 0, accumulated_default=nosync)
+    return _lora_stage_bytes(model, training, layout, sp, out, path) if training.lora else out
+
+
+def _lora_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams, sb: StageBytes,
+                      path: str) -> StageBytes:
+    """A LoRA stage (planner.memory.lora): only the adapters have gradients, so every gradient buffer, bucket
+    and reduction of torch_stage_bytes is the adapters' size; the frozen head makes no gradient."""
+    d, g = training.dtype_bytes, DTYPE_BYTES[training.grad_dtype]
+    adapters = stage_adapter_params(model, training, layout.tp, sp)
+    block = adapters // sp.layers if sp.layers else 0
+    shards = layout.dp_shard * layout.cp if layout.zero_stage >= 2 else 1
+    nosync = path == "replicate" or (path == "fsdp" and layout.pp > 1)
+    accumulated = (FP32_BYTES * adapters if nosync else sb.grads) if layout.grad_accum_steps > 1 else 0
+    reduce_out = ceil_div(FP32_BYTES * block, shards) if sb.reduce_out else 0
+    return sb._replace(buckets=g * adapters if path == "ddp" else 0, accumulated=accumulated, head_grad=0,
+                       partial_grad=0, block_rs=g * block if sb.fsdp2 else 0, block_grad=d * block if sb.fsdp2 else 0,
+                       last_grads=max(accumulated, sb.grads), root_grads=0, head_reduce=0, head_shard=0,
+                       reduce_out=reduce_out)
 
 
 def published_stage_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams,

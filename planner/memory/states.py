@@ -15,6 +15,7 @@ import numpy as np
 
 from planner.engines import FP32_BYTES, Engine, fp8_rowwise_bytes, get_engine
 from planner.layout import Layout
+from planner.memory.lora import base_bytes, stage_adapter_params
 from planner.memory.params import StageParams, ceil_div, pipeline_params, zero1_rank_params
 from planner.model.spec import ModelSpec
 from planner.training import DTYPE_BYTES, TrainingSpec
@@ -120,6 +121,8 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
     eng = get_engine(engine)
     recipe = eng.recipe(training.dtype_bytes, training.optimizer, layout.zero_stage,
                         DTYPE_BYTES[training.grad_dtype], training.dtype, DTYPE_BYTES[training.optimizer_dtype])
+    if training.lora:
+        return _lora_states(model, training, layout, sp, eng, recipe)
     d, total = training.dtype_bytes, sp.total
     n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard  # ZeRO's group takes in the cp ranks
     expert_shard = sp.expert_shard
@@ -165,6 +168,31 @@ def stage_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: S
             params += int((eng.fp8_weight_bytes(training, fp8_any_layout) - recipe.param) * linear)
     elif not recipe.shard_params:
         params += int(eng.fp8_weight_bytes(training, fp8_any_layout) * linear)
+    if eng.model_code.rope_buffers and model.position == "rope":
+        params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
+    return ModelStates(params, copy, grads, optimizer, host)
+
+
+def _lora_states(model: ModelSpec, training: TrainingSpec, layout: Layout, sp: StageParams, eng: Engine,
+                 recipe) -> ModelStates:
+    """A frozen base and trained adapters (planner.memory.lora): the base in the compute dtype (QLoRA: NF4),
+    sharded where the recipe shards parameters; the adapters as any trained parameter. Offload moves the
+    adapters' optimizer states (and the base with optimizer+params) to the host."""
+    n = layout.shard_ranks if layout.zero_stage >= 1 else layout.dp_shard
+    adapters = stage_adapter_params(model, training, layout.tp, sp)
+    base = base_bytes(model, training, sp)
+    params = ceil_div(int(base), n) if recipe.shard_params else int(base)
+    params += ceil_div(recipe.param * adapters, n) if recipe.shard_params else recipe.param * adapters
+    grads = ceil_div(recipe.grad * adapters, n) if recipe.shard_grads else recipe.grad * adapters
+    optimizer = ceil_div(recipe.optimizer * adapters, n) if recipe.shard_optimizer else recipe.optimizer * adapters
+    # FSDP keeps the gathered blocks between forward and backward under ZeRO-2 or a pipeline (_compute_copy)
+    copy = _compute_copy(eng, layout, sp, training.dtype_bytes) if eng.dp_path(layout) == "fsdp" else 0
+    host = 0
+    if layout.offload != "none":
+        host, optimizer = optimizer, 0
+        if layout.offload == "optimizer+params":
+            host, params = host + params, 0
+            copy = 0 if layout.zero_stage == 3 else int(base)
     if eng.model_code.rope_buffers and model.position == "rope":
         params += 2 * model.max_seq_len * model.head_dim * FP32_BYTES
     return ModelStates(params, copy, grads, optimizer, host)

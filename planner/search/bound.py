@@ -78,6 +78,7 @@ from planner.simulate.compute import (
     tokens_per_micro_batch,
 )
 from planner.simulate.host import layer_host_scale
+from planner.simulate.lora import frozen_end, lora_layer_times, trainable_layer_params
 from planner.simulate.recompute import recomputed_comm
 from planner.training import DTYPE_BYTES, TrainingSpec
 from topologies.cluster import Cluster
@@ -170,7 +171,8 @@ class StepBound:
         """The micro-batch-independent part of the bound of `shape` (its micro-batch and recompute are ignored)."""
         shape_key = shape.mesh_shape
         key = (shape_key, shape.zero_stage, shape.ep, shape.etp, shape.pp_schedule, shape.virtual_stages,
-               shape.layers_per_stage, training.dtype, training.grad_dtype, training.optimizer, training.precision)
+               shape.layers_per_stage, training.dtype, training.grad_dtype, training.optimizer, training.precision,
+               training.finetune)
         kinds = self._tails.get(key)
         if kinds is None:
             kinds = self._tails[key] = tuple((held, below, emb, out, low, *self._tail(shape, shape_key, training, sp))
@@ -315,7 +317,7 @@ class StepBound:
         kind, n = recompute_level(recompute)
         modules = recompute[2] if isinstance(recompute, tuple) and len(recompute) > 2 else self.recompute_modules
         key = (training.seq_len, training.dtype, training.precision, training.attention, training.compile,
-               micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n, modules,
+               training.finetune, training.lora_rank, training.lora_targets, micro_batch_size, shape.tp, shape.cp, shape.sequence_parallel, kind, n, modules,
                shape.pp * shape.virtual_stages if n else 0, shape.ep, shape.etp)
         hit = self._units.get(key)
         if hit is None:
@@ -327,6 +329,7 @@ class StepBound:
                              self.engine.fused_attention(training),
                              fp8_peak=fp8_peak_flops(training.precision, gpu), compile=training.compile,
                              cast_bytes=fp8_cast_bytes(training.precision, gpu))
+            lt = lora_layer_times(self.model, training, layout, gpu, peak, cal, lt)
             point = 0.0
             if layout.tp > 1:
                 act = tokens_per_micro_batch(training.seq_len, layout) * self.model.hidden * training.dtype_bytes
@@ -349,12 +352,17 @@ class StepBound:
         # it reads tp, the ZeRO group (dp_shard x cp: its size and stride) and the expert grid of the mesh: meshes
         # that differ only in pp or dp_replicate share it
         gathered = 1 if training.fp8 else training.dtype_bytes  # float8 all-gathers: never more than this
-        key = ("fsdp", zero_stage, dp_shard, ep, etp, shape_key[3], shape_key[4], training.grad_dtype, gathered)
+        key = ("fsdp", zero_stage, dp_shard, ep, etp, shape_key[3], shape_key[4], training.grad_dtype, gathered,
+               training.finetune, training.lora_rank, training.lora_targets)
         hit = self._times.get(key)
         if hit is None:
             dense, experts = layer_params_split(self.model, shape_key[4], ep, etp)
             unit = dense + experts
-            rs = self._time("reduce_scatter", unit * DTYPE_BYTES[training.grad_dtype], shape_key, shard_axes)
+            if training.lora:  # only the adapters' gradients are reduce-scattered (planner.simulate.lora)
+                unit_grads = sum(trainable_layer_params(self.model, training, Layout.trusted(tp=shape_key[4])))
+            else:
+                unit_grads = unit
+            rs = self._time("reduce_scatter", unit_grads * DTYPE_BYTES[training.grad_dtype], shape_key, shard_axes)
             ag = self._time("all_gather", unit * gathered, shape_key, shard_axes) \
                 if zero_stage == 3 else 0.0
             hit = self._times[key] = (ag, ag + rs)
@@ -364,6 +372,8 @@ class StepBound:
               ) -> tuple[float, float, float]:
         """(gradient reduction, its last DDP bucket, parameter all-gather + optimizer) of one rank."""
         g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
+        if training.lora:  # the adapters' reduction, gathers and update: small, bounded below by nothing
+            return 0.0, 0.0, 0.0
         experts = sp.experts > 0
         if shape.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
             reduce_bytes = sp.total * g
@@ -386,14 +396,14 @@ class StepBound:
     def end_times(self, shape: Layout, training: TrainingSpec, micro_batch_size: int
                   ) -> tuple[float, float, float, float]:
         """(embedding F, B, output F, B) for one micro-batch, GPU vs host time."""
-        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp)
+        key = (training.seq_len, training.dtype, micro_batch_size, shape.tp, shape.cp, training.finetune)
         hit = self._ends.get(key)
         if hit is None:
             layout = shape.trusted_replace(micro_batch_size=micro_batch_size)
             gpu, cal, s = self.cluster.gpu, self.cal, training.seq_len
             peak = gpu.peak_flops(training.dtype)
-            emb = embedding_times(self.model, s, training.dtype_bytes, layout, gpu, cal)
-            out = output_times(self.model, s, layout, gpu, peak, cal)
+            emb = frozen_end(training, embedding_times(self.model, s, training.dtype_bytes, layout, gpu, cal))
+            out = frozen_end(training, output_times(self.model, s, layout, gpu, peak, cal))
             host = cal.layer_overhead_s
             hit = self._ends[key] = (max(emb.forward_s, host), max(emb.backward_s, host),
                                      max(out.forward_s, host), max(out.backward_s, 2 * host))

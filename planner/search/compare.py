@@ -101,8 +101,11 @@ def variants(clusters: str, overrides: dict[str, str], what_if: list[tuple[str, 
 def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple[str, ...],
                      what_if: tuple[str, ...], seq_len: int | None, global_batch: int | None, engine: str,
                      calibration: str | None, price_per_gpu_hour: str | None, precision: str = "bf16",
-                     allow_long_context: bool = False, progress=None, offload: str | None = None) -> list[Row]:
+                     allow_long_context: bool = False, progress=None, offload: str | None = None,
+                     finetune: dict[str, object] | None = None) -> list[Row]:
     """Search every variant; rows in variant order with speed-up and cost filled in.
+
+    finetune: TrainingSpec's LoRA fields (planner.cli.finetune), the same for every variant.
 
     progress: a `topologies.terminal.Progress` told the number of variants and each one searched.
     """
@@ -131,7 +134,7 @@ def compare_variants(model_name: str, gpus: int, clusters: str, overrides: tuple
         check_context(model, seq, allow_long_context, "--what-if seq_len" if "seq_len" in v.run else "--seq-len")
         profile = load_calibration(calibration, cluster.gpu)
         result = search(model, cluster, seq, v.run.get("global_batch", global_batch), pins, engine, profile, top_k=1,
-                        precision=precision)
+                        precision=precision, recipe=dict(finetune or {}))
         if progress is not None:
             progress.advance()
         if result.ranked:

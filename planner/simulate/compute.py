@@ -351,17 +351,19 @@ def _op_recomputed_gemms(model: ModelSpec, m: float, layout: Layout) -> tuple[tu
 
 
 def fsdp_copy_times(model: ModelSpec, dtype_bytes: int, grad_bytes: int, layout: Layout, gpu: GPUSpec,
-                    cal: CalibrationProfile) -> PassTimes:
+                    cal: CalibrationProfile, grad_params: float | None = None) -> PassTimes:
     """HBM time of FSDP's copies around one layer's collectives for one micro-batch (module docstring).
 
-    Not recomputed: under full recomputation the backward's all-gather serves both.
+    Not recomputed: under full recomputation the backward's all-gather serves both. grad_params: the
+    layer's parameters with gradients where not all of them (LoRA: planner.simulate.lora).
     """
     if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return PassTimes(0.0, 0.0, 0.0)
     params = sum(layer_params_split(model, layout.tp, layout.ep, layout.etp))
+    grads = params if grad_params is None else grad_params
     gather = params * dtype_bytes if layout.zero_stage == 3 else 0.0
     forward = memory_time_s(FSDP_COPY_PASSES * gather, gpu, cal)
-    return PassTimes(forward, memory_time_s(FSDP_COPY_PASSES * (gather + params * grad_bytes), gpu, cal), 0.0)
+    return PassTimes(forward, memory_time_s(FSDP_COPY_PASSES * (gather + grads * grad_bytes), gpu, cal), 0.0)
 
 
 def output_times(model: ModelSpec, seq_len: int, layout: Layout, gpu: GPUSpec, peak: float,

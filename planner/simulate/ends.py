@@ -13,6 +13,7 @@ from planner.simulate.calibration import CalibrationProfile
 from planner.simulate.comm import StepComm
 from planner.simulate.compute import combine, embedding_times, output_times, tokens_per_micro_batch
 from planner.simulate.host import end_host_s
+from planner.simulate.lora import frozen_end
 from planner.simulate.offload import exposed_beyond
 from planner.simulate.pipeline import chunk_owner
 from planner.training import DTYPE_BYTES, TrainingSpec
@@ -23,8 +24,8 @@ def ends_s(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float
           cal: CalibrationProfile) -> tuple[float, float, float, float]:
     """(embedding F, embedding B, output F, output B) per micro-batch, host overhead included."""
     gpu, s = cluster.gpu, training.seq_len
-    emb = embedding_times(model, s, training.dtype_bytes, layout, gpu, cal)
-    out = output_times(model, s, layout, gpu, peak, cal)
+    emb = frozen_end(training, embedding_times(model, s, training.dtype_bytes, layout, gpu, cal))
+    out = frozen_end(training, output_times(model, s, layout, gpu, peak, cal))
     host, p = cal.layer_overhead_s, cal.overlap_exponent
     tp_f, tp_b = end_host_s(layout, cal)
     return (combine(emb.forward_s, host + tp_f, p), combine(emb.backward_s, host + tp_b, p),
@@ -46,6 +47,7 @@ def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, c
     """
     if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return 0.0, 0.0, 0.0, 0.0
+    frozen = training.lora  # a frozen root makes no gradient to reduce-scatter (planner.simulate.lora)
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
     out: list[float] = []
     for end, rank in ((0, owner[0]), (2, owner[-1])):
@@ -54,11 +56,12 @@ def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, c
             continue
         root = stage_params(model, layout, rank).root
         ag = comm.time_s("all_gather", root * training.dtype_bytes, layout.shard_axes) if layout.zero_stage == 3 else 0.0
-        rs = comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
+        rs = 0.0 if frozen else comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype],
+                                            layout.shard_axes)
         # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
         hooks = cal.fsdp_call_overhead_s
         out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
-                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + hooks]
+                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + (0.0 if frozen else hooks)]
     return out[0], out[1], out[2], out[3]
 
 

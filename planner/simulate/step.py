@@ -33,6 +33,7 @@ included) and optimizer (on the host, transfers included, when offloaded).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from planner.engines import DDP_BUCKET_BYTES, Engine, get_engine
@@ -62,6 +63,12 @@ from planner.simulate.ends import ends_s, ends_tp_comm_s, root_fsdp_comm_s, root
 from planner.simulate.events import LAYER_COMM_KEYS, StepEvents, step_events_of
 from planner.simulate.grad_fold import add_grad_fold
 from planner.simulate.host import layer_host_s, layer_host_scale, solo_repriced
+from planner.simulate.lora import (
+    lora_layer_times,
+    model_flops_per_token,
+    trainable_layer_params,
+    trainable_stage_params,
+)
 from planner.simulate.offload import layer_offload_s, offload_summary, offloaded_step_s
 from planner.simulate.pipeline import B, F, W, chunk_owner, simulate_pipeline
 from planner.simulate.recompute import recomputed_comm
@@ -167,7 +174,8 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     ag = rs = 0.0
     if layout.zero_stage >= 2 and layout.shard_ranks > 1:  # prefetched: only what compute cannot hide
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
-        rs = comm.time_s("reduce_scatter", (dense + experts) * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
+        rs = comm.time_s("reduce_scatter", sum(trainable_layer_params(model, training, layout))
+                         * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
         ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, layout.shard_axes) \
             if layout.zero_stage == 3 else 0.0
         comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
@@ -190,7 +198,9 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
                      fp8_peak=fp8_peak_flops(training.precision, cluster.gpu), compile=training.compile,
                      cast_bytes=fp8_cast_bytes(training.precision, cluster.gpu))
     attention = lt.forward_s - lt.backward_weight_s  # attention core + elementwise: what a CP ring overlaps
-    lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal)
+    lt = lora_layer_times(model, training, layout, cluster.gpu, peak, cal, lt)
+    lt = lt + fsdp_copy_times(model, training.dtype_bytes, DTYPE_BYTES[training.grad_dtype], layout, cluster.gpu, cal,
+                              sum(trainable_layer_params(model, training, layout)) if training.lora else None)
     async_gemms = None
     if training.async_tp and layout.tp > 1 and layout.sequence_parallel:  # GEMMs run as tp chunks
         async_gemms = overlap_gemms(model, tokens_per_micro_batch(training.seq_len, layout), layout, peak, cal,
@@ -322,6 +332,9 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
     """Exposed work of one pipeline rank holding `sp` after its last backward: DP reduction, optimizer, gathers."""
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
+    if training.lora:  # only the adapters have gradients, optimizer states and updated weights to gather
+        dense, experts = trainable_stage_params(model, training, layout, sp)
+        sp = dataclasses.replace(sp, dense=dense, experts=experts)
     if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
         reduce_bytes = sp.total * g
         reduce_s = comm.time_s("all_reduce", sp.dense * g, layout.grad_axes) + \
@@ -338,7 +351,7 @@ def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCo
             comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0
-    if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output):
+    if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output) and not training.lora:
         owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
         size = model.vocab * model.hidden / layout.tp * g
         embedding_sync = comm.pair_time_s(size, ("pp",), owner[0], owner[-1])
@@ -430,7 +443,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     breakdown["exposed_comm"] = sum(breakdown[k] for k in exposed)
     memory = step_memory(model, training, layout, cluster, cal, eng)
     tokens_per_s = training.tokens_per_step / step
-    model_flops = model.model_flops_per_token(training.seq_len) * tokens_per_s / layout.world_size
+    model_flops = model_flops_per_token(model, training) * tokens_per_s / layout.world_size
     step_events = None
     if events:
         scale = [new / old if old else 1.0 for new, old in zip(durations[F], plain_f, strict=True)]
@@ -452,7 +465,7 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
 
     The busiest pipeline rank works at least the average: every micro-batch
     runs each layer's GEMMs 3 times (forward, input and weight gradients;
-    4 with full recomputation) and the output layer's 3 times, each at no
+    4 with full recomputation; one fewer under LoRA) and the output layer's 3 times (2 under LoRA), each at no
     better than the calibrated peak GEMM efficiency without shape penalty.
     Attention, memory-bound work, host overhead, communication and bubbles
     only add to it.
@@ -463,8 +476,10 @@ def compute_lower_bound_s(model: ModelSpec, training: TrainingSpec, layout: Layo
         peak = max(peak, fp8_peak_flops(training.precision, cluster.gpu) * cal.fp8_gemm_efficiency)
     m = tokens_per_micro_batch(training.seq_len, layout)
     passes = 4.0 if layout.recompute == "full" else 3.0
+    if training.lora:  # no weight-gradient GEMMs for the frozen base (planner.simulate.lora)
+        passes -= 1.0
     layer_flops = passes * gemm_flops(layer_gemms(model, m, layout))
-    output_flops = 3.0 * 2.0 * m * model.vocab / layout.tp * model.hidden
+    output_flops = (2.0 if training.lora else 3.0) * 2.0 * m * model.vocab / layout.tp * model.hidden
     per_micro_batch = (model.n_layers * layer_flops + output_flops) / layout.pp
     solo = cal.solo_speedup if layout.pp > 1 else 1.0  # a stage whose core-sharing peers idle runs faster
     return layout.grad_accum_steps * per_micro_batch / (peak * solo)

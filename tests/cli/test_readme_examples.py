@@ -27,6 +27,8 @@ def words(text: str) -> str:
     "meshplan compare --model 70B --gpus 64 --cluster dgx-a100-80g,dgx-h100 --price-per-gpu-hour 1.8,3.0",
     "meshplan plan --model llama3-8b --gpus 8 --cluster dgx-a100-40g --pp 4 --pp-schedule 1f1b",
     "meshplan plan --model tests/data/hf_configs/qwen2.5-7b.json --gpus 4 --cluster rtx4090-pcie --offload auto",
+    "meshplan plan --model llama3-8b --cluster rtx4090-pcie --gpus 1 --seq-len 2048 --finetune lora",
+    "meshplan plan --model llama2-7b --cluster t4-pcie --gpus 2 --precision fp16 --finetune lora --lora-targets q,k,v,o",
 ])
 def test_readme_example_is_what_the_cli_prints(cli, command):
     r = cli(*command.split()[1:])
