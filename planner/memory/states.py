@@ -64,11 +64,12 @@ def state_floor_bytes(eng: Engine, training: TrainingSpec, dense: int, experts: 
     over), each sharded term at its exact quotient (stage_states rounds
     up; ZeroRedundancyOptimizer's most loaded rank holds at least the average of `zero1_rank_params`' split);
     what stage_states adds beyond the recipe (compute copies, 8-bit copies, rope buffers) is left out, and so
-    are the parameters where 8-bit primary weights replace part of them. Offloaded states are not bounded (0). The search rules out
-    data-parallel splits whose states cannot fit before it builds them (planner.search.families).
+    are the parameters where 8-bit primary weights replace part of them. Offloaded states and LoRA's (a frozen
+    base beside trained adapters: planner.memory.lora) are not bounded (0). The search rules out data-parallel
+    splits whose states cannot fit before it builds them (planner.search.families).
     """
     zero_stage = np.asarray(zero_stage)
-    if offload != "none":
+    if offload != "none" or training.lora:
         zeros = np.zeros(zero_stage.shape)
         return zeros, zeros
     table = _recipe_table(eng, training)[zero_stage]

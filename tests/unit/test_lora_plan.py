@@ -263,3 +263,19 @@ def test_exports_state_lora_honestly(tmp_path):
     full["training"] = {k: v for k, v in full["training"].items() if not k.startswith(("finetune", "lora"))}
     assert not any("LoRA" in n or "finetune" in n for n in export_plan(plan.__class__.from_json(full),
                                                                         "deepspeed").notes)
+
+
+def test_the_search_prunes_no_lora_layout_that_fits():
+    """The search's model-state floor must not rule out LoRA layouts (it prices full fine-tuning's states):
+    its first pass finds the same best layout as the exact re-run that measures every miss, so `--offload auto`
+    never ranks an offloading layout above a faster one without offload."""
+    from planner.search import search as search_module
+    from planner.search.candidates import Pins
+
+    model, cluster = load_model("llama3-8b"), load_cluster("rtx4090-pcie", 4)
+    training = {"finetune": "lora", "lora_rank": 16, "lora_alpha": 32}
+    none = search_module.search(model, cluster, 4096, None, Pins(offload="none"), "meshplan", recipe=training, top_k=1)
+    auto = search_module.search(model, cluster, 4096, None, Pins(offload="auto"), "meshplan", recipe=training, top_k=1)
+    assert none.ranked and none.stats.shapes and auto.ranked
+    assert auto.ranked[0].result.step_time_s <= none.ranked[0].result.step_time_s * (1 + 1e-9)
+    assert auto.ranked[0].layout.offload == "none"
