@@ -428,7 +428,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
     in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
     built: dict[int, tuple[StageBytes, int]] = {}  # per stage: bytes, reserved - allocated (planner.memory.reserved)
     worst, worst_peak, worst_name, worst_phases, host_bytes, worst_reserve = -1, -1, "", {}, 0, 0
-    for key, rank in _busiest(params, in_flight).items():
+    for key, rank in busiest_ranks(params, in_flight).items():
         sp = params[rank]
         states = stage_states(model, training, layout, sp, eng, gpu.fp8_any_layout)
         if phased:
@@ -452,7 +452,7 @@ def estimate_memory(model: ModelSpec, training: TrainingSpec, layout: Layout, gp
 _BUSIEST: dict[tuple[int, int], tuple[tuple, tuple, dict[int, int]]] = {}
 
 
-def _busiest(params: tuple[StageParams, ...], in_flight: tuple[float, ...]) -> dict[int, int]:
+def busiest_ranks(params: tuple[StageParams, ...], in_flight: tuple[float, ...]) -> dict[int, int]:
     """Every phase grows with the in-flight micro-batches: of the ranks holding equal parameters (middle
     stages, one shared StageParams object: planner.memory.params) only the one with the most can be the
     worst. {id of a stage's parameters: that rank}, cached on the two (cached) tuples' identities."""
@@ -469,48 +469,3 @@ def _busiest(params: tuple[StageParams, ...], in_flight: tuple[float, ...]) -> d
         _BUSIEST.clear()
     _BUSIEST[key] = (params, in_flight, busiest)
     return busiest
-
-
-def stage_state_floors(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
-                       fp8_any_layout: bool = True) -> dict[StageParams, tuple[int, int, int]]:
-    """{each distinct stage's StageParams: (parameters + compute copy + optimizer state, gradients,
-    parameters + gradients + optimizer: planner.memory.states.ModelStates.total) on one rank}, what
-    `peak_floor_bytes` adds to and the search's model-state check reads. None depends on the micro-batch;
-    the compute copy is the smallest any recomputation keeps (full recomputation's, planner.memory.states)."""
-    eng = get_engine(engine)
-    least_copy = layout.trusted_replace(recompute="full", recompute_layers=0, recompute_modules=())
-    out: dict[StageParams, tuple[int, int, int]] = {}
-    for sp in pipeline_params(model, layout, eng):
-        if sp not in out:
-            states = stage_states(model, training, least_copy, sp, eng, fp8_any_layout)
-            out[sp] = (states.params + states.compute_copy + states.optimizer, states.grads, states.total)
-    return out
-
-
-def peak_floor_bytes(model: ModelSpec, training: TrainingSpec, layout: Layout, engine: str | Engine,
-                     other_bytes: int, state_floors: dict[StageParams, tuple[int, int, int]]) -> int:
-    """A lower bound of `estimate_memory(...).peak_bytes` (same engine, attention kernel and fixed overhead)
-    that costs a few look-ups, for the search to rule out what cannot fit before estimating it.
-
-    Every rank's peak is at least its loss-backward phase (planner.memory.phases; the papers' one phase for
-    megatron and deepspeed), which holds the rank's parameters, compute copy and optimizer state, the
-    gradients of earlier micro-batches when there are several (every gradient in the papers' accounting),
-    never less than the step's own sharded ones (`stage_state_floors`), and the kept activations of its
-    in-flight micro-batches on the layers that stay on the GPU; every other term of that phase, and the
-    allocator's reserve, are never negative.
-    """
-    eng = get_engine(engine)
-    phased = eng.data_parallel.phased
-    autocast = phased and eng.autocast(layout, training.dtype_bytes, training.lora)
-    per_layer, _ = _layer_bytes(model, training, layout, eng, eng.fused_attention(training), autocast)
-    params = pipeline_params(model, layout, eng)
-    in_flight = in_flight_per_rank(layout.pp_schedule, layout.pp, layout.grad_accum_steps, layout.virtual_stages)
-    offloaded = layout.activation_offload_layers * layout.virtual_stages
-    with_grads = layout.grad_accum_steps > 1 or not phased
-    floor = 0.0
-    for rank in _busiest(params, in_flight).values():
-        sp = params[rank]
-        on_gpu = sp.layers - min(offloaded, sp.layers - 1) if sp.layers else 0
-        states, grads, _ = state_floors[sp]
-        floor = max(floor, states + (grads if with_grads else 0) + in_flight[rank] * on_gpu * per_layer)
-    return int(floor) + other_bytes

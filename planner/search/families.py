@@ -49,7 +49,7 @@ class Shape:
     bound: ShapeBound  # its step-time bound for any micro-batch and recompute
     state_fits: bool | None = None  # None until model_state_bytes is checked
     levels: dict[int, int] = field(default_factory=dict)  # micro-batch -> lightest fitting recompute level
-    state_floors: dict | None = None  # planner.memory.estimate.stage_state_floors, with the model-state check
+    state_floors: dict | None = None  # planner.memory.floors.stage_state_floors, with the model-state check
 
 
 @dataclass

@@ -40,7 +40,8 @@ import numpy as np
 
 from planner.engines import get_engine
 from planner.layout import Layout, partial_recompute_options, recompute_fields
-from planner.memory.estimate import default_other_bytes, peak_floor_bytes, stage_state_floors
+from planner.memory.estimate import default_other_bytes
+from planner.memory.floors import peak_floor_bytes, stage_state_floors
 from planner.memory.states import model_states
 from planner.model.spec import ModelSpec
 from planner.plan import with_stage_layers
@@ -99,7 +100,7 @@ class SearchStats:
     state_pruned: int = 0  # shapes whose model state alone does not fit
     candidates: int = 0  # (shape, micro-batch) pairs given a bound
     memory_checks: int = 0
-    floor_pruned: int = 0  # memory checks a floor of the peak answered (planner.memory.estimate.peak_floor_bytes)
+    floor_pruned: int = 0  # memory checks a floor of the peak answered (planner.memory.floors.peak_floor_bytes)
     host_pruned: int = 0  # offloading shapes whose host state does not fit the node's RAM
     host_reason: str = ""  # the first such shape's figures (planner.simulate.offload.host_refusal)
     simulated: int = 0
@@ -364,7 +365,7 @@ def _lightest_fit(ctx: _Context, sh: Shape, mb: int, level: int,
         layout = with_stage_layers(ctx.model, sh.layout.trusted_replace(
             micro_batch_size=mb, grad_accum_steps=sh.per_replica // mb,
             **recompute_fields(*recomputes[level], ctx.pins.recompute_modules or ())))
-        # a floor of the peak first (planner.memory.estimate.peak_floor_bytes): what cannot fit by its
+        # a floor of the peak first (planner.memory.floors.peak_floor_bytes): what cannot fit by its
         # states and kept activations alone is never estimated in full (measuring every miss, only
         # what cannot come closer than the nearest miss so far, whose figure the infeasibility message names)
         if ctx.near_miss is not None or not ctx.exact_misses:

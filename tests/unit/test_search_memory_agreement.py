@@ -98,9 +98,9 @@ def test_megatron_llama3_8b_cp2_fits_80gb():
                                                     ("8B", 8, "torchtitan@2025-10"), ("70B", 64, "deepspeed"),
                                                     ("mixtral-8x7b", 16, "meshplan")])
 def test_the_memory_floor_is_never_above_the_estimate(model_name, gpus, engine, monkeypatch):
-    """The search rules candidates out by planner.memory.estimate.peak_floor_bytes before estimating them:
+    """The search rules candidates out by planner.memory.floors.peak_floor_bytes before estimating them:
     on every layout it estimates, the floor is at or below the estimate (and not a loose one)."""
-    from planner.memory.estimate import peak_floor_bytes, stage_state_floors
+    from planner.memory.floors import peak_floor_bytes, stage_state_floors
 
     ratios = []
     real = search_module.step_memory
@@ -129,7 +129,7 @@ def test_the_state_floor_of_every_member_is_never_above_its_model_states(model_n
     from planner.memory.states.state_floor_bytes) before it builds them: each dropped member's exact model
     states (stage_state_floors, what the search's own check reads) do not fit either, and the floor drops
     some members, so it is not idle."""
-    from planner.memory.estimate import stage_state_floors
+    from planner.memory.floors import stage_state_floors
     from planner.search.bound import StepBound
     from planner.search.families import FamilyBounds, build_families
     from planner.search.search import _Context
