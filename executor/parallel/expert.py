@@ -203,3 +203,37 @@ def as_sharded_state(module: nn.Module, state: dict, prefix: str = "") -> tuple[
                                               stride=torch.empty(shape, device="meta").stride())
                 originals[key] = value
     return out, originals
+
+
+def moe_units(moe, wrap, experts: ExpertParallel, expert_mesh, kwargs: dict,
+              reduce_scatters: bool = False) -> None:
+    """The MoE layer as two units of `wrap` (fully_shard or replicate) before its block's.
+
+    Its router and shared experts (every data-parallel rank holds them) form one unit on the block's mesh;
+    the MoE module itself is then the unit of the stacked expert weights left (their FQNs unchanged), on
+    the experts' data-parallel mesh, dividing the gradients by the data-parallel degree
+    (ExpertParallel). With a divide factor FSDP2 reduce-scatters with a premultiplied sum, which
+    gloo lacks: on CPU ranks a unit that reduce-scatters (`reduce_scatters`: its shard group has more than
+    one rank) sums and divides after. Only then: torch 2.13 divides a one-rank group's gradients by the
+    factor once at the copy and again after a forced sum.
+    """
+    dense = moe.dense_modules()
+    wrap(dense if len(dense) > 1 else dense[0], **kwargs)
+    if reduce_scatters:
+        kwargs = {**kwargs, "shard_placement_fn": expert_placement(expert_mesh.shape[-1])}
+    unit = wrap(moe, **{**kwargs, "mesh": expert_mesh})
+    unit.set_gradient_divide_factor(float(experts.dp_degree))
+    if reduce_scatters and expert_mesh.device_type == "cpu":
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def expert_placement(shards: int):
+    """FSDP2's placement of a stacked expert weight over `shards` ranks: dim 0 (the experts) as for any
+    parameter, padded to a multiple of the ranks; with fewer local experts than ranks, the rows of every
+    expert (dim 1) instead, as torchtitan does, so no rank holds padding in place of a share."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: nn.Parameter) -> Shard:
+        return Shard(1) if param.shape[0] < shards and param.shape[1] % shards == 0 else Shard(0)
+
+    return place

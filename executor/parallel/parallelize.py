@@ -10,7 +10,7 @@ Order, and why (torchtitan's recipe):
   4. FSDP2 (`apply_fsdp`, ZeRO-2/3, HSDP) or FSDP2's replicate (ZeRO-0 with
      TP or PP): per block, then the part as root; last so it sees the TP DTensors
      and shards them further along the dp axes; a MoE block's routed experts
-     are a unit of their own on the experts' data-parallel mesh (`_moe_units`,
+     are a unit of their own on the experts' data-parallel mesh (`moe_units`,
      executor.parallel.expert), so FSDP2 makes their compute-dtype copies;
   5. materialize the local shards and initialize them from the seed
      (`executor.model.init_weights`), or read them from a Hugging Face
@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from executor.model import Block, init_weights
 from executor.moe import MoE
 from executor.parallel.context import ContextShard
-from executor.parallel.expert import ExpertParallel
+from executor.parallel.expert import ExpertParallel, moe_units
 from executor.parallel.mesh import grad_flat, shard_mesh
 from executor.parallel.pipeline import check_pipeline, split_stage
 from executor.parallel.recompute import apply_ac
@@ -387,7 +387,7 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     head are their own units so that only one of them is gathered at a time;
     the head is not resharded after forward (its backward comes right
     after). A tied embedding/output weight cannot sit in two units: then both
-    stay with the root. A MoE block has two more units (`_moe_units`).
+    stay with the root. A MoE block has two more units (`moe_units`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -403,7 +403,7 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
         last = i == len(blocks) - 1
         block_kwargs = {**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and not last}
         if experts is not None and isinstance(block.feed_forward, MoE):
-            _moe_units(block.feed_forward, fully_shard, experts, experts.fsdp_mesh(), block_kwargs,
+            moe_units(block.feed_forward, fully_shard, experts, experts.fsdp_mesh(), block_kwargs,
                        reduce_scatters=experts.edp_shard > 1)
             experts.sharded = True
         fully_shard(block, **block_kwargs)
@@ -412,49 +412,15 @@ def apply_fsdp(part: nn.Module, mesh: DeviceMesh, zero_stage: int, dtype: torch.
     fully_shard(part, **kwargs)
 
 
-def _moe_units(moe: MoE, wrap, experts: ExpertParallel, expert_mesh: DeviceMesh, kwargs: dict,
-               reduce_scatters: bool = False) -> None:
-    """The MoE layer as two units of `wrap` (fully_shard or replicate) before its block's.
-
-    Its router and shared experts (every data-parallel rank holds them) form one unit on the block's mesh;
-    the MoE module itself is then the unit of the stacked expert weights left (their FQNs unchanged), on
-    the experts' data-parallel mesh, dividing the gradients by the data-parallel degree
-    (executor.parallel.expert). With a divide factor FSDP2 reduce-scatters with a premultiplied sum, which
-    gloo lacks: on CPU ranks a unit that reduce-scatters (`reduce_scatters`: its shard group has more than
-    one rank) sums and divides after. Only then: torch 2.13 divides a one-rank group's gradients by the
-    factor once at the copy and again after a forced sum.
-    """
-    dense = moe.dense_modules()
-    wrap(dense if len(dense) > 1 else dense[0], **kwargs)
-    if reduce_scatters:
-        kwargs = {**kwargs, "shard_placement_fn": _expert_placement(expert_mesh.shape[-1])}
-    unit = wrap(moe, **{**kwargs, "mesh": expert_mesh})
-    unit.set_gradient_divide_factor(float(experts.dp_degree))
-    if reduce_scatters and expert_mesh.device_type == "cpu":
-        unit.set_force_sum_reduction_for_comms(True)
-
-
-def _expert_placement(shards: int):
-    """FSDP2's placement of a stacked expert weight over `shards` ranks: dim 0 (the experts) as for any
-    parameter, padded to a multiple of the ranks; with fewer local experts than ranks, the rows of every
-    expert (dim 1) instead, as torchtitan does, so no rank holds padding in place of a share."""
-    from torch.distributed.tensor import Shard
-
-    def place(param: nn.Parameter) -> Shard:
-        return Shard(1) if param.shape[0] < shards and param.shape[1] % shards == 0 else Shard(0)
-
-    return place
-
-
 def apply_replicate(part: nn.Module, mesh: DeviceMesh, dtype: torch.dtype,
                     experts: ExpertParallel | None = None) -> None:
-    """DDP semantics for DTensor (TP) parameters: FSDP2's replicate over the flattened dp axis (MoE: `_moe_units`)."""
+    """DDP semantics for DTensor (TP) parameters: FSDP2's replicate over the flattened dp axis (MoE: `moe_units`)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     kwargs = dict(mesh=grad_flat(mesh), mp_policy=_mp_policy(dtype))
     for block in part.layers.values():
         if experts is not None and isinstance(block.feed_forward, MoE):
-            _moe_units(block.feed_forward, replicate, experts, experts.flat_mesh(), kwargs)
+            moe_units(block.feed_forward, replicate, experts, experts.flat_mesh(), kwargs)
         replicate(block, **kwargs)
     replicate(part, **kwargs)
 
