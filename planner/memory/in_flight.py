@@ -47,7 +47,7 @@ def in_flight_microbatches(schedule: str, pp: int, rank: int, grad_accum_steps: 
       min(2 pp, 2m, m + 1 + r) chunks of half its layers, so pp micro-batches'
       worth once m >= 2 pp - 1 (the V shape matches 1F1B's first stage, Qi et
       al. 2024), less on the low ranks of a short step.
-    dualpipev (planner.simulate.pipeline._dualpipev_rank_order): every rank runs
+    dualpipev (planner.simulate.v_orders.dualpipev_rank_order): every rank runs
       2 pp chunk forwards before its first backward and keeps that count through
       the steady state, where the forward of an F&B pair runs before its backward
       frees a chunk: 2 pp + 1 chunks of half its layers, the reference's PP + 1

@@ -26,8 +26,9 @@ from planner.search.bound import StepBound
 from planner.search.candidates import Pins
 from planner.search.search import search
 from planner.simulate.calibration import load_calibration
-from planner.simulate.pipeline import BO, FO, B, F, W, _dualpipev_rank_order, simulate_pipeline
+from planner.simulate.pipeline import BO, FO, B, F, W, simulate_pipeline
 from planner.simulate.step import simulate_step
+from planner.simulate.v_orders import dualpipev_rank_order
 from planner.training import TrainingSpec
 from topologies.cluster_load import load_cluster
 from topologies.errors import PlanError
@@ -64,7 +65,7 @@ def test_every_rank_runs_torchs_dualpipev_order(pp):
     for n in (2 * pp, 2 * pp + 1, 2 * pp + 5):
         torch_orders = _torch_orders(pp, n)
         for rank in range(pp):
-            assert _dualpipev_rank_order(rank, pp, n) == torch_orders[rank], (pp, n, rank)
+            assert dualpipev_rank_order(rank, pp, n) == torch_orders[rank], (pp, n, rank)
 
 
 def test_bubble_is_the_references_formula():
@@ -91,7 +92,7 @@ def test_activations_are_pp_plus_one_stages():
     for pp, n in ((2, 4), (4, 9), (8, 16)):
         for rank in range(pp):
             alive = peak = 0
-            for kind, _, _ in _dualpipev_rank_order(rank, pp, n):
+            for kind, _, _ in dualpipev_rank_order(rank, pp, n):
                 alive += 1 if kind in (F, FO) else -1 if kind == W else 0
                 peak = max(peak, alive)
             assert in_flight_microbatches("dualpipev", pp, rank, n, 2) == peak / 2 == (2 * pp + 1) / 2

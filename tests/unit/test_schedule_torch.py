@@ -32,7 +32,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.layout import rank_chunks
 from planner.memory.in_flight import in_flight_microbatches
-from planner.simulate.pipeline import B, F, W, _compiled, _zbv_rank_order
+from planner.simulate.pipeline import B, F, W, _compiled
+from planner.simulate.v_orders import zbv_rank_order
 
 _KINDS = {"F": F, "B": B, "I": B, "W": W}
 _CLASSES = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
@@ -112,7 +113,7 @@ def test_zbv_memory_holds_what_the_order_keeps_alive(pp):
     for n in (1, 2, 3, 4, 5, 2 * pp - 1, 2 * pp, 4 * pp + 1):
         for rank in range(pp):
             alive = peak = 0
-            for kind, _, _ in _zbv_rank_order(rank, pp, n):
+            for kind, _, _ in zbv_rank_order(rank, pp, n):
                 alive += {F: 1, W: -1}.get(kind, 0)
                 peak = max(peak, alive)
             assert in_flight_microbatches("zb-v", pp, rank, n, 2) == peak / 2, (pp, n, rank)
