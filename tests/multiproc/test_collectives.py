@@ -34,11 +34,10 @@ here, counted exactly:
 - PP send/recv: each stage sends and receives n activations or gradients of m*h values
   (planner.simulate.step._p2p prices one per boundary, micro-batch and direction);
 - TP (no sequence parallel): forward 2 all-reduces per block plus the vocabulary-split
-  embedding's, backward the output layer's input gradient and, per block, one per
-  column-parallel linear fed by the block's input: q, k, v and w1, w3, i.e. 5 where the
-  simulator prices 2 (planner.simulate.step._layer_comm: 2 points per pass). The 3 extra
-  all-reduces per block are a known disagreement, listed here by count; DTensor all-reduces
-  each linear's input gradient when it leaves the linear (ColwiseParallel's Replicate input);
+  embedding's, backward 2 per block (one input gradient per attention and per MLP: their
+  inputs are one Replicate DTensor each, torchtitan's PrepareModuleInput; without it q, k, v
+  and w1, w3 all-reduced theirs one by one, 5 per block) plus the output layer's, as
+  planner.simulate.step._layer_comm and ends_tp_comm_s price them;
   and the loss-parallel cross-entropy's 3 all-reduces of m values (max, sum of exponentials,
   target logit).
 Steps 1 and 2 may add one-time integer messages only (DDP's bucket order, the pipeline's
@@ -77,7 +76,6 @@ LAYOUTS = {
 DTYPE_BYTES = {"float": 4, "double": 8, "int": 4, "long int": 8, "unsigned char": 1}
 LOSS_NORM = ("all_reduce", 2, "double")
 ONE_TIME_DTYPES = ("int", "long int", "unsigned char")
-TP_EXTRA_BACKWARD_PER_BLOCK = 3  # q, k, v and w1, w3 each all-reduce their input gradient: 5, priced 2
 
 
 def _run(tmp: Path, name: str) -> tuple[Path, list[dict]]:
@@ -140,7 +138,7 @@ def _named_extras(plan) -> Counter:
         assert not layout.sequence_parallel and not model.tie_embeddings
         blocks = model.n_layers // layout.pp
         simulator_points = n * (4 * blocks + 2)  # 2 per block and pass; the embedding's forward, output's backward
-        extras["all_reduce", m_h, "float"] += simulator_points + n * TP_EXTRA_BACKWARD_PER_BLOCK * blocks
+        extras["all_reduce", m_h, "float"] += simulator_points
         extras["all_reduce", m_h // model.hidden, "float"] += 3 * n  # loss parallel: max, sum of exp, target
     return extras
 
