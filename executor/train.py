@@ -185,7 +185,8 @@ class AccumulationStep:
         self.before_micro_batch = before_micro_batch
 
     def _sync(self, last: bool):
-        """DDP and replicate all-reduce once, after the last micro-batch; FSDP2 reduce-scatters every one.
+        """DDP and replicate all-reduce once, after the last micro-batch; FSDP2 reduce-scatters every one,
+        and under HSDP all-reduces the accumulated shards across replicas after the last only.
 
         Reducing each micro-batch's gradients as torchtitan does keeps only
         the sharded fp32 accumulation between micro-batches, instead of
@@ -195,6 +196,8 @@ class AccumulationStep:
             return self.runner.no_sync()
         if self.pm.dp_kind == "replicate" and self.n > 1:
             self.runner.set_requires_gradient_sync(last)
+        if self.pm.dp_kind == "fsdp" and self.n > 1:  # HSDP: the shards all-reduce over replicas once per step
+            self.runner.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float | None = None) -> torch.Tensor:

@@ -92,7 +92,8 @@ def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) ->
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"  # cp ranks hold the same weights
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW,
+        # parameters_as_bucket_view: each rank broadcasts its updated parameters as one bucket, not per tensor
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
                                        process_group=mesh[shard].get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 

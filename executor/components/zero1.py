@@ -7,13 +7,16 @@ gradients are all-reduced over the data-parallel group (replicate), each
 rank of that group owns whole parameters - largest first, to the rank with
 the fewest elements so far (the memory model's `zero1_whole_tensors`) - and
 keeps AdamW moments for those only; after its step every owner broadcasts
-its parameters' local tensors to the group.
+its parameters' local tensors to the group as one flat bucket (one
+collective per owner, as ZeroRedundancyOptimizer with
+parameters_as_bucket_view, instead of one per tensor).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -56,9 +59,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.optim.step()
-        for g in self.param_groups:
-            for p in g["params"]:
-                dist.broadcast(_local(p), src=self.src[self.owner[id(p)]], group=self.group)
+        for r, src in enumerate(self.src):  # one broadcast per owner: its parameters as one flat bucket
+            tensors = [_local(p) for g in self.param_groups for p in g["params"] if self.owner[id(p)] == r]
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                same = [t for t in tensors if t.dtype == dtype]
+                flat = _flatten_dense_tensors(same)
+                dist.broadcast(flat, src=src, group=self.group)
+                torch._foreach_copy_(same, list(_unflatten_dense_tensors(flat, same)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:

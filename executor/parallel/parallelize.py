@@ -253,6 +253,15 @@ def block_tp_plan(block: Block, sequence_parallel: bool) -> dict:
         plan["feed_forward.w2"] = RowwiseParallel(output_layouts=out)
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
+    if not sequence_parallel:  # torchtitan's plan: each module's input becomes one Replicate DTensor, so the
+        # column-parallel linears' partial input gradients add up before one all-reduce per module (not one per
+        # linear: q, k, v and w1, w3 would each all-reduce theirs). MLA's whole down-projections take plain inputs.
+        if not hasattr(attention, "wkv_b"):
+            plan["attention"] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
+        if not hasattr(block.feed_forward, "router"):
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                      desired_input_layouts=(Replicate(),))
     if sequence_parallel:
         plan.update({
             "attention_norm": SequenceParallel(),

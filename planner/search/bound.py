@@ -343,7 +343,7 @@ class StepBound:
 
     def fsdp(self, zero_stage: int, ep: int, etp: int, shape_key: tuple[int, ...],
              training: TrainingSpec) -> tuple[float, float]:
-        """(all-gather, all-gather + reduce-scatter) of one layer's parameters under ZeRO-2/3, over dp_shard x cp
+        """(all-gather, reduce-scatter) of one layer's parameters in (forward, backward) under ZeRO-2/3, over dp_shard x cp
         of mesh `shape_key` (Layout.shard_axes)."""
         dp_shard, cp = shape_key[2], shape_key[3]
         if zero_stage < 2 or dp_shard * cp == 1:
@@ -365,7 +365,9 @@ class StepBound:
             rs = self._time("reduce_scatter", unit_grads * DTYPE_BYTES[training.grad_dtype], shape_key, shard_axes)
             ag = self._time("all_gather", unit * gathered, shape_key, shard_axes) \
                 if zero_stage == 3 else 0.0
-            hit = self._times[key] = (ag, ag + rs)
+            # FSDP2 keeps each part's last block gathered from its forward into its backward
+            # (planner.simulate.collectives.block_gathers_per_layer): bound the backward's gathers by none
+            hit = self._times[key] = (ag, rs)
         return hit
 
     def _tail(self, shape: Layout, shape_key: tuple[int, ...], training: TrainingSpec, sp: StageParams
@@ -385,7 +387,8 @@ class StepBound:
             reduce_s = self._time("all_reduce", reduce_bytes, shape_key, ("dp_replicate",))
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes) if reduce_s > 0 else 0.0
         gather = 0.0
-        if shape.zero_stage in (1, 2):
+        # ZeRO-1, and ZeRO-2 outside FSDP2 (which gathers per micro-batch, hidden up to comm_overlap: not bounded)
+        if shape.zero_stage == 1 or (shape.zero_stage == 2 and self.engine.dp_path(shape) != "fsdp"):
             gather = self._time("all_gather", sp.dense * d, shape_key, shape.shard_axes)
             if experts:
                 gather += self._edp_time("all_gather", sp.experts * d, shape_key, shape.ep, shape.etp)

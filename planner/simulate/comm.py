@@ -277,6 +277,13 @@ class StepComm:
         return self.expert_time_s("all_to_all", size_bytes, "ep") / efficiency
 
 
+def collective_time_s(comm: StepComm, c) -> float:
+    """`c.count` collectives of a `planner.simulate.collectives.Collective` entry, on its worst group."""
+    if c.axes == ("edp",):
+        return c.count * comm.expert_time_s(c.kind, c.size_bytes, "edp")
+    return c.count * comm.time_s(c.kind, c.size_bytes, c.axes)
+
+
 def expert_comm_s(model: ModelSpec, layout: Layout, comm: StepComm, act_bytes: float) -> tuple[float, int]:
     """Exposed expert communication of an average layer's pass and the collectives it issues.
 

@@ -6,10 +6,12 @@ pipeline's chunks.
 
 from __future__ import annotations
 
+from planner.engines import Engine
 from planner.layout import Layout
 from planner.memory.params import stage_params
 from planner.model.spec import ModelSpec
 from planner.simulate.calibration import CalibrationProfile
+from planner.simulate.collectives import fsdp_gathers_per_micro_batch, root_units
 from planner.simulate.comm import StepComm
 from planner.simulate.compute import combine, embedding_times, output_times, tokens_per_micro_batch
 from planner.simulate.host import end_host_s
@@ -33,35 +35,33 @@ def ends_s(model: ModelSpec, training: TrainingSpec, layout: Layout, peak: float
 
 
 def root_fsdp_comm_s(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm,
-                    cal: CalibrationProfile, ends: tuple[float, float, float, float]
+                    cal: CalibrationProfile, ends: tuple[float, float, float, float], engine: Engine
                     ) -> tuple[float, float, float, float]:
-    """Exposed FSDP communication of the root units (embedding, final norm, output) per micro-batch.
+    """Exposed FSDP communication of the root units (embedding; final norm with output) per micro-batch.
 
-    The executor shards each stage's root like a block (ZeRO-2/3): ZeRO-3
-    all-gathers it once per micro-batch (the root stays gathered from its
-    forward through its backward) and both stages reduce-scatter its gradient
-    after the backward. The embedding's unit is priced on chunk 0, the
-    output's on the last chunk when another rank owns it; compute hides it up
-    to `comm_overlap` of that end's own time. On small models the vocabulary
-    matrices hold as many parameters as several layers.
+    The executor shards each stage's embedding and its final norm with the output layer as units of their
+    own (ZeRO-2/3); their all-gathers per micro-batch are `fsdp_gathers_per_micro_batch`'s (under ZeRO-3
+    the embedding gathers again for its backward, the output unit stays gathered), and each unit
+    reduce-scatters its gradient after its backward. The embedding's unit is priced on chunk 0, the
+    output's on the last chunk; compute hides it up to `comm_overlap` of that end's own time. On small
+    models the vocabulary matrices hold as many parameters as several layers.
     """
     if layout.zero_stage < 2 or layout.shard_ranks == 1:
         return 0.0, 0.0, 0.0, 0.0
     frozen = training.lora  # a frozen root makes no gradient to reduce-scatter (planner.simulate.lora)
     owner = chunk_owner(layout.pp_schedule, layout.pp, layout.virtual_stages)
+    hooks = cal.fsdp_call_overhead_s  # FSDP's host work per collective (planner.simulate.host), on the waiting core
     out: list[float] = []
-    for end, rank in ((0, owner[0]), (2, owner[-1])):
-        if end == 2 and rank == owner[0]:  # one root holds both ends: priced once, on the embedding
-            out += [0.0, 0.0]
-            continue
-        root = stage_params(model, layout, rank).root
-        ag = comm.time_s("all_gather", root * training.dtype_bytes, layout.shard_axes) if layout.zero_stage == 3 else 0.0
-        rs = 0.0 if frozen else comm.time_s("reduce_scatter", root * DTYPE_BYTES[training.grad_dtype],
+    for end, rank, name in ((0, owner[0], "embedding"), (2, owner[-1], "output")):
+        size = dict(root_units(model, stage_params(model, layout, rank))).get(name, 0)
+        gathers = fsdp_gathers_per_micro_batch(layout, name, engine) if size else 0
+        ag = comm.time_s("all_gather", size * training.dtype_bytes, layout.shard_axes)
+        rs = 0.0 if frozen else comm.time_s("reduce_scatter", size * DTYPE_BYTES[training.grad_dtype],
                                             layout.shard_axes)
-        # each of the root's collectives also pays FSDP's host work (planner.simulate.host), on the core that waits
-        hooks = cal.fsdp_call_overhead_s
-        out += [max(0.0, ag - cal.comm_overlap * ends[end]) + (hooks if layout.zero_stage == 3 else 0.0),
-                max(0.0, rs - cal.comm_overlap * ends[end + 1]) + (0.0 if frozen else hooks)]
+        ag_f, ag_b = min(1, gathers), max(0, gathers - 1)
+        out += [max(0.0, ag_f * ag - cal.comm_overlap * ends[end]) + (hooks if ag_f else 0.0),
+                max(0.0, ag_b * ag + rs - cal.comm_overlap * ends[end + 1])
+                + (hooks * (ag_b + (0 if frozen else 1)) if size else 0.0)]
     return out[0], out[1], out[2], out[3]
 
 

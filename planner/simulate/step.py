@@ -43,7 +43,8 @@ from planner.memory.params import StageParams, layer_params_split, pipeline_para
 from planner.model.spec import ModelSpec
 from planner.plan import Prediction, with_stage_layers
 from planner.simulate.calibration import CalibrationProfile, load_calibration
-from planner.simulate.comm import StepComm, expert_comm_s
+from planner.simulate.collectives import block_gathers_per_layer, dp_collectives, fsdp_gathers_per_micro_batch
+from planner.simulate.comm import StepComm, collective_time_s, expert_comm_s
 from planner.simulate.compute import (
     COMPILE_HOST_FACTOR,
     PassTimes,
@@ -124,7 +125,8 @@ class _Unit:
 
 
 def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, fwd_s: float,
-                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, overlap: float = 1.0,
+                bwd_s: float, attention_s: float, tp_hidden_s: float, gather_bytes: int, eng: Engine,
+                overlap: float = 1.0,
                 async_gemms: OverlapGemms | None = None, cp_ring: bool = True
                 ) -> tuple[dict[str, float], dict[str, float], int, int]:
     """Exposed communication of one layer pass (forward, backward) and the collectives each issues.
@@ -173,14 +175,17 @@ def _layer_comm(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
         calls_f, calls_b = calls_f + calls, calls_b + round(calls * (1.0 + redo_a2a))
     ag = rs = 0.0
     if layout.zero_stage >= 2 and layout.shard_ranks > 1:  # prefetched: only what compute cannot hide
+        # an average layer's unit: its gathers per micro-batch as planner.simulate.collectives counts them
         dense, experts = layer_params_split(model, layout.tp, layout.ep, layout.etp)
         rs = comm.time_s("reduce_scatter", sum(trainable_layer_params(model, training, layout))
                          * DTYPE_BYTES[training.grad_dtype], layout.shard_axes)
-        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, layout.shard_axes) \
-            if layout.zero_stage == 3 else 0.0
-        comm_f["fsdp_comm"] = max(0.0, ag - fwd_s)
-        comm_b["fsdp_comm"] = max(0.0, ag + rs - bwd_s)
-        calls_f, calls_b = calls_f + (layout.zero_stage == 3), calls_b + 1 + (layout.zero_stage == 3)
+        ag = comm.time_s("all_gather", (dense + experts) * gather_bytes, layout.shard_axes)
+        ag_f = min(1, fsdp_gathers_per_micro_batch(layout, "block", eng))
+        ag_b = block_gathers_per_layer(layout, model.n_layers, eng) - ag_f
+        comm_f["fsdp_comm"] = max(0.0, ag_f * ag - fwd_s)
+        comm_b["fsdp_comm"] = max(0.0, ag_b * ag + rs - bwd_s)
+        calls_f, calls_b = calls_f + ag_f, calls_b + 1 + round(ag_b)
+        ag = ag if layout.zero_stage == 3 else 0.0  # what a parameter offload's copies chain behind
     if layout.offload != "none":  # shards up from host memory, gradient shards down (planner.simulate.offload)
         comm_f["offload_comm"], comm_b["offload_comm"] = layer_offload_s(
             model, layout, d, DTYPE_BYTES[training.grad_dtype], comm.host_link_gbytes_per_s, fwd_s, bwd_s, ag, rs)
@@ -222,7 +227,7 @@ def _layer_unit(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: 
     tp_hidden = lt.backward_weight_s if eng.tensor_parallel.backward_overlap else 0.0
     gather_bytes = 1 if eng.fp8.fp8_all_gather and training.fp8 else training.dtype_bytes
     comm_f, comm_b, calls_f, calls_b = _layer_comm(model, training, layout, comm, lt.forward_s,
-                                                   lt.backward_s, attention, tp_hidden, gather_bytes,
+                                                   lt.backward_s, attention, tp_hidden, gather_bytes, eng,
                                                    cal.comm_overlap, async_gemms, cp_ring)
     if not cp_ring and layout.cp > 1:
         comm_f["cp_comm"], comm_b["cp_comm"] = cp.comm_f, cp.comm_b
@@ -328,27 +333,27 @@ def _p2p(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepCom
 
 
 def _tail(model: ModelSpec, training: TrainingSpec, layout: Layout, comm: StepComm, cluster: Cluster,
-          cal: CalibrationProfile, overlap_dp: bool, sp: StageParams, last_backward_s: float) -> dict[str, float]:
-    """Exposed work of one pipeline rank holding `sp` after its last backward: DP reduction, optimizer, gathers."""
+          cal: CalibrationProfile, eng: Engine, sp: StageParams, last_backward_s: float) -> dict[str, float]:
+    """Exposed work of one pipeline rank holding `sp` after its last backward: DP reduction, optimizer, gathers.
+
+    The reductions and gathers are the tail entries of `dp_collectives` (FSDP's reduce-scatters run in the
+    layers; HSDP's all-reduce of the shard across replicas is here), each priced on its groups.
+    """
     g, d = DTYPE_BYTES[training.grad_dtype], training.dtype_bytes
     shard = layout.shard_ranks if layout.zero_stage >= 1 else 1
     if training.lora:  # only the adapters have gradients, optimizer states and updated weights to gather
         dense, experts = trainable_stage_params(model, training, layout, sp)
         sp = dataclasses.replace(sp, dense=dense, experts=experts)
-    if layout.zero_stage <= 1:  # routed experts reduce over their expert data-parallel groups
-        reduce_bytes = sp.total * g
-        reduce_s = comm.time_s("all_reduce", sp.dense * g, layout.grad_axes) + \
-            comm.expert_time_s("all_reduce", sp.experts * g, "edp")
-    else:  # FSDP reduce-scatters per micro-batch (in the layer); HSDP all-reduces the shard across replicas
-        reduce_bytes = sp.total * g / layout.shard_ranks
-        reduce_s = comm.time_s("all_reduce", reduce_bytes, ("dp_replicate",))
-    if overlap_dp and reduce_s > 0:
+    tail = [c for c in dp_collectives(model, training, layout, sp, eng) if c.phase == "tail"]
+    reduces = [c for c in tail if c.name.endswith(("grad_reduce", "grad_replicas"))]
+    reduce_bytes = sum(c.total_bytes for c in reduces)
+    reduce_s = sum(collective_time_s(comm, c) for c in reduces)
+    if eng.data_parallel.overlaps_backward and reduce_s > 0:
         last_bucket = reduce_s * min(1.0, DDP_BUCKET_BYTES / reduce_bytes)
         reduce_s = max(last_bucket, reduce_s - cal.comm_overlap * last_backward_s)
-    gather = 0.0
-    if layout.zero_stage in (1, 2):
-        gather = comm.time_s("all_gather", sp.dense * d, layout.shard_axes) + \
-            comm.expert_time_s("all_gather", sp.experts * d, "edp")
+    gather = sum(collective_time_s(comm, c) for c in tail if c.name.endswith("param_gather"))
+    if sp.experts and any(c.name == "param_gather" for c in tail):  # routed experts: their expert dp groups
+        gather += comm.expert_time_s("all_gather", sp.experts * d, "edp")
     local = sp.dense / shard + sp.experts / (sp.expert_shard if layout.zero_stage >= 1 else 1)
     embedding_sync = 0.0
     if model.tie_embeddings and layout.pp > 1 and (sp.has_embedding != sp.has_output) and not training.lora:
@@ -402,7 +407,7 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
     ends = _mtp_ends(model, unit, ends_s(model, training, layout, peak, cluster, cal))
     if eng.pipeline.recomputes_ends and layout.recompute == "full":  # the ends' forwards run again in the backward
         ends = (ends[0], ends[1] + ends[0], ends[2], ends[3] + ends[2])
-    ends_comm = {"fsdp_comm": root_fsdp_comm_s(model, training, layout, comm, cal, ends),
+    ends_comm = {"fsdp_comm": root_fsdp_comm_s(model, training, layout, comm, cal, ends, eng),
                  "offload_comm": root_offload_s(model, training, layout, comm, cal, ends),
                  "tp_comm": ends_tp_comm_s(model, training, layout, comm)}
     ends = tuple(e + sum(v[i] for v in ends_comm.values()) for i, e in enumerate(ends))
@@ -421,12 +426,11 @@ def simulate_step(model: ModelSpec, training: TrainingSpec, layout: Layout, clus
         if overlapped:
             durations = _overlapped_passes(layout, unit, durations, training.moe_a2a_overlap)
         pipe = simulate_pipeline(layout.pp_schedule, layout.pp, layout.virtual_stages, n, durations, p2p, events)
-    overlap_dp = eng.data_parallel.overlaps_backward
     tails, seen = [], {}  # ranks holding equal parameters (one shared StageParams) with equal last backwards
     for sp, last_b in zip(pipeline_params(model, layout), pipe.last_backward_s, strict=True):
         key = (id(sp), last_b)
         if key not in seen:
-            seen[key] = _tail(model, training, layout, comm, cluster, cal, overlap_dp, sp, last_b)
+            seen[key] = _tail(model, training, layout, comm, cluster, cal, eng, sp, last_b)
         tails.append(seen[key])
     finish = [pipe.rank_end_s[r] + sum(tails[r].values()) for r in range(layout.pp)]
     step = max(finish)

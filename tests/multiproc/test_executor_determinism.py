@@ -47,6 +47,8 @@ LAYOUTS = {
     **DETERMINISM_LAYOUTS,
     # per-op SAC with FSDP2, two micro-batches: gradients reduce-scattered per micro-batch
     "fsdp4_op": ("debug", ["--dp-shard", "4", "--zero", "3", "--recompute", "op", "--micro-batch", "1"]),
+    # HSDP, two micro-batches: shards all-reduced across replicas after the last one only
+    "hsdp_2x2_accum": ("debug", ["--dp", "4", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
     # context parallel: K/V all-gathered over cp, load-balanced chunks; cp folded into FSDP / DDP
     "cp2_dp2": ("debug", ["--cp", "2", "--dp-shard", "2", "--zero", "3", "--micro-batch", "1"]),
     "cp2_tp2": ("debug", ["--cp", "2", "--tp", "2", "--recompute", "op"]),

@@ -63,9 +63,10 @@ def test_fsdp_call_overhead_moves_only_sharded_layouts():
     slow = base.replace(fsdp_call_overhead_s=1e-3)
     for name in ("ddp", "tp2", "pp2"):
         assert _step_s(name, slow) == pytest.approx(_step_s(name, base))
-    # ZeRO-3, per micro-batch: each layer gathers in the forward, gathers and reduce-scatters in the
-    # backward; the root unit (embedding and output) gathers once and reduce-scatters once
-    calls = 2 * (SMALL.n_layers * 3 + 2)
+    # ZeRO-3, per micro-batch: each layer gathers in the forward, gathers (the last one stays gathered:
+    # 3 of 4 on average, rounded to 1 call) and reduce-scatters in the backward; of the root units the
+    # embedding gathers twice and reduce-scatters, final norm + output gathers once and reduce-scatters
+    calls = 2 * (SMALL.n_layers * 3 + 5)
     assert _step_s("zero3", slow) - _step_s("zero3", base) == pytest.approx(calls * 1e-3, rel=1e-6)
 
 
@@ -133,13 +134,20 @@ def test_dtensor_operators_are_counted_per_tp_linear_under_a_fake_group():
         cos, sin = rope_tables(16, 16, "cpu")
         assert count_dtensor_ops(Block(spec), x, grad, cos, sin) == (0, 0)
         block = Block(spec)
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
         plan = block_tp_plan(block, False)
-        assert len(plan) == tp_linears_per_layer(spec)  # the planner's count of split linears
+        linears = [k for k, v in plan.items() if not isinstance(v, PrepareModuleInput)]
+        assert len(linears) == tp_linears_per_layer(spec)  # the planner's count of split linears
         parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
         forward, backward = count_dtensor_ops(block, x, grad, cos, sin)
         assert forward > 0 and backward > forward
-        assert forward % len(plan) == 0 and backward % len(plan) == 0  # every split linear alike
-        _check_whole_model_count(spec, forward / len(plan), backward / len(plan))
+        # every split linear alike; beside them the backward adds the partial input gradients of q, k, v
+        # (2 adds) and w1, w3 (1) as DTensors before each module's one all-reduce (PrepareModuleInput),
+        # operators the host model does not price (3 of 66 here)
+        adds = 3
+        assert forward % len(linears) == 0 and (backward - adds) % len(linears) == 0
+        _check_whole_model_count(spec, forward / len(linears), (backward - adds) / len(linears))
     finally:
         dist.destroy_process_group()
 
