@@ -26,6 +26,7 @@ the conversion goes through consolidated shards instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -170,19 +171,27 @@ def export_checkpoint(step_dir: Path, to: Path, spec: ModelSpec, source: Path | 
     """One process: the whole export into `to` (written beside it, renamed into place when complete)."""
     check_destination(to)
     plan = plan_export(spec, step_dir, dtype, source, max_shard_bytes, lora_scale)
+    with staged_directory(to) as tmp:
+        write_shards(plan, step_dir, tmp)
+        finish(plan, tmp, source)
+    return plan
+
+
+@contextlib.contextmanager
+def staged_directory(to: Path):
+    """A directory written beside `to` and renamed into place only when the block completes: a reader never
+    sees half an export, and a failure leaves `to` as it was (new, or empty: check_destination)."""
     tmp = to.parent / f".tmp-{to.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_shards(plan, step_dir, tmp)
-        finish(plan, tmp, source)
+        yield tmp
         if to.exists():
             to.rmdir()  # empty (check_destination)
         os.replace(tmp, to)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return plan
 
 
 def check_destination(to: Path) -> None:

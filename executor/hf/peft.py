@@ -21,8 +21,6 @@ transform and the output dtype.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from executor.hf.adapter import Same, export_rules
@@ -65,7 +63,7 @@ def export_peft(step_dir: Path, to: Path, spec: ModelSpec, training: TrainingSpe
     from safetensors.torch import save_file
 
     from executor.components.checkpoint import consolidate
-    from executor.hf.export import TORCH_DTYPES, check_destination, checkpoint_shapes
+    from executor.hf.export import TORCH_DTYPES, check_destination, checkpoint_shapes, staged_directory
 
     check_destination(to)
     if not training.lora:
@@ -85,17 +83,8 @@ def export_peft(step_dir: Path, to: Path, spec: ModelSpec, training: TrainingSpe
         for suffix in ADAPTER_SUFFIXES:
             tensors[PEFT_PREFIX + stem + suffix] = ours[base[: -len(".weight")] + suffix].to(out_dtype).contiguous()
     modules = sorted({theirs[: -len(".weight")].rsplit(".", 1)[-1] for theirs in names.values()})
-    tmp = to.parent / f".tmp-{to.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_directory(to) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = adapter_config(training, modules, base_path)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if to.exists():
-            to.rmdir()  # empty (check_destination)
-        os.replace(tmp, to)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"tensors": len(tensors), "target_modules": modules, "dtype": dtype or "fp32"}
