@@ -281,6 +281,13 @@ def offload_refusal(who: str, kinds: tuple[str, ...], layout: Layout) -> str | N
         return ("optimizer offload steps each rank's shard on the host and needs ZeRO 1-3, got ZeRO-0; pin "
                 "--zero 1, 2 or 3")
     if layout.offload == "optimizer+params" and layout.zero_stage != 3:
+        if layout.dp_shard * layout.cp == 1:  # no ranks to shard over: ZeRO-3 is not a layout here
+            fix = ("ZeRO-3 shards over data-parallel ranks and this layout has one; plan for more GPUs, or "
+                   "fine-tune with --finetune lora")
+        else:
+            fix = "pin --zero 3"
+        if "optimizer" in kinds:
+            fix += ", or plan with --offload optimizer"
         return (f"parameter offload keeps each rank's parameter shard on the host between uses and needs ZeRO-3, "
-                f"got ZeRO-{layout.zero_stage}; pin --zero 3, or plan with --offload optimizer")
+                f"got ZeRO-{layout.zero_stage}; {fix}")
     return None
