@@ -14,8 +14,8 @@ Schedule (LambdaLR factor of the peak lr, k = optimizer steps done):
 with W = max(1, T // 10) warm-up steps, T the run's total steps and r = 0.1
 (decay to 10% of the peak, Chinchilla / Llama 2).
 
-AdamW runs fused (one kernel per device and dtype, over plain and DTensor
-parameters alike, torchtitan's default): its `found_inf` tensor lets a step be
+AdamW runs fused (one kernel per device and dtype, torchtitan's default;
+plain and DTensor parameters in groups of their own, `_fusable`): its `found_inf` tensor lets a step be
 skipped on the device (`skip_update_where`), the way GradScaler skips fp16
 overflows, so deciding to skip never reads a value back to the host.
 
@@ -76,11 +76,23 @@ def build_optimizers(parts: list[nn.Module], plan: Plan, mesh, lr: float) -> lis
     return [_build_optimizer(unique_params([part]), plan, mesh, lr) for part in parts]
 
 
+def _fusable(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` cut into lists fused AdamW can take in one call: plain tensors apart from DTensors, DTensors
+    by mesh (its multi-tensor kernels refuse a mix: under TP, a MoE layer's experts are plain tensors beside
+    DTensor blocks). One list, in order, when nothing is mixed; none when `params` is empty."""
+    from torch.distributed.tensor import DTensor
+
+    lists: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        lists.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(lists.values())
+
+
 def _build_optimizer(params: list[nn.Parameter], plan: Plan, mesh, lr: float) -> torch.optim.Optimizer:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    groups = [{"params": same, "weight_decay": wd} for ps, wd in ((decay, WEIGHT_DECAY), (no_decay, 0.0))
+              for same in _fusable(ps)]
     kwargs = dict(lr=lr, betas=BETAS, eps=EPS, fused=True)
     layout = plan.layout
     if layout.zero_stage == 1 and layout.dp > 1 and (layout.tp > 1 or layout.pp > 1):
