@@ -366,7 +366,8 @@ class Trainer:
             if log is not None:
                 log.write(record)
                 progress.update(record)
-        if step != self.first_step and self.window.mean_step_s:  # the agreed step time: same bound everywhere
+        if self.window.mean_step_s:  # the agreed step time: the same bound on every rank. After the first step
+            # (a window of its own, warm-up included) the bound comes early; the next window's time sets it right
             self.read_by = step + max(1, int(READ_EVERY_S / self.window.mean_step_s))
 
     def run(self) -> None:

@@ -32,6 +32,9 @@ def main(argv: list[str]) -> None:
     Path(worker.parse_args(worker_argv)[1].out).mkdir(parents=True, exist_ok=True)  # as `execute` makes it
     counter = CudaSyncCounter() if cuda else HostSyncCounter()
     windows = StepWindows(counter)
+    # reads by the clock (at least every READ_EVERY_S of training) depend on how fast a loaded host runs the
+    # steps; the counts here are those of the logging steps alone (test_host_syncs' LOGGING_STEPS)
+    train.READ_EVERY_S = 1e9
     step = train.Trainer.step
 
     def counted_step(self):
