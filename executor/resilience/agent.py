@@ -102,7 +102,7 @@ class MeshplanAgent(LocalElasticAgent):
         for handler in self._handlers().values():
             if handler.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(handler.proc.pid, signal.SIGKILL)  # its session: the worker and its children
+                    os.killpg(handler.proc.pid, signal.SIGKILL)  # its process group: the worker and its children
                 with contextlib.suppress(Exception):
                     handler.proc.wait(timeout=10)
 
