@@ -220,10 +220,13 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int |
     if ctx.pins.offload not in (None, "none", "auto") and host_stated(cluster):
         raise UsageError(host_stated(cluster))
     offloads = offload_options(ctx.pins, get_engine(engine).offload_kinds, host_stated(cluster) is None)
-    ranked = _search_offloads(ctx, offloads, top_k)
+    ranked, searched = _search_offloads(ctx, offloads, top_k)
     if not ranked and ctx.stats.shapes:  # again, measuring every miss: the closest layout the error names
         ctx = dataclasses.replace(ctx, stats=SearchStats(), near_miss=None, exact_misses=True, _trainings={})
-        ranked = _search_offloads(ctx, offloads, top_k)
+        ranked, searched = _search_offloads(ctx, offloads, top_k)
+    if not ranked:  # the counts and the refusals the error names, of the final pass only
+        for families, bounds in searched:
+            bounds.ask_refusals(families)
     ctx.stats.elapsed_s = time.perf_counter() - started
     return SearchResult(tuple(ranked), ctx.target_batch, ctx.batch_fixed, ctx.stats, ctx.near_miss, calibration,
                         engine, usable_memory_fraction)
@@ -239,16 +242,16 @@ def _bound(sh: Shape, mb: int, recompute: tuple[str, int]) -> float:
 _FAMILY, _MEMBER, _CANDIDATE = 0, 1, 2
 
 
-def _search_offloads(ctx: _Context, offloads: tuple[str, ...], top_k: int) -> list[Scored]:
-    """The best top_k over every offload level searched; with nothing found, the refusals the error names."""
+def _search_offloads(ctx: _Context, offloads: tuple[str, ...], top_k: int
+                     ) -> tuple[list[Scored], list[tuple[list[Family], FamilyBounds]]]:
+    """The best top_k over every offload level searched, and each level's families and bounds."""
     ranked: list[Scored] = []
+    searched = []
     for offload in offloads:
         families, bounds = build_families(ctx, offload), FamilyBounds(ctx, offload)
-        found = _branch_and_bound(ctx, families, bounds, top_k)
-        if not found and not ranked:  # the counts and the refusal the error names
-            bounds.ask_refusals(families)
-        ranked = sorted([*ranked, *found], key=lambda s: s.key)[:top_k]
-    return ranked
+        searched.append((families, bounds))
+        ranked = sorted([*ranked, *_branch_and_bound(ctx, families, bounds, top_k)], key=lambda s: s.key)[:top_k]
+    return ranked, searched
 
 
 def _branch_and_bound(ctx: _Context, families: list[Family], bounds: FamilyBounds, top_k: int) -> list[Scored]:
